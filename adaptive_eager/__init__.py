@@ -1,0 +1,142 @@
+"""adaptive_eager: unmodified eager PyTorch that runs like compiled code.
+
+    from adaptive_eager import adaptive_eager
+    with adaptive_eager():
+        loss = model(x).sum(); loss.backward(); opt.step()
+
+Ops on the target device are recorded into a window and run at the next sync point; everything a
+program can observe (values, errors, prints, random numbers, autograd) stays eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import importlib
+
+from ._metrics import METRICS, format_report
+from .config import ConfigError, Options, load_options
+from .errors import AdaptiveEagerError
+
+# The tracer imports torch internals; ``import torch`` imports this package (backend autoload)
+# before torch has finished importing, so the tracer is loaded on first use, not here.
+
+
+def __getattr__(name):
+    if name == "_tracer":
+        return importlib.import_module("._tracer", __name__)
+    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")
+
+
+def _t():
+    return importlib.import_module("._tracer", __name__)
+
+__version__ = "0.1.0"
+
+
+def _state_or_none():
+    st = _t().current_state()
+    return st if st is not None and st.mode is not None else None
+
+
+def enable(**options: Any) -> None:
+    """Turn adaptive eager on for the current thread until ``disable()`` (what NEURON_EAGER uses).
+
+    Keyword options are those of ``adaptive_eager(...)``; the environment supplies the rest.
+    Calling it again while on flushes and applies the new options.
+    """
+    opts = load_options(**options)
+    st = _state_or_none()
+    if st is not None:
+        _t().flush(st, "options")
+        st.set_options(opts)
+        return
+    _t().activate(opts)
+
+
+def disable() -> None:
+    """Flush and turn adaptive eager off for the current thread (no-op when it is off)."""
+    st = _state_or_none()
+    if st is not None:
+        st.depth = 0
+        _t().deactivate(st)
+
+
+@contextlib.contextmanager
+def adaptive_eager(**options: Any):
+    """Record ops lazily inside the block; leaving it flushes. Nesting is allowed: an inner block
+    with different options applies them until it exits."""
+    opts = load_options(**options)
+    st = _state_or_none()
+    if st is None:
+        st = _t().activate(opts)
+        owner = True
+        previous = None
+    else:
+        owner = False
+        previous = st.options
+        if opts != previous:
+            _t().flush(st, "options")
+            st.set_options(opts)
+    st.depth += 1
+    try:
+        yield
+    except BaseException:
+        # Keep the program's own exception: the flush still runs (tensors it made stay usable in
+        # the handler), but its error must not replace the one already propagating.
+        st.depth -= 1
+        try:
+            if owner:
+                _t().deactivate(st)
+            else:
+                _t().flush(st, "exit")
+        except Exception as flush_error:  # noqa: BLE001 - reported, the original error wins
+            _t().log.warning("adaptive_eager: flush while leaving on an exception failed: %s", flush_error)
+        raise
+    st.depth -= 1
+    if owner:
+        _t().deactivate(st)
+    else:
+        try:
+            _t().flush(st, "exit")
+        finally:
+            if previous is not None and previous != st.options:
+                st.set_options(previous)
+
+
+def sync() -> None:
+    """Flush the current thread's window now (every pending value becomes real)."""
+    st = _t().current_state()
+    if st is not None:
+        _t().flush(st, "sync")
+
+
+def is_lazy(t) -> bool:
+    """Whether ``t`` holds a pending value (its contents are computed at the next sync point)."""
+    return _t().is_pending(t)
+
+
+def is_enabled() -> bool:
+    """Whether adaptive eager is on for the current thread."""
+    return _state_or_none() is not None
+
+
+def metrics() -> dict:
+    """Counters since the last ``reset_metrics()`` (process-wide, all threads)."""
+    return METRICS.as_dict()
+
+
+def reset_metrics() -> None:
+    METRICS.reset()
+
+
+def report() -> str:
+    """A readable table of ``metrics()``; also returned so it can be logged."""
+    return format_report(metrics())
+
+
+__all__ = [
+    "adaptive_eager", "enable", "disable", "sync", "is_lazy", "is_enabled", "metrics",
+    "reset_metrics", "report", "AdaptiveEagerError", "ConfigError", "Options", "load_options",
+]

@@ -1,0 +1,32 @@
+"""``NEURON_EAGER=adaptive``: turn adaptive eager on at ``import torch``, with no code change.
+
+torch loads every entry point of the group ``torch.backends`` at the end of its own import
+(``torch._import_device_backends``); pyproject.toml registers ``autoload`` there. It must be cheap
+and must never break ``import torch``: with the switch off it only reads the environment.
+"""
+
+from __future__ import annotations
+
+import atexit
+import warnings
+
+
+def autoload() -> None:
+    from .config import ConfigError, switch_value
+
+    try:
+        mode = switch_value()
+    except ConfigError as e:
+        warnings.warn(f"adaptive_eager stays off: {e}", stacklevel=2)
+        return
+    if mode != "adaptive":
+        return
+    try:
+        from . import disable, enable
+
+        enable()
+    except Exception as e:  # never break ``import torch`` for the user
+        warnings.warn(f"adaptive_eager could not turn on ({type(e).__name__}: {e}); running eagerly", stacklevel=2)
+        return
+    # the main thread's window must run before the interpreter tears torch down
+    atexit.register(disable)

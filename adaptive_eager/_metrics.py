@@ -1,0 +1,59 @@
+"""Process-wide counters behind ``metrics()`` / ``report()`` (STYLE habit 4: every fallback counted)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class Metrics:
+    """Plain attributes, bumped on the hot path without locks (the GIL keeps them coherent enough
+    for counters; nothing depends on them for correctness)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.ops_recorded = 0
+        self.ops_eager = 0  # ops on the target device that ran immediately (fallbacks, RNG draws)
+        self.launches = 0
+        self.eager_equivalent_launches = 0
+        self.ops_materialized = 0
+        self.ops_eliminated = 0
+        self.windows = 0
+        self.flushes: Counter[str] = Counter()
+        self.fallback_ops: Counter[str] = Counter()
+
+    def as_dict(self) -> dict:
+        return {
+            "ops_recorded": self.ops_recorded,
+            "ops_eager": self.ops_eager,
+            "launches": self.launches,
+            "eager_equivalent_launches": self.eager_equivalent_launches,
+            "ops_materialized": self.ops_materialized,
+            "ops_eliminated": self.ops_eliminated,
+            "windows": self.windows,
+            "flushes": dict(self.flushes),
+            "fallback_ops": dict(self.fallback_ops),
+        }
+
+
+METRICS = Metrics()
+
+
+def format_report(m: dict) -> str:
+    lines = ["adaptive_eager report", "=" * 40]
+    for k in ("ops_recorded", "ops_eager", "windows", "ops_materialized", "ops_eliminated", "launches",
+              "eager_equivalent_launches"):
+        lines.append(f"{k:<28}{m[k]:>12}")
+    eq = m["eager_equivalent_launches"]
+    if eq:
+        lines.append(f"{'launches / eager':<28}{m['launches'] / eq:>12.3f}")
+    for title, key in (("flushes by reason", "flushes"), ("fallback ops", "fallback_ops")):
+        lines.append("")
+        lines.append(title)
+        items = sorted(m[key].items(), key=lambda kv: -kv[1])
+        if not items:
+            lines.append("  (none)")
+        for name, count in items:
+            lines.append(f"  {name:<40}{count:>8}")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""Per-op facts, computed once per ``OpOverload`` from its schema and tags (STYLE habit 2).
+
+The record path looks an op up in ``FACTS`` and never parses a schema, walks a pytree or builds a
+string. ``OpFacts.kind`` says what the tracer does with the op:
+
+RECORD          defer it into the window (output metadata from the meta cache)
+VIEW            run it now on the real/placeholder tensors (views read no data); record it only
+                when its input is pending, so the fuser sees the dataflow
+ALLOC           ``empty*``: allocation only, no launch and no data: run now
+RANDOM_FILL     in-place random fill (``uniform_``, ``normal_``, ``bernoulli_.float``...): draw into a
+                temporary now, in program order, and record a ``copy_`` (Note [RNG])
+RANDOM_NEW      random factory / ``*_like``: run now, in program order (Note [RNG])
+FLUSH           needs real data or changes tensor metadata: flush the window, then run eagerly
+
+Note [RNG]
+Eager consumes a generator in program order, at the op. Deferring a random op would let anything
+that runs in between (a CPU op, ``manual_seed``, ``get_rng_state``) see a different generator
+state, so random draws are never deferred: ops whose draws depend only on shapes run at record
+time, exactly as eager runs them, and the rest flush first. The window only ever holds
+deterministic ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH = range(6)
+
+# ops that change a tensor's metadata (shape, strides, storage) in place: the placeholder's
+# metadata must never move under a pending write, so they run eagerly after a flush.
+_METADATA_MUTATORS = {
+    "t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "resize_", "resize_as_", "set_",
+    "swapaxes_", "swapdims_", "_resize_output_", "detach_", "_coalesced_", "share_memory_",
+}
+_ALLOCATORS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+
+# flush reasons named after what the user wrote, so ``metrics()['flushes']`` reads like the program
+_SYNC_REASONS = {
+    "_local_scalar_dense": "item",
+    "is_nonzero": "bool",
+    "equal": "data_dependent",
+    "allclose": "data_dependent",
+}
+
+
+class OpFacts:
+    __slots__ = (
+        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos",
+        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw",
+    )
+
+    def __repr__(self) -> str:
+        return f"OpFacts({self.name}, kind={self.kind})"
+
+
+def _type_class(t: str) -> str:
+    if t in ("Tensor", "Optional[Tensor]"):
+        return "tensor"
+    if t in ("List[Tensor]", "List[Optional[Tensor]]"):
+        return "list"
+    if t in ("number", "Optional[number]"):
+        return "scalar"
+    return "other"
+
+
+def classify(func: torch._ops.OpOverload) -> OpFacts:
+    f = OpFacts()
+    schema = func._schema
+    f.func = func
+    f.name = str(func)
+    base = func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else schema.name.split("::")[-1]
+    tensor_pos, list_pos, scalar_pos, seq_pos, tensor_kw = [], [], [], [], []
+    arg_alias_write: dict[str, tuple[int | str, bool]] = {}
+    mutates = False
+    write_pos = []
+    has_tensor_arg = False
+    for i, a in enumerate(schema.arguments):
+        cls = _type_class(str(a.type))
+        if cls in ("tensor", "list"):
+            has_tensor_arg = True
+            if a.kwarg_only:
+                tensor_kw.append(a.name)
+            else:
+                (tensor_pos if cls == "tensor" else list_pos).append(i)
+        elif cls == "scalar" and not a.kwarg_only:
+            scalar_pos.append(i)
+        elif cls == "other" and "List[" in str(a.type) and not a.kwarg_only:
+            seq_pos.append(i)  # int[] sizes arrive as lists: hashable keys need tuples
+        info = a.alias_info
+        if info is not None:
+            for s in info.before_set:
+                arg_alias_write[s] = (a.name if a.kwarg_only else i, info.is_write)
+            mutates = mutates or info.is_write
+            if info.is_write:
+                write_pos.append(a.name if a.kwarg_only else i)
+    f.tensor_pos = tuple(tensor_pos)
+    f.list_pos = tuple(list_pos)
+    f.scalar_pos = tuple(scalar_pos)
+    f.seq_pos = tuple(seq_pos)
+    f.tensor_kw = frozenset(tensor_kw)
+    f.mutates = mutates
+    f.write_pos = frozenset(write_pos)
+    f.factory = not has_tensor_arg
+    f.has_device_kw = any(a.name == "device" for a in schema.arguments)
+    rets = schema.returns
+    f.returns_list = len(rets) == 1 and str(rets[0].type).startswith("List[")
+    f.nrets = len(rets)
+    alias_ret = []
+    is_view = False
+    for r in rets:
+        info = r.alias_info
+        target = None
+        if info is not None:
+            for s in info.before_set:
+                if s in arg_alias_write:
+                    target, write = arg_alias_write[s]
+                    if not write:
+                        is_view = True
+            if not info.before_set and not info.is_write:
+                is_view = True  # e.g. split: Tensor(a)[] returns, alias set on the argument
+        alias_ret.append(target if (info is not None and info.is_write) else None)
+    f.alias_ret = tuple(alias_ret)
+    tags = func.tags
+    f.reason = "fallback"
+    ns = schema.name.split("::")[0]
+    if ns != "aten":
+        f.kind, f.reason = FLUSH, "fallback"  # custom and c10d ops: no meta we can trust
+    elif base in _SYNC_REASONS or torch.Tag.data_dependent_output in tags:
+        f.kind, f.reason = FLUSH, _SYNC_REASONS.get(base, "data_dependent")
+    elif base in _METADATA_MUTATORS:
+        f.kind, f.reason = FLUSH, "metadata_mutation"
+    elif base in _ALLOCATORS:
+        f.kind = ALLOC
+    elif torch.Tag.nondeterministic_seeded in tags:
+        if f.factory or base.endswith("_like"):
+            f.kind = RANDOM_NEW
+        elif mutates and tensor_pos == [0] and not list_pos and not tensor_kw and f.alias_ret == (0,):
+            f.kind = RANDOM_FILL
+        else:
+            f.kind, f.reason = FLUSH, "random"
+    elif is_view and not mutates:
+        f.kind = VIEW
+    else:
+        f.kind = RECORD
+        if torch.Tag.dynamic_output_shape in tags:
+            f.reason = "dynamic_shape"
+    return f
+
+
+FACTS: dict = {}
+
+
+def facts_for(func) -> OpFacts:
+    f = FACTS.get(func)
+    if f is None:
+        f = FACTS[func] = classify(func)
+    return f

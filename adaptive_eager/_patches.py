@@ -1,0 +1,137 @@
+"""Sync points that the dispatcher never sees.
+
+Some ways of reading a tensor go straight to its memory (``numpy``, ``tolist``, ``data_ptr``,
+pickling, ``repr``), and some ways of observing the program do not touch tensors at all (builtin
+``print``, ``breakpoint()``). While any thread has adaptive eager on, these are wrapped so that the
+calling thread's window is flushed first (see Note [Placeholders] in ``fuser.window``): the value
+read is the eager value, and printed text keeps its eager order relative to errors.
+
+The wrappers are installed when the first thread turns adaptive eager on and removed when the
+last one turns it off; with nothing pending they cost one thread-local read.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import sys
+import threading
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from . import _tracer
+
+# Tensor methods that read memory without dispatching, with the flush reason each one counts as.
+_TENSOR_READERS = {
+    "numpy": "numpy",
+    "tolist": "tolist",
+    "__array__": "numpy",
+    "__dlpack__": "numpy",
+    "data_ptr": "data_ptr",
+    "untyped_storage": "storage",
+    "storage": "storage",
+    "_typed_storage": "storage",
+    "__reduce_ex__": "pickle",
+    "__deepcopy__": "pickle",
+    "__bool__": "bool",
+}
+
+_lock = threading.Lock()
+_active = 0
+_saved: dict = {}
+
+
+def _flush_current(reason: str) -> None:
+    st = _tracer.current_state()
+    if st is not None and st.window.nodes:
+        _tracer.flush(st, reason)
+
+
+def _reader(name: str, reason: str, original):
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        st = _tracer.current_state()
+        if st is not None and st.window.nodes:
+            _tracer.flush(st, reason)
+        return original(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _repr_wrapper(original):
+    @functools.wraps(original)
+    def __repr__(self, *args, **kwargs):
+        st = _tracer.current_state()
+        if st is None or st.mode is None:
+            return original(self, *args, **kwargs)
+        if st.window.nodes:
+            _tracer.flush(st, "repr")
+        # The values are real now; format them eagerly instead of recording the formatting ops.
+        with _disable_current_modes():
+            return original(self, *args, **kwargs)
+
+    return __repr__
+
+
+def _print_wrapper(original):
+    @functools.wraps(original)
+    def print(*args, **kwargs):
+        _flush_current("print")
+        return original(*args, **kwargs)
+
+    return print
+
+
+def _breakpointhook_wrapper(original):
+    @functools.wraps(original)
+    def breakpointhook(*args, **kwargs):
+        _flush_current("breakpoint")
+        return original(*args, **kwargs)
+
+    return breakpointhook
+
+
+def install() -> None:
+    global _active
+    with _lock:
+        _active += 1
+        if _active > 1:
+            return
+        for name, reason in _TENSOR_READERS.items():
+            original = getattr(torch.Tensor, name)
+            _saved[("tensor", name)] = torch.Tensor.__dict__.get(name, _MISSING)
+            setattr(torch.Tensor, name, _reader(name, reason, original))
+        _saved[("tensor", "__repr__")] = torch.Tensor.__dict__.get("__repr__", _MISSING)
+        torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
+        _saved["print"] = builtins.print
+        builtins.print = _print_wrapper(builtins.print)
+        _saved["breakpointhook"] = sys.breakpointhook
+        sys.breakpointhook = _breakpointhook_wrapper(sys.breakpointhook)
+
+
+def uninstall() -> None:
+    global _active
+    with _lock:
+        _active -= 1
+        if _active > 0:
+            return
+        for key, value in list(_saved.items()):
+            if key == "print":
+                builtins.print = value
+            elif key == "breakpointhook":
+                sys.breakpointhook = value
+            else:
+                name = key[1]
+                if value is _MISSING:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, value)
+        _saved.clear()
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()

@@ -1,0 +1,551 @@
+"""The dispatch mode: record ATen ops on the target device into a window; flush at sync points.
+
+Hot path: ``LazyMode.__torch_dispatch__`` -> ``_record``. It does no pytree walking, builds no
+strings, and pays one dict lookup for the op's facts and one for its output metadata.
+See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pending value is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+import fuser
+from fuser.window import ALIAS, FRESH, VIEW, Node, Out, Window
+
+from . import _ops
+from ._metrics import METRICS
+from ._ops import ALLOC, FLUSH, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
+from .config import Options
+from .errors import AdaptiveEagerError  # noqa: F401  (re-exported)
+
+log = logging.getLogger("adaptive_eager")
+
+_Tensor = torch.Tensor
+_empty_strided = torch.empty_strided
+_getframe = sys._getframe
+_copy_ = torch.ops.aten.copy_.default
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
+_FAILED = object()  # meta-cache marker: this signature cannot be recorded
+_DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return is_non_overlapping_and_dense_or_false(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# Source locations (for errors raised when the window runs)
+
+_LIB_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, fuser, sys.modules[__name__.rsplit(".", 1)[0]])
+)
+_is_lib_code: dict = {}
+
+
+def _user_source():
+    """(code, line) of the innermost frame outside torch and this library: the user's line."""
+    f = _getframe(2)
+    while f is not None:
+        code = f.f_code
+        lib = _is_lib_code.get(code)
+        if lib is None:
+            lib = _is_lib_code[code] = code.co_filename.startswith(_LIB_DIRS)
+        if not lib:
+            return code, f.f_lineno
+        f = f.f_back
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-thread state
+
+
+class TracerState:
+    """What one thread's adaptive eager holds: its mode, its open window and its options."""
+
+    def __init__(self, options: Options):
+        self.window = Window()
+        self.mode: LazyMode | None = None
+        self.depth = 0
+        self.set_options(options)
+
+    def set_options(self, options: Options) -> None:
+        self.options = options
+        self.target = options.device
+        # is_cpu / is_cuda are attribute reads; ``t.device.type`` builds a device object per call
+        self.target_attr = {"cpu": "is_cpu", "cuda": "is_cuda"}.get(options.device)
+        self.max_ops = options.window
+        self.max_bytes = int(options.window_mb * 2**20)
+
+
+_tls = threading.local()
+
+
+def current_state() -> TracerState | None:
+    return getattr(_tls, "state", None)
+
+
+def _on_target(st: TracerState, t: torch.Tensor) -> bool:
+    attr = st.target_attr
+    return getattr(t, attr) if attr is not None else t.device.type == st.target
+
+
+# ---------------------------------------------------------------------------------------------
+# Flush
+
+
+def flush(st: TracerState, reason: str) -> None:
+    """Run the open window (if any) and bind every live result into the program's tensors."""
+    window = st.window
+    if not window.nodes:
+        return
+    st.window = Window()  # first: anything the run triggers must not see the old window
+    window.closed = True
+    METRICS.flushes[reason] += 1
+    METRICS.windows += 1
+    try:
+        dead = fuser.mark_needed(window)
+        METRICS.ops_eliminated += dead
+        with _disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
+            launched = fuser.run_window(window, st.options)
+        METRICS.launches += launched
+        METRICS.ops_materialized += launched
+    except fuser.ReplayError as e:
+        raise _user_error(e, reason) from e.error
+    finally:
+        _release(window)
+
+
+class _no_autocast:
+    """Recorded ops were already autocast (autocast sits above the dispatch mode); running them
+    again with autocast on would cast twice."""
+
+    __slots__ = ("guard",)
+
+    def __enter__(self):
+        self.guard = None
+        if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
+            self.guard = torch._C._ExcludeDispatchKeyGuard(
+                torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+                | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
+            )
+            self.guard.__enter__()
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+
+
+def _release(window: Window) -> None:
+    """Drop every reference the window holds and unmark the tensors (no leaks, no stale marks)."""
+    for node in window.nodes:
+        for o in node.outs:
+            if o is None:
+                continue
+            t = o.tensor
+            if t is not None:
+                d = t.__dict__
+                if d.get("_ae") is o:
+                    del d["_ae"]
+            o.tensor = o.alias = o.value = o.root = None
+            o.node = None
+        node.outs = node.args = node.kwargs = node.inputs = None
+        node.window = None
+    window.nodes.clear()
+
+
+def _user_error(e: fuser.ReplayError, reason: str) -> BaseException:
+    err, node = e.error, e.node
+    msg = (
+        f"{err}\n[adaptive_eager] raised by {node.func}, recorded at {node.where()}; it ran when the "
+        f"window was flushed ({reason}). Eager would have raised at that line. To run it eagerly, "
+        f"leave the adaptive_eager() context or set NEURON_EAGER=eager."
+    )
+    try:
+        new = type(err)(msg)
+    except Exception:  # exception types with a custom constructor keep their own message
+        err.add_note(msg)
+        return err
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
+# Record path
+
+
+def _eager(st: TracerState, f, args, kwargs, reason: str | None):
+    """Flush (if the op touches pending data) and run the op now."""
+    if reason is not None:
+        flush(st, reason)
+        if reason not in ("item", "bool", "data_dependent", "device_copy"):
+            METRICS.fallback_ops[f.name] += 1
+    METRICS.ops_eager += 1
+    METRICS.launches += 1
+    METRICS.eager_equivalent_launches += 1
+    return f.func(*args, **kwargs)
+
+
+def _touches_target(st: TracerState, f, args, kwargs) -> bool:
+    for a in args:
+        if isinstance(a, _Tensor):
+            if _on_target(st, a):
+                return True
+        elif type(a) in (list, tuple):
+            for x in a:
+                if isinstance(x, _Tensor) and _on_target(st, x):
+                    return True
+    for k, v in kwargs.items():
+        if isinstance(v, _Tensor) and _on_target(st, v):
+            return True
+        if k == "device" and v is not None and torch.device(v).type == st.target:
+            return True
+    if f.factory and "device" not in kwargs:
+        return torch.get_default_device().type == st.target
+    return False
+
+
+def _meta(t):
+    return _empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _compute_meta(f, args, kwargs, device):
+    """Output metadata by running the op on meta tensors (the slow path: ~65 us)."""
+    margs = list(args)
+    for i in f.tensor_pos:
+        if i < len(margs) and isinstance(margs[i], _Tensor):
+            margs[i] = _meta(margs[i])
+    for i in f.list_pos:
+        if i < len(margs):
+            margs[i] = [None if x is None else _meta(x) for x in margs[i]]
+    mkwargs = {k: (_meta(v) if isinstance(v, _Tensor) else v) for k, v in kwargs.items()}
+    if f.factory or "device" in mkwargs:
+        mkwargs["device"] = "meta"
+    res = f.func(*margs, **mkwargs)
+    outs = res if isinstance(res, (tuple, list)) else (res,)
+    specs = []
+    nbytes = 0
+    for j, r in enumerate(outs):
+        if r is None or (j < len(f.alias_ret) and f.alias_ret[j] is not None):
+            specs.append(None)
+            continue
+        if not isinstance(r, _Tensor):
+            raise NotImplementedError(f"{f.name} returns a non-tensor")
+        specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
+        nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
+    return tuple(specs), nbytes, isinstance(res, list)
+
+
+_META_CACHE: dict = {}
+
+
+def _record(st: TracerState, f, args, kwargs):
+    window = st.window
+    n = len(args)
+    sig = list(args)
+    nargs = None
+    inputs = []
+    snaps = []
+    device = None
+    for i in f.tensor_pos:
+        if i >= n:
+            break
+        a = args[i]
+        if a is None:
+            continue
+        if not isinstance(a, _Tensor):  # a Python number passed where the schema says Tensor
+            sig[i] = (a.__class__, a)
+            continue
+        if not _on_target(st, a):
+            if a.dim() == 0 and a.is_cpu and i not in f.write_pos:
+                snaps.append(i)
+                sig[i] = (a.dtype, "cpu-scalar")
+                continue
+            return _DECLINED
+        if device is None:
+            device = a.device
+        o = getattr(a, "_ae", None)
+        if o is not None and o.node.window is window:
+            if nargs is None:
+                nargs = list(args)
+            nargs[i] = o
+            inputs.append(o)
+        sig[i] = (a.shape, a.stride(), a.dtype)
+    for i in f.list_pos:
+        if i >= n:
+            break
+        lst = args[i]
+        new = list(lst)
+        lsig = []
+        for j, a in enumerate(lst):
+            if a is None:
+                lsig.append(None)
+                continue
+            if not _on_target(st, a):
+                return _DECLINED
+            if device is None:
+                device = a.device
+            o = getattr(a, "_ae", None)
+            if o is not None and o.node.window is window:
+                new[j] = o
+                inputs.append(o)
+            lsig.append((a.shape, a.stride(), a.dtype))
+        if nargs is None:
+            nargs = list(args)
+        nargs[i] = new
+        sig[i] = tuple(lsig)
+    for i in f.scalar_pos:
+        if i < n:
+            v = args[i]
+            sig[i] = (v.__class__, v)  # 1, 1.0 and True hash alike but promote differently
+    for i in f.seq_pos:
+        if i < n and type(args[i]) is list:
+            sig[i] = tuple(args[i])
+    nkwargs = kwargs
+    ksig = ()
+    if kwargs:
+        ksig = []
+        for k, v in kwargs.items():
+            if k in f.tensor_kw and v is not None:
+                if not isinstance(v, _Tensor) or not _on_target(st, v):
+                    return _DECLINED
+                o = getattr(v, "_ae", None)
+                if o is not None and o.node.window is window:
+                    if nkwargs is kwargs:
+                        nkwargs = dict(kwargs)
+                    nkwargs[k] = o
+                    inputs.append(o)
+                ksig.append((k, v.shape, v.stride(), v.dtype))
+            else:
+                if k == "device" and v is not None:
+                    dv = torch.device(v)
+                    if dv.type != st.target:
+                        return _DECLINED
+                    device = dv
+                ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
+        ksig = tuple(ksig)
+    if device is None:
+        if not f.factory:
+            return _DECLINED  # no tensor argument on the target device: not ours
+        device = torch.get_default_device()
+        if device.type != st.target:
+            return _DECLINED
+        ksig = (ksig, torch.get_default_dtype(), "default-device")
+    elif st.target_attr is None or st.target != "cpu":
+        ksig = (ksig, device)
+    key = (f, tuple(sig), ksig)
+    try:
+        entry = _META_CACHE.get(key)
+    except TypeError:  # an unhashable argument we do not model: run it eagerly
+        return _DECLINED
+    if entry is None:
+        try:
+            entry = _compute_meta(f, args, kwargs, device)
+        except Exception as e:
+            log.debug("cannot record %s: meta execution failed: %s", f.name, e)
+            entry = _FAILED
+        _META_CACHE[key] = entry
+    if entry is _FAILED:
+        return _DECLINED
+    specs, nbytes, returns_list = entry
+
+    if snaps:
+        if nargs is None:
+            nargs = list(args)
+        for i in snaps:
+            # Eager reads a CPU scalar when the op runs; snapshot it, the program may change it later
+            nargs[i] = args[i].clone()
+    node = Node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(), window)
+    node.mutates = f.mutates
+    outs = node.outs
+    results = []
+    alias_ret = f.alias_ret
+    for j, spec in enumerate(specs):
+        if spec is None:
+            target = alias_ret[j] if j < len(alias_ret) else None
+            if target is None:
+                outs.append(None)
+                results.append(None)
+                continue
+            t = args[target] if type(target) is int else kwargs[target]
+            src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
+            o = Out(node, ALIAS, alias=src)
+            o.tensor = t
+            if type(src) is Out and src.root is not None and src.root.tensor is t:
+                src.root.held += 1  # o.tensor is one more strong reference to that placeholder
+            t._ae = o
+            outs.append(o)
+            results.append(t)
+            continue
+        p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
+        o = Out(node, FRESH, tensor=p)
+        p._ae = o
+        outs.append(o)
+        results.append(p)
+    window.nodes.append(node)
+    window.pending_bytes += nbytes
+    METRICS.ops_recorded += 1
+    METRICS.eager_equivalent_launches += 1
+    if len(window.nodes) >= st.max_ops:
+        flush(st, "window_cap")
+    elif window.pending_bytes >= st.max_bytes:
+        flush(st, "bytes_cap")
+    if f.nrets == 0:
+        return None
+    if f.nrets == 1 and not returns_list:
+        return results[0]
+    return results if returns_list else tuple(results)
+
+
+def _record_view(st: TracerState, f, args, kwargs):
+    res = f.func(*args, **kwargs)  # views read no data: make the real view now
+    window = st.window
+    inputs = []
+    nargs = None
+    for i in f.tensor_pos:
+        if i < len(args):
+            a = args[i]
+            o = getattr(a, "_ae", None) if a is not None else None
+            if o is not None and o.node.window is window:
+                if nargs is None:
+                    nargs = list(args)
+                nargs[i] = o
+                inputs.append(o)
+    if not inputs:
+        return res
+    node = Node(f.func, nargs, kwargs, inputs, None, window)
+    node.is_view = True
+    roots = {id(i.root): i.root for i in inputs if i.root is not None}
+    for r in roots.values():
+        r.pinned = True  # the view's data lives in that placeholder (Note [Out kinds])
+    views = res if isinstance(res, (tuple, list)) else (res,)
+    for v in views:
+        o = Out(node, VIEW, tensor=v)
+        o.value = v
+        o.root = inputs[0].root
+        v._ae = o
+        node.outs.append(o)
+    window.nodes.append(node)
+    return res
+
+
+def _random_fill(st: TracerState, f, args, kwargs):
+    self = args[0]
+    if not _on_target(st, self):
+        return f.func(*args, **kwargs)
+    if not _dense(self):  # an expanded or overlapping target has no eager-equivalent temporary
+        return _eager(st, f, args, kwargs, "random")
+    # Draw now, in program order (Note [RNG] in _ops), into a tensor of the same geometry so the
+    # generator is consumed and the values land exactly as eager would place them.
+    tmp = _empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
+    f.func(tmp, *args[1:], **kwargs)
+    METRICS.ops_eager += 1
+    METRICS.launches += 1
+    res = _record(st, facts_for(_copy_), (self, tmp), {})
+    if res is _DECLINED:  # cannot defer the copy (should not happen for same-device dense tensors)
+        flush(st, "random")
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            self.copy_(tmp)
+    return self
+
+
+class LazyMode(TorchDispatchMode):
+    """Records ATen ops on the target device instead of running them."""
+
+    def __init__(self, state: TracerState):
+        super().__init__()
+        self.state = state
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode would wrap __torch_dispatch__ in torch._disable_dynamo: ~2 us per op
+        # on the hottest path. Dynamo never traces into this mode's frames, so skip the wrapper.
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        f = _ops.FACTS.get(func)
+        if f is None:
+            f = facts_for(func)
+        kind = f.kind
+        st = self.state
+        if kwargs is None:
+            kwargs = {}
+        if kind == RECORD:
+            res = _record(st, f, args, kwargs)
+            if res is not _DECLINED:
+                return res
+            if not _touches_target(st, f, args, kwargs):
+                return func(*args, **kwargs)
+            return _eager(st, f, args, kwargs, _reason_for_unrecordable(st, f, args, kwargs))
+        if kind == VIEW_OP:
+            return _record_view(st, f, args, kwargs)
+        if kind == ALLOC:
+            return func(*args, **kwargs)
+        if kind == RANDOM_FILL:
+            return _random_fill(st, f, args, kwargs)
+        if kind == RANDOM_NEW:
+            if _touches_target(st, f, args, kwargs):
+                return _eager(st, f, args, kwargs, None)
+            return func(*args, **kwargs)
+        # FLUSH
+        if _touches_target(st, f, args, kwargs):
+            return _eager(st, f, args, kwargs, f.reason)
+        return func(*args, **kwargs)
+
+
+def _reason_for_unrecordable(st, f, args, kwargs) -> str:
+    """Why ``_record`` declined an op that touches the target device (for metrics and logs)."""
+    for a in list(args) + list(kwargs.values()):
+        ts = a if type(a) in (list, tuple) else (a,)
+        for t in ts:
+            if isinstance(t, _Tensor) and not _on_target(st, t) and not (t.dim() == 0 and t.is_cpu):
+                return "device_copy"
+    dv = kwargs.get("device")
+    if dv is not None and torch.device(dv).type != st.target:
+        return "device_copy"
+    return f.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation
+
+
+def activate(options: Options) -> TracerState:
+    st = current_state()
+    if st is None:
+        st = _tls.state = TracerState(options)
+    if st.mode is None:
+        st.set_options(options)
+        st.mode = LazyMode(st)
+        st.mode.__enter__()
+        from . import _patches
+
+        _patches.install()
+    return st
+
+
+def deactivate(st: TracerState) -> None:
+    try:
+        flush(st, "exit")
+    finally:
+        if st.mode is not None:
+            mode, st.mode = st.mode, None
+            mode.__exit__(None, None, None)
+            from . import _patches
+
+            _patches.uninstall()
+
+
+def is_pending(t: torch.Tensor) -> bool:
+    o = getattr(t, "_ae", None)
+    return o is not None and o.node is not None and not o.node.window.closed
+
+
+__all__ = ["LazyMode", "TracerState", "flush", "activate", "deactivate", "current_state", "is_pending"]

@@ -1,0 +1,194 @@
+"""Every setting of adaptive eager, declared once.
+
+This is the only module that reads ``os.environ``. Each setting has one spelling: the keyword
+``name`` of ``adaptive_eager(name=...)`` / ``enable(name=...)`` and the environment variable
+``NEURON_EAGER_<NAME>``. The environment is read when options are built (at ``enable()`` /
+``adaptive_eager()`` entry), never frozen at import, so a change made before entering takes effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+ENV_PREFIX = "NEURON_EAGER_"
+ENV_SWITCH = "NEURON_EAGER"  # adaptive | eager (unset = eager)
+SWITCH_VALUES = ("adaptive", "eager")
+BACKENDS = ("replay", "inductor", "neuron")
+LOG_LEVELS = ("warning", "info", "debug")
+
+
+class ConfigError(ValueError):
+    """A setting has a value adaptive eager cannot use; the message names the setting and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The resolved settings passed down to the tracer, the fuser and the cache."""
+
+    device: str  # target device type; ops on other devices run eagerly, untouched
+    window: int = 1024  # op cap: a window holding this many ops is flushed
+    window_mb: float = 1024.0  # pending-bytes cap: outputs of pending ops, in MiB
+    backend: str = "replay"
+    cache_dir: str = os.path.join("~", ".cache", "adaptive_eager")
+    cache_size_mb: int = 4096
+    hot_after: int = 2
+    async_compile: bool = True
+    log: str = "warning"
+
+    def replace(self, **changes: Any) -> Options:
+        return dataclasses.replace(self, **changes)
+
+
+# name -> (parser, description) ; the settings table in README.md mirrors this.
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{_env(name)}={raw!r}: expected 1/0 (or true/false)")
+
+
+def _parse_int(name: str, raw: str, minimum: int = 1) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{_env(name)}={raw!r}: expected an integer >= {minimum}") from None
+    if value < minimum:
+        raise ConfigError(f"{_env(name)}={raw!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _parse_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{_env(name)}={raw!r}: expected a positive number") from None
+    if not value > 0:
+        raise ConfigError(f"{_env(name)}={raw!r}: expected a positive number")
+    return value
+
+
+def _parse_choice(choices: tuple[str, ...]):
+    def parse(name: str, raw: str) -> str:
+        low = raw.strip().lower()
+        if low not in choices:
+            raise ConfigError(f"{_env(name)}={raw!r}: expected one of {', '.join(choices)}")
+        return low
+
+    return parse
+
+
+def _parse_device(name: str, raw: str) -> str:
+    low = raw.strip().lower()
+    if not low or ":" in low:
+        raise ConfigError(f"{_env(name)}={raw!r}: expected a device type such as cpu, cuda or neuron")
+    return low
+
+
+def _parse_str(name: str, raw: str) -> str:
+    if not raw:
+        raise ConfigError(f"{_env(name)} is empty: unset it or give a value")
+    return raw
+
+
+SETTINGS: dict[str, tuple[Any, str]] = {
+    "device": (_parse_device, "target device type (default: neuron if present, else cuda, else cpu)"),
+    "window": (_parse_int, "op cap of a window (default 1024)"),
+    "window_mb": (_parse_float, "pending-bytes cap of a window in MiB (default 1024)"),
+    "backend": (_parse_choice(BACKENDS), "how windows run: replay | inductor | neuron"),
+    "cache_dir": (_parse_str, "persistent cache directory (default ~/.cache/adaptive_eager)"),
+    "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
+    "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
+    "async_compile": (_parse_bool, "compile in background workers (default 1)"),
+    "log": (_parse_choice(LOG_LEVELS), "logging level of the 'adaptive_eager' logger"),
+}
+
+
+def _env(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def default_device_type() -> str:
+    """neuron if that device is registered and present, else cuda if available, else cpu."""
+    import torch
+
+    neuron = getattr(torch, "neuron", None)
+    if neuron is not None:
+        try:
+            if neuron.is_available():
+                return "neuron"
+        except Exception:  # a half-installed torch-neuronx must not stop us from picking a device
+            pass
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+_warned_unknown: set[str] = set()
+
+
+def _warn_unknown(environ: Mapping[str, str]) -> None:
+    valid = {_env(n) for n in SETTINGS}
+    for key in environ:
+        if key.startswith(ENV_PREFIX) and key not in valid and key not in _warned_unknown:
+            _warned_unknown.add(key)
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(sorted(valid))}"
+            warnings.warn(f"unknown setting {key} is ignored{hint}", stacklevel=3)
+
+
+def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> Options:
+    """Build options from the environment, then apply keyword ``overrides`` (keywords win)."""
+    environ = os.environ if environ is None else environ
+    _warn_unknown(environ)
+    values: dict[str, Any] = {}
+    for name, (parse, _) in SETTINGS.items():
+        raw = environ.get(_env(name))
+        if raw is not None:
+            values[name] = parse(name, raw)
+    for name, value in overrides.items():
+        if name not in SETTINGS:
+            close = difflib.get_close_matches(name, list(SETTINGS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(SETTINGS)}"
+            raise ConfigError(f"unknown option {name!r}{hint}")
+        if value is None:
+            continue
+        values[name] = SETTINGS[name][0](name, str(value)) if isinstance(value, str) else value
+    _check_types(values)
+    if "device" not in values:
+        values["device"] = default_device_type()
+    return Options(**values)
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    for name in ("window", "cache_size_mb", "hot_after"):
+        if name in values and (type(values[name]) is not int or values[name] < 1):
+            raise ConfigError(f"option {name}={values[name]!r}: expected an integer >= 1")
+    if "window_mb" in values and not (isinstance(values["window_mb"], (int, float)) and values["window_mb"] > 0):
+        raise ConfigError(f"option window_mb={values['window_mb']!r}: expected a positive number")
+    if "async_compile" in values and type(values["async_compile"]) is not bool:
+        raise ConfigError(f"option async_compile={values['async_compile']!r}: expected True or False")
+
+
+def switch_value(environ: Mapping[str, str] | None = None) -> str:
+    """The value of NEURON_EAGER: 'adaptive' turns the library on at ``import torch``."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV_SWITCH, "").strip().lower()
+    if raw in ("", "0", "off"):
+        return "eager"
+    if raw not in SWITCH_VALUES:
+        raise ConfigError(f"{ENV_SWITCH}={raw!r}: expected 'adaptive' (on) or 'eager' (off)")
+    return raw
+
+
+def settings_table() -> str:
+    """Markdown table of the settings, for README.md and ``report()``."""
+    rows = ["| keyword | environment variable | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{n}` | `{_env(n)}` | {doc} |" for n, (_, doc) in SETTINGS.items()]
+    return "\n".join(rows)

@@ -1,0 +1,18 @@
+"""Window -> regions -> compiled (or replayed) execution. Knows nothing of dispatch modes.
+
+The tracer hands over a finished ``Window``; ``mark_needed`` decides what is observable and
+``run_window`` runs it with the backend the options name.
+"""
+
+from __future__ import annotations
+
+from .replay import ReplayError, mark_needed, replay
+from .window import ALIAS, FRESH, VIEW, Node, Out, Window
+
+
+def run_window(window: Window, options) -> int:
+    """Run ``window`` (after ``mark_needed``); return the number of device launches made."""
+    return replay(window)
+
+
+__all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError"]

@@ -1,0 +1,139 @@
+"""Run a finished window op by op on the real device (the cold tier, and the reference).
+
+Replay runs exactly the ops eager would have run, in program order, on the same tensor objects,
+so values are bitwise eager. It skips dead work (see ``mark_needed``) and writes every live result
+into the placeholder the program holds (see Note [Placeholders] in ``fuser.window``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .window import ALIAS, FRESH, VIEW, Node, Out, Window
+
+_storage_use_count = torch._C._storage_Use_Count
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched: see adaptive_eager._patches
+_getrefcount = sys.getrefcount
+
+
+def placeholder_is_dead(out: Out) -> bool:
+    """Whether nothing but this window can observe ``out``'s placeholder.
+
+    Weak references are not enough: autograd saves an op's *output* as a new TensorImpl sharing the
+    storage (no Python object survives), so a value the backward pass needs can look unreferenced.
+    The storage use count sees those; the Python refcount sees the program's own references.
+    """
+    t = out.tensor
+    # references: out.tensor, the local ``t``, getrefcount's argument, plus windows' extra holds
+    if _getrefcount(t) > 3 + out.held:
+        return False
+    if t._use_count() > 1:  # another TensorImpl owner (a view's base link, an autograd input save)
+        return False
+    # one count for the placeholder's TensorImpl, one for the storage's Python object
+    return _storage_use_count(_untyped_storage(t)._cdata) <= 2
+
+
+def mark_needed(window: Window) -> int:
+    """Mark the nodes whose results can be observed; return how many compute nodes are dead.
+
+    A node is needed if it mutates something (the program sees its arguments), if one of its fresh
+    values is still referenced or pinned by a view, or if a needed node reads one of its values.
+    """
+    dead = 0
+    for node in reversed(window.nodes):
+        if node.mutates:
+            needed = True
+        elif node.is_view:
+            needed = any(o.needed for o in node.outs)
+        else:
+            needed = False
+            for o in node.outs:
+                if o.needed or o.pinned or not placeholder_is_dead(o):
+                    needed = True
+                    break
+        node.needed = needed
+        if needed:
+            for inp in node.inputs:
+                inp.needed = True
+        elif not node.is_view:
+            dead += 1
+    return dead
+
+
+def _resolve(x):
+    if type(x) is Out:
+        return x.value
+    if type(x) is list:
+        return [_resolve(a) for a in x]
+    return x
+
+
+class ReplayError(Exception):
+    """Internal: wraps the failure of one node so the caller can re-raise it with user context."""
+
+    def __init__(self, node: Node, error: BaseException):
+        super().__init__(str(error))
+        self.node = node
+        self.error = error
+
+
+def _bind(out: Out, result: torch.Tensor) -> None:
+    placeholder = out.tensor
+    if not (out.needed or out.pinned) and placeholder_is_dead(out):
+        out.value = result
+        return
+    if (
+        result.dtype is placeholder.dtype
+        and not out.pinned
+        and _storage_use_count(_untyped_storage(placeholder)._cdata) <= 2
+    ):
+        # Nobody else shares the placeholder's (never written) storage: adopt the result's storage
+        # instead of copying it. Every holder of this TensorImpl sees the new storage.
+        placeholder.set_(_untyped_storage(result), result.storage_offset(), result.size(), result.stride())
+    else:
+        # Views of the placeholder, or autograd's saved copy of an output, share its storage.
+        placeholder.copy_(result)
+    out.value = placeholder
+
+
+def _finish(out: Out, result) -> None:
+    if out.kind == ALIAS:
+        out.value = out.alias.value if type(out.alias) is Out else out.alias
+    else:
+        _bind(out, result)
+
+
+def replay(window: Window) -> int:
+    """Run the needed nodes of ``window`` in order; return how many ops were launched.
+
+    Must be called with the tracer's mode disabled and below autograd (the ops were recorded below
+    autograd; running them again above it would build a second graph and bump version counters).
+    Raises ``ReplayError`` for the first node that fails.
+    """
+    launched = 0
+    for node in window.nodes:
+        if node.is_view:
+            continue  # views were created eagerly at record time (Note [Out kinds])
+        if not node.needed:
+            continue
+        try:
+            args = [_resolve(a) for a in node.args]
+            kwargs = {k: _resolve(v) for k, v in node.kwargs.items()} if node.kwargs else {}
+            result = node.func(*args, **kwargs)
+        except Exception as e:
+            raise ReplayError(node, e) from e
+        launched += 1
+        outs = node.outs
+        if len(outs) == 1:
+            if outs[0] is not None:
+                _finish(outs[0], result)
+        else:
+            for o, r in zip(outs, result):
+                if o is not None:
+                    _finish(o, r)
+    return launched
+
+
+__all__ = ["replay", "mark_needed", "placeholder_is_dead", "ReplayError", "FRESH", "ALIAS", "VIEW"]

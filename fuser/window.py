@@ -1,0 +1,85 @@
+"""The window: a short, finished list of recorded ATen ops, handed from the tracer to the fuser.
+
+The tracer owns recording; this module only defines the data it produces, so the fuser can run a
+window (by replay now, by compiled regions later) without knowing anything about dispatch modes.
+
+Note [Placeholders]
+Every value a recorded op produces is a real tensor from the start: the tracer allocates its
+storage (``empty_strided`` with the eager shape, stride, dtype and device) and hands it to the user.
+Only its *contents* are pending. That keeps identity, ``type(t)``, autograd's saved tensors,
+``.grad`` and escape from the context exactly eager, and makes write-back of in-place updates free:
+running a window writes straight into the tensors the program already holds. The price is that
+everything reading memory without the dispatcher (``numpy``, ``tolist``, ``data_ptr``, pickling)
+must flush first; ``adaptive_eager._patches`` does that.
+
+Note [Out kinds]
+An ``Out`` is one value a node produces:
+- FRESH: a new tensor (``out.tensor`` is its placeholder, held strongly until the window runs);
+- ALIAS: the result of an in-place / ``out=`` op, i.e. the mutated argument itself (``out.alias``
+  is that argument: a real tensor or another ``Out``);
+- VIEW: a view of a pending value, created eagerly on the placeholder at record time (views read
+  no data), so ``out.tensor`` already is the final tensor. Its root FRESH value is pinned: the
+  view's data lives in that placeholder, so the placeholder must be written even if the program
+  dropped it.
+"""
+
+from __future__ import annotations
+
+FRESH, ALIAS, VIEW = 0, 1, 2
+
+
+class Out:
+    """One value produced by a node (see Note [Out kinds])."""
+
+    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held")
+
+    def __init__(self, node: Node, kind: int, tensor=None, alias=None):
+        self.node = node
+        self.kind = kind
+        self.tensor = tensor  # FRESH: placeholder; VIEW: the eager view; ALIAS: the mutated tensor
+        self.alias = alias  # ALIAS: the argument it aliases (tensor or Out)
+        # the FRESH Out whose placeholder owns the storage, or None for a real (non-pending) tensor
+        self.root = self if kind == FRESH else None
+        self.value = None  # the tensor holding the computed value once the node ran
+        self.needed = False
+        self.pinned = False
+        self.held = 0  # strong references the window holds to ``tensor`` beyond ``self.tensor``
+
+
+class Node:
+    """One recorded op: ``func(*args, **kwargs)`` where pending inputs appear as ``Out`` objects."""
+
+    __slots__ = ("func", "args", "kwargs", "outs", "inputs", "mutates", "is_view", "source", "needed", "window")
+
+    def __init__(self, func, args, kwargs, inputs, source, window: Window):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.inputs = inputs  # the Out objects among args/kwargs (dataflow edges)
+        self.outs: list[Out] = []
+        self.mutates = False
+        self.is_view = False
+        self.source = source  # (code object, line) of the user's line that issued the op
+        self.needed = False
+        self.window = window
+
+    def where(self) -> str:
+        """The user's ``file:line`` that recorded this op (or '<unknown>')."""
+        if self.source is None:
+            return "<unknown location>"
+        code, line = self.source
+        return f"{code.co_filename}:{line} (in {code.co_name})"
+
+
+class Window:
+    """Ops recorded since the last flush, in program order."""
+
+    __slots__ = ("nodes", "pending_bytes", "closed")
+
+    def __init__(self):
+        self.nodes: list[Node] = []
+        self.pending_bytes = 0
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self.nodes)

@@ -1,0 +1,494 @@
+"""The semantic contract of the tracer, with plain eager as the oracle (DESIGN.md)."""
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager import adaptive_eager
+
+
+def test_values_match_eager_and_ops_are_deferred():
+    x = torch.randn(16, 16)
+    expected = ((x * 2 + 1).relu() @ x.t()).softmax(-1).sum(0)
+    with adaptive_eager():
+        y = ((x * 2 + 1).relu() @ x.t()).softmax(-1).sum(0)
+        assert ae.is_lazy(y)
+        assert ae.metrics()["launches"] == 0
+    assert not ae.is_lazy(y)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    m = ae.metrics()
+    assert m["ops_recorded"] >= 6 and m["flushes"] == {"exit": 1}
+
+
+def test_outputs_have_eager_metadata():
+    x = torch.randn(4, 6)
+    with adaptive_eager():
+        cases = [x.t() * 2, x.sum(1, keepdim=True), x.to(torch.float64), (x > 0), x.argmax(1), x.t().contiguous()]
+        metas = [(t.shape, t.stride(), t.dtype, t.device) for t in cases]
+        assert all(ae.is_lazy(t) for t in cases)
+    eager = [x.t() * 2, x.sum(1, keepdim=True), x.to(torch.float64), (x > 0), x.argmax(1), x.t().contiguous()]
+    assert metas == [(t.shape, t.stride(), t.dtype, t.device) for t in eager]
+    for got, want in zip(cases, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert all(type(t) is torch.Tensor for t in cases)
+
+
+def test_dead_values_are_never_computed():
+    x = torch.randn(1000)
+    with adaptive_eager():
+        a = x.exp()  # dead: dropped before the flush, nothing reads it
+        del a
+        b = x.sin()
+        c = b.cos()  # b is read by c, but b itself is dropped: computed only as c's input
+        del b
+        ae.sync()
+    m = ae.metrics()
+    assert m["ops_eliminated"] == 1
+    assert m["ops_materialized"] == 2
+    torch.testing.assert_close(c, x.sin().cos(), rtol=0, atol=0)
+
+
+def test_intermediate_is_not_materialized_into_its_placeholder():
+    x = torch.randn(64)
+    with adaptive_eager():
+        mid = x * 3
+        out = mid + 1
+        mid_storage_bytes = mid.untyped_storage().nbytes  # bound method: sync-free? no: flushes
+        del mid, mid_storage_bytes
+        ae.sync()
+    # only `out` was bound; the dead intermediate's placeholder was dropped before it was written
+    assert ae.metrics()["ops_materialized"] == 2
+    torch.testing.assert_close(out, x * 3 + 1, rtol=0, atol=0)
+
+
+def test_inplace_on_view_is_visible_through_base_and_other_views():
+    def program(base):
+        v1 = base[1]  # view created before the mutation
+        v2 = base.view(-1)
+        v1.add_(10)
+        col = base[:, 0]
+        col.mul_(2)
+        return base.clone(), v1.clone(), v2.clone(), col.clone(), base.sum()
+
+    eager = program(torch.arange(12.0).reshape(3, 4))
+    with adaptive_eager():
+        lazy = program(torch.arange(12.0).reshape(3, 4))
+    for got, want in zip(lazy, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_views_of_pending_values_and_their_bases():
+    x = torch.randn(4, 4)
+    with adaptive_eager():
+        y = x * 2
+        v = y[0]
+        v.fill_(7.0)
+        del y  # the view keeps the data alive
+        s = v.sum()
+    want = x * 2
+    want[0] = 7.0
+    assert s.item() == pytest.approx(28.0)
+    torch.testing.assert_close(v, want[0], rtol=0, atol=0)
+
+
+def test_inplace_updates_of_real_tensors_are_written_back():
+    p = torch.ones(5)
+    buf = torch.zeros(5)
+    with adaptive_eager():
+        p.add_(torch.full((5,), 2.0))
+        buf.copy_(p * 3)
+        assert ae.is_lazy(p) and ae.is_lazy(buf)
+    assert p.tolist() == [3.0] * 5
+    assert buf.tolist() == [9.0] * 5
+
+
+def test_version_counter_matches_eager():
+    def program(p):
+        p.mul_(2)
+        p.add_(1)
+        return p._version
+
+    assert_versions = program(torch.ones(3))
+    with adaptive_eager():
+        lazy_version = program(torch.ones(3))
+    assert lazy_version == assert_versions
+
+
+def test_random_numbers_match_eager_for_the_same_seed():
+    def program(x):
+        a = torch.randn(5, 5)
+        b = torch.rand_like(x)
+        c = torch.nn.functional.dropout(x, 0.5, training=True)
+        d = torch.empty(3, 3).uniform_(-1, 1)
+        g = torch.Generator().manual_seed(7)
+        e = torch.randn(4, generator=g)
+        f = torch.randint(0, 10, (6,))
+        h = torch.empty(8).normal_()
+        return a, b, c, d, e, f, h
+
+    x = torch.randn(10, 10) + 2
+    torch.manual_seed(123)
+    eager = program(x)
+    torch.manual_seed(123)
+    with adaptive_eager():
+        lazy = program(x)
+    for got, want in zip(lazy, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_rng_state_interleaving_with_eager_code_is_preserved():
+    x = torch.randn(6)
+
+    def program():
+        y = x * torch.rand(6)  # recorded op that reads a random draw
+        state = torch.get_rng_state()
+        z = torch.rand(6)
+        torch.set_rng_state(state)
+        w = torch.rand(6)  # same numbers as z in eager
+        return y, z, w
+
+    torch.manual_seed(0)
+    eager = program()
+    torch.manual_seed(0)
+    with adaptive_eager():
+        lazy = program()
+    for got, want in zip(lazy, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_data_dependent_ops_flush_and_recording_continues():
+    x = torch.tensor([0.0, 1.5, -2.0, 3.0, 0.0])
+    with adaptive_eager():
+        y = x * 2
+        nz = torch.nonzero(y)
+        masked = y[y > 0]
+        u = torch.unique(y)
+        after = masked.sum() + 1
+        assert ae.is_lazy(after)
+    assert nz.flatten().tolist() == [1, 2, 3]
+    assert masked.tolist() == [3.0, 6.0]
+    assert u.tolist() == [-4.0, 0.0, 3.0, 6.0]
+    assert after.item() == 10.0
+    assert ae.metrics()["flushes"].get("fallback", 0) + ae.metrics()["flushes"].get("dynamic_shape", 0) >= 1
+
+
+def test_control_flow_on_tensor_values():
+    def program(x):
+        total = torch.zeros(())
+        for _ in range(5):
+            x = x * 1.5
+            if x.sum() > 10:  # bool() is a sync point
+                x = x - 3
+            total = total + x.max()
+        return total, x
+
+    eager = program(torch.ones(4))
+    with adaptive_eager():
+        lazy = program(torch.ones(4))
+    for got, want in zip(lazy, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert ae.metrics()["flushes"]["bool"] == 5
+
+
+@pytest.mark.parametrize(
+    "read, reason",
+    [
+        (lambda t: t.sum().item(), "item"),
+        (lambda t: t.tolist(), "tolist"),
+        (lambda t: t.numpy().copy(), "numpy"),
+        (lambda t: bool(t.sum() > 0), "bool"),
+        (lambda t: repr(t), "repr"),
+        (lambda t: t.to("meta"), "device_copy"),
+        (lambda t: ae.sync(), "sync"),
+    ],
+)
+def test_sync_points_are_counted_by_reason(read, reason):
+    x = torch.randn(3)
+    with adaptive_eager():
+        y = x + 1
+        read(y)
+        assert not ae.is_lazy(y)
+    assert ae.metrics()["flushes"].get(reason, 0) == 1, ae.metrics()["flushes"]
+
+
+def test_window_and_bytes_caps_flush():
+    x = torch.randn(4)
+    with adaptive_eager(window=10):
+        for _ in range(25):
+            x = x + 1
+    assert ae.metrics()["flushes"]["window_cap"] == 2
+    ae.reset_metrics()
+    big = torch.zeros(1024, 1024)  # 4 MiB per result
+    with adaptive_eager(window_mb=10):
+        outs = [big + i for i in range(5)]
+    assert ae.metrics()["flushes"]["bytes_cap"] >= 1
+    assert outs[4][0, 0].item() == 4.0
+
+
+def test_print_keeps_eager_order_and_text(capsys):
+    def program(x):
+        y = x * 2
+        print("before", y)
+        z = y.sum()
+        print(f"sum={z.item():.3f}", z)
+        return z
+
+    x = torch.arange(4.0)
+    program(x)
+    eager_out = capsys.readouterr().out
+    with adaptive_eager():
+        program(x)
+    assert capsys.readouterr().out == eager_out
+    assert ae.metrics()["flushes"]["print"] >= 1
+
+
+def test_breakpoint_flushes_first(monkeypatch):
+    seen = {}
+
+    def hook(*args, **kwargs):
+        seen["lazy"] = ae.is_lazy(frame_value["y"])
+        seen["value"] = frame_value["y"].tolist()
+
+    monkeypatch.setattr("sys.breakpointhook", hook)
+    frame_value = {}
+    with adaptive_eager():
+        frame_value["y"] = torch.ones(2) * 5
+        breakpoint()
+    assert seen == {"lazy": False, "value": [5.0, 5.0]}
+    assert ae.metrics()["flushes"]["breakpoint"] == 1
+
+
+def test_shape_errors_raise_at_the_offending_line():
+    a, b = torch.randn(3, 4), torch.randn(5, 6)
+    with pytest.raises(RuntimeError) as eager_err:
+        a @ b
+    with adaptive_eager():
+        with pytest.raises(RuntimeError) as lazy_err:
+            a @ b
+    assert str(lazy_err.value) == str(eager_err.value)
+    with adaptive_eager():
+        with pytest.raises(RuntimeError):
+            torch.randn(3) + torch.randn(4)
+
+
+def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line():
+    x = torch.randn(5)
+    idx = torch.tensor([1, 10])
+    with pytest.raises(IndexError):
+        x[idx]
+    with adaptive_eager():
+        recorded_line = sys._getframe().f_lineno + 1
+        y = x[idx]  # out of range: only visible when it runs
+        with pytest.raises(IndexError) as err:
+            y.sum().item()
+    msg = str(err.value)
+    assert "aten.index" in msg
+    assert f"test_tracer.py:{recorded_line}" in msg
+
+
+def test_escaped_tensors_behave_as_ordinary_tensors():
+    x = torch.randn(3, requires_grad=True)
+    with adaptive_eager():
+        y = (x * 2).exp()
+    assert type(y) is torch.Tensor and not ae.is_lazy(y)
+    z = y.sum()
+    z.backward()
+    torch.testing.assert_close(x.grad, 2 * (x.detach() * 2).exp())
+    assert y.detach().numpy().shape == (3,)
+    assert not hasattr(y, "_ae")
+
+
+def test_autograd_backward_and_autograd_grad():
+    def program(x, w):
+        h = torch.tanh(x @ w)
+        loss = (h * h).sum()
+        (gw,) = torch.autograd.grad(loss, w, create_graph=True)
+        gg = torch.autograd.grad(gw.sum(), w, retain_graph=True)[0]  # double backward
+        loss.backward()
+        return loss.detach(), gw.detach(), gg, w.grad.clone()
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 3), torch.randn(3, 2, requires_grad=True)
+    eager = program(x, w)
+    w2 = w.detach().clone().requires_grad_()
+    with adaptive_eager():
+        lazy = program(x, w2)
+    for got, want in zip(lazy, eager):
+        torch.testing.assert_close(got, want)
+
+
+def test_hooks_no_grad_inference_mode_autocast():
+    def program(x, w):
+        seen = []
+        h = x @ w
+        h.register_hook(lambda g: seen.append(g.clone()) or g * 2)
+        h.sum().backward()
+        with torch.no_grad():
+            ng = (x @ w).requires_grad
+            w.sub_(0.1 * w.grad)
+        with torch.inference_mode():
+            inf = x * 3
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ac = x @ w.detach()
+        return seen[0], w.grad.clone(), ng, inf.clone(), ac.dtype, ac.float(), w.detach().clone()
+
+    x = torch.randn(4, 3)
+    w = torch.randn(3, 2, requires_grad=True)
+    eager = program(x, w.detach().clone().requires_grad_())
+    with adaptive_eager():
+        lazy = program(x, w.detach().clone().requires_grad_())
+    for got, want in zip(lazy, eager):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want)
+        else:
+            assert got == want
+
+
+def _train(opt_cls, steps, lazy, **opt_kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1),
+    )
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    data = torch.randn(steps, 32, 8)
+    target = torch.randn(steps, 32, 1)
+    losses = []
+    ctx = adaptive_eager() if lazy else _null()
+    with ctx:
+        for i in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(data[i]), target[i])
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+    return [l.item() for l in losses], model.state_dict(), opt.state_dict()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize(
+    "opt_cls, kwargs",
+    [
+        (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+        (torch.optim.AdamW, dict(lr=1e-2, foreach=False)),
+        (torch.optim.AdamW, dict(lr=1e-2, foreach=True)),
+    ],
+)
+def test_training_loop_matches_eager(opt_cls, kwargs):
+    e_losses, e_state, e_opt = _train(opt_cls, 6, lazy=False, **kwargs)
+    l_losses, l_state, l_opt = _train(opt_cls, 6, lazy=True, **kwargs)
+    assert l_losses == e_losses  # replay is bitwise eager
+    for k in e_state:
+        torch.testing.assert_close(l_state[k], e_state[k], rtol=0, atol=0)  # incl. BN running stats
+    for k, st in e_opt["state"].items():
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(l_opt["state"][k][name], v, rtol=0, atol=0)
+    assert ae.metrics()["ops_recorded"] > 100
+
+
+def test_other_threads_run_eagerly_and_correctly():
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def worker():
+        barrier.wait()
+        t = torch.ones(3) * 4
+        results["worker_lazy"] = ae.is_lazy(t)
+        results["worker_enabled"] = ae.is_enabled()
+        results["worker_value"] = t.tolist()
+
+    th = threading.Thread(target=worker)
+    th.start()
+    with adaptive_eager():
+        y = torch.ones(3) * 2
+        barrier.wait()
+        th.join()
+        assert ae.is_lazy(y)
+    assert results == {"worker_lazy": False, "worker_enabled": False, "worker_value": [4.0, 4.0, 4.0]}
+    assert y.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_nesting_and_enable_disable():
+    x = torch.ones(2)
+    with adaptive_eager():
+        with adaptive_eager(window=5):
+            y = x + 1
+        assert not ae.is_lazy(y)  # the inner exit flushed
+        z = x + 2
+        assert ae.is_lazy(z)
+    ae.enable()
+    try:
+        w = x * 3
+        assert ae.is_lazy(w) and ae.is_enabled()
+    finally:
+        ae.disable()
+    assert not ae.is_enabled() and w.tolist() == [3.0, 3.0]
+
+
+def test_bad_options_get_clear_errors():
+    with pytest.raises(ae.ConfigError, match="did you mean 'window'"):
+        with adaptive_eager(windw=3):
+            pass
+    with pytest.raises(ae.ConfigError, match="window"):
+        with adaptive_eager(window=0):
+            pass
+
+
+def test_exception_inside_block_is_not_replaced():
+    x = torch.randn(3)
+    with pytest.raises(KeyError):
+        with adaptive_eager():
+            y = x + 1
+            raise KeyError("user error")
+    assert y.tolist() == (x + 1).tolist()
+
+
+def test_flushed_windows_drop_every_reference():
+    import weakref
+
+    with adaptive_eager():
+        x = torch.randn(100)
+        y = x * 2
+        ref = weakref.ref(y)
+        st = ae._tracer.current_state()
+        ae.sync()
+        assert len(st.window) == 0
+        del y
+    gc.collect()
+    assert ref() is None
+
+
+def test_long_loop_keeps_memory_flat():
+    import resource
+
+    p = torch.zeros(256)
+
+    def steps(n):
+        for i in range(n):
+            g = torch.ones(256) * 0.01
+            p.add_(g * (i % 3))
+            if i % 100 == 0:
+                p.sum().item()
+
+    with adaptive_eager():
+        steps(2000)
+        gc.collect()
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        st = ae._tracer.current_state()
+        steps(10_000)
+        gc.collect()
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert len(st.window) < 1024
+    assert rss1 - rss0 < 20_000  # KiB: a leak of even one small object per op would show
