@@ -45,7 +45,7 @@ _SYNC_REASONS = {
 
 class OpFacts:
     __slots__ = (
-        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos",
+        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw",
     )
 
@@ -100,6 +100,7 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
     f.tensor_kw = frozenset(tensor_kw)
     f.mutates = mutates
     f.write_pos = frozenset(write_pos)
+    f.list_writes = any(i in f.write_pos for i in list_pos)
     f.factory = not has_tensor_arg
     f.has_device_kw = any(a.name == "device" for a in schema.arguments)
     rets = schema.returns

@@ -52,7 +52,7 @@ def _reader(name: str, reason: str, original):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         st = _tracer.current_state()
-        if st is not None and st.window.nodes:
+        if st is not None and _tracer.needs_flush(st, self):
             _tracer.flush(st, reason)
         return original(self, *args, **kwargs)
 
@@ -65,7 +65,7 @@ def _repr_wrapper(original):
         st = _tracer.current_state()
         if st is None or st.mode is None:
             return original(self, *args, **kwargs)
-        if st.window.nodes:
+        if _tracer.needs_flush(st, self):
             _tracer.flush(st, "repr")
         # The values are real now; format them eagerly instead of recording the formatting ops.
         with _disable_current_modes():

@@ -33,6 +33,7 @@ _copy_ = torch.ops.aten.copy_.default
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _FAILED = object()  # meta-cache marker: this signature cannot be recorded
 _DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
+_SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast path])
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -82,6 +83,10 @@ class TracerState:
         self.target = options.device
         # is_cpu / is_cuda are attribute reads; ``t.device.type`` builds a device object per call
         self.target_attr = {"cpu": "is_cpu", "cuda": "is_cuda"}.get(options.device)
+        self.scalar_fast_path = options.device == "cpu"
+        # one device object for the whole window unless the type has several devices (cuda:0/1)
+        self.device_varies = options.device != "cpu"
+        self.device = torch.device(options.device)
         self.max_ops = options.window
         self.max_bytes = int(options.window_mb * 2**20)
 
@@ -181,10 +186,45 @@ def _user_error(e: fuser.ReplayError, reason: str) -> BaseException:
 # Record path
 
 
+def needs_flush(st: TracerState, t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s memory now would see a pending write.
+
+    A tensor is pending when it is a value of the open window (marked ``_ae``) or when its storage
+    is written by a pending in-place op (a real tensor such as a parameter, or any view of it).
+    """
+    window = st.window
+    if not window.nodes:
+        return False
+    o = getattr(t, "_ae", None)
+    if o is not None and o.node is not None and o.node.window is window:
+        return True
+    return bool(window.written) and _untyped_storage(t)._cdata in window.written
+
+
+def _reads_pending(st: TracerState, args, kwargs) -> bool:
+    for a in args:
+        if isinstance(a, _Tensor):
+            if needs_flush(st, a):
+                return True
+        elif type(a) in (list, tuple):
+            for x in a:
+                if isinstance(x, _Tensor) and needs_flush(st, x):
+                    return True
+    for v in kwargs.values():
+        if isinstance(v, _Tensor) and needs_flush(st, v):
+            return True
+    return False
+
+
 def _eager(st: TracerState, f, args, kwargs, reason: str | None):
-    """Flush (if the op touches pending data) and run the op now."""
+    """Run the op now, flushing first if it reads pending data or writes anything.
+
+    A write must wait for the window even if what it writes is not pending: a pending op may read
+    the old value (write-after-read).
+    """
     if reason is not None:
-        flush(st, reason)
+        if st.window.nodes and (f.mutates or _reads_pending(st, args, kwargs)):
+            flush(st, reason)
         if reason not in ("item", "bool", "data_dependent", "device_copy"):
             METRICS.fallback_ops[f.name] += 1
     METRICS.ops_eager += 1
@@ -207,7 +247,7 @@ def _touches_target(st: TracerState, f, args, kwargs) -> bool:
             return True
         if k == "device" and v is not None and torch.device(v).type == st.target:
             return True
-    if f.factory and "device" not in kwargs:
+    if f.factory and f.has_device_kw and "device" not in kwargs:
         return torch.get_default_device().type == st.target
     return False
 
@@ -254,6 +294,11 @@ def _record(st: TracerState, f, args, kwargs):
     inputs = []
     snaps = []
     device = None
+    # Note [Scalar fast path]: on a CPU target, an op reading only real 0-dim tensors (AdamW's
+    # ``step += 1``) runs now: deferring it would make the ``step.item()`` that follows a sync.
+    # Recorded ops snapshot the real 0-dim tensors they read, so running such an op now can
+    # never change what a pending op will read.
+    only_real_scalars = st.scalar_fast_path
     for i in f.tensor_pos:
         if i >= n:
             break
@@ -270,13 +315,19 @@ def _record(st: TracerState, f, args, kwargs):
                 continue
             return _DECLINED
         if device is None:
-            device = a.device
+            device = a.device if st.device_varies else st.device
         o = getattr(a, "_ae", None)
         if o is not None and o.node.window is window:
             if nargs is None:
                 nargs = list(args)
             nargs[i] = o
             inputs.append(o)
+            only_real_scalars = False
+        elif st.scalar_fast_path:
+            if a.dim():
+                only_real_scalars = False
+            elif i not in f.write_pos:
+                snaps.append(i)
         sig[i] = (a.shape, a.stride(), a.dtype)
     for i in f.list_pos:
         if i >= n:
@@ -291,16 +342,24 @@ def _record(st: TracerState, f, args, kwargs):
             if not _on_target(st, a):
                 return _DECLINED
             if device is None:
-                device = a.device
+                device = a.device if st.device_varies else st.device
             o = getattr(a, "_ae", None)
             if o is not None and o.node.window is window:
                 new[j] = o
                 inputs.append(o)
+                only_real_scalars = False
+            elif st.scalar_fast_path:
+                if a.dim():
+                    only_real_scalars = False
+                elif i not in f.write_pos:
+                    new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
             lsig.append((a.shape, a.stride(), a.dtype))
         if nargs is None:
             nargs = list(args)
         nargs[i] = new
         sig[i] = tuple(lsig)
+    if only_real_scalars and device is not None and not inputs:
+        return _SCALAR
     for i in f.scalar_pos:
         if i < n:
             v = args[i]
@@ -381,6 +440,7 @@ def _record(st: TracerState, f, args, kwargs):
             if type(src) is Out and src.root is not None and src.root.tensor is t:
                 src.root.held += 1  # o.tensor is one more strong reference to that placeholder
             t._ae = o
+            window.written.add(_untyped_storage(t)._cdata)
             outs.append(o)
             results.append(t)
             continue
@@ -389,6 +449,11 @@ def _record(st: TracerState, f, args, kwargs):
         p._ae = o
         outs.append(o)
         results.append(p)
+    if f.list_writes:
+        for i in f.list_pos:
+            if i in f.write_pos and i < n:
+                for t in args[i]:
+                    window.written.add(_untyped_storage(t)._cdata)
     window.nodes.append(node)
     window.pending_bytes += nbytes
     METRICS.ops_recorded += 1
@@ -479,6 +544,8 @@ class LazyMode(TorchDispatchMode):
             kwargs = {}
         if kind == RECORD:
             res = _record(st, f, args, kwargs)
+            if res is _SCALAR:
+                return _eager(st, f, args, kwargs, None)
             if res is not _DECLINED:
                 return res
             if not _touches_target(st, f, args, kwargs):
@@ -544,8 +611,8 @@ def deactivate(st: TracerState) -> None:
 
 
 def is_pending(t: torch.Tensor) -> bool:
-    o = getattr(t, "_ae", None)
-    return o is not None and o.node is not None and not o.node.window.closed
+    st = current_state()
+    return st is not None and needs_flush(st, t)
 
 
 __all__ = ["LazyMode", "TracerState", "flush", "activate", "deactivate", "current_state", "is_pending"]

@@ -101,12 +101,12 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "device": (_parse_device, "target device type (default: neuron if present, else cuda, else cpu)"),
     "window": (_parse_int, "op cap of a window (default 1024)"),
     "window_mb": (_parse_float, "pending-bytes cap of a window in MiB (default 1024)"),
-    "backend": (_parse_choice(BACKENDS), "how windows run: replay | inductor | neuron"),
+    "backend": (_parse_choice(BACKENDS), "how windows run: `replay`, `inductor` or `neuron`"),
     "cache_dir": (_parse_str, "persistent cache directory (default ~/.cache/adaptive_eager)"),
     "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
-    "log": (_parse_choice(LOG_LEVELS), "logging level of the 'adaptive_eager' logger"),
+    "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning`, `info` or `debug`"),
 }
 
 

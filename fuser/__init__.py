@@ -6,13 +6,13 @@ The tracer hands over a finished ``Window``; ``mark_needed`` decides what is obs
 
 from __future__ import annotations
 
-from .replay import ReplayError, mark_needed, replay
+from .replay import ReplayError, mark_needed, replay_window
 from .window import ALIAS, FRESH, VIEW, Node, Out, Window
 
 
 def run_window(window: Window, options) -> int:
     """Run ``window`` (after ``mark_needed``); return the number of device launches made."""
-    return replay(window)
+    return replay_window(window)
 
 
 __all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError"]

@@ -50,9 +50,11 @@ def mark_needed(window: Window) -> int:
         else:
             needed = False
             for o in node.outs:
-                if o.needed or o.pinned or not placeholder_is_dead(o):
+                if o is None:
+                    continue
+                o.live = o.pinned or not placeholder_is_dead(o)
+                if o.live or o.needed:
                     needed = True
-                    break
         node.needed = needed
         if needed:
             for inp in node.inputs:
@@ -81,7 +83,7 @@ class ReplayError(Exception):
 
 def _bind(out: Out, result: torch.Tensor) -> None:
     placeholder = out.tensor
-    if not (out.needed or out.pinned) and placeholder_is_dead(out):
+    if not out.live:  # only later ops of this window read it: never written to the placeholder
         out.value = result
         return
     if (
@@ -105,7 +107,7 @@ def _finish(out: Out, result) -> None:
         _bind(out, result)
 
 
-def replay(window: Window) -> int:
+def replay_window(window: Window) -> int:
     """Run the needed nodes of ``window`` in order; return how many ops were launched.
 
     Must be called with the tracer's mode disabled and below autograd (the ops were recorded below
@@ -119,9 +121,11 @@ def replay(window: Window) -> int:
         if not node.needed:
             continue
         try:
-            args = [_resolve(a) for a in node.args]
-            kwargs = {k: _resolve(v) for k, v in node.kwargs.items()} if node.kwargs else {}
-            result = node.func(*args, **kwargs)
+            args = [a.value if type(a) is Out else (_resolve(a) if type(a) is list else a) for a in node.args]
+            if node.kwargs:
+                result = node.func(*args, **{k: _resolve(v) for k, v in node.kwargs.items()})
+            else:
+                result = node.func(*args)
         except Exception as e:
             raise ReplayError(node, e) from e
         launched += 1
@@ -136,4 +140,4 @@ def replay(window: Window) -> int:
     return launched
 
 
-__all__ = ["replay", "mark_needed", "placeholder_is_dead", "ReplayError", "FRESH", "ALIAS", "VIEW"]
+__all__ = ["replay_window", "mark_needed", "placeholder_is_dead", "ReplayError", "FRESH", "ALIAS", "VIEW"]

@@ -31,7 +31,7 @@ FRESH, ALIAS, VIEW = 0, 1, 2
 class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
-    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held")
+    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held", "live")
 
     def __init__(self, node: Node, kind: int, tensor=None, alias=None):
         self.node = node
@@ -41,7 +41,8 @@ class Out:
         # the FRESH Out whose placeholder owns the storage, or None for a real (non-pending) tensor
         self.root = self if kind == FRESH else None
         self.value = None  # the tensor holding the computed value once the node ran
-        self.needed = False
+        self.needed = False  # a needed op of the window reads it
+        self.live = False  # the program can still observe its placeholder (set by mark_needed)
         self.pinned = False
         self.held = 0  # strong references the window holds to ``tensor`` beyond ``self.tensor``
 
@@ -74,12 +75,13 @@ class Node:
 class Window:
     """Ops recorded since the last flush, in program order."""
 
-    __slots__ = ("nodes", "pending_bytes", "closed")
+    __slots__ = ("nodes", "pending_bytes", "closed", "written")
 
     def __init__(self):
         self.nodes: list[Node] = []
         self.pending_bytes = 0
         self.closed = False
+        self.written: set[int] = set()  # storages (``_cdata``) that pending in-place ops write
 
     def __len__(self) -> int:
         return len(self.nodes)

@@ -1,0 +1,71 @@
+"""NEURON_EAGER=adaptive turns the library on at ``import torch`` for an unmodified script."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import adaptive_eager as ae
+from adaptive_eager.config import ConfigError, load_options, switch_value
+
+UNMODIFIED_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    x = torch.ones(4)
+    y = (x * 3 + 1).sum()
+    import adaptive_eager  # only to look at what happened; the script itself is plain torch
+    print("lazy", adaptive_eager.is_lazy(y), "enabled", adaptive_eager.is_enabled())
+    print("value", y.item())
+    print("recorded", adaptive_eager.metrics()["ops_recorded"])
+    """
+)
+
+
+def _run(env_value):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    if env_value is not None:
+        env["NEURON_EAGER"] = env_value
+    return subprocess.run([sys.executable, "-c", UNMODIFIED_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_env_var_turns_it_on_with_no_code_change():
+    out = _run("adaptive")
+    assert out.returncode == 0, out.stderr
+    assert "lazy True enabled True" in out.stdout
+    assert "value 16.0" in out.stdout
+    assert "recorded 4" in out.stdout  # ones, mul, add, sum
+
+
+@pytest.mark.parametrize("value", [None, "eager"])
+def test_env_var_off(value):
+    out = _run(value)
+    assert out.returncode == 0, out.stderr
+    assert "lazy False enabled False" in out.stdout
+    assert "recorded 0" in out.stdout
+
+
+def test_bad_switch_value_warns_and_stays_off():
+    out = _run("adaptiv")
+    assert out.returncode == 0, out.stderr
+    assert "lazy False" in out.stdout
+    assert "expected 'adaptive'" in out.stderr
+
+
+def test_env_settings_are_parsed_in_one_place_with_clear_errors():
+    opts = load_options({"NEURON_EAGER_WINDOW": "7", "NEURON_EAGER_DEVICE": "cpu"})
+    assert opts.window == 7 and opts.device == "cpu"
+    with pytest.raises(ConfigError, match="NEURON_EAGER_WINDOW"):
+        load_options({"NEURON_EAGER_WINDOW": "lots"})
+    with pytest.warns(UserWarning, match="did you mean NEURON_EAGER_WINDOW"):
+        load_options({"NEURON_EAGER_WINDOWS": "7"})
+    assert switch_value({"NEURON_EAGER": "adaptive"}) == "adaptive"
+    assert switch_value({}) == "eager"
+
+
+def test_keyword_overrides_environment():
+    opts = load_options({"NEURON_EAGER_WINDOW": "7"}, window=9)
+    assert opts.window == 9
+    with ae.adaptive_eager(window=3):
+        assert ae._tracer.current_state().max_ops == 3
