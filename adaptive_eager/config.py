@@ -176,6 +176,13 @@ def _check_types(values: dict[str, Any]) -> None:
         raise ConfigError(f"option async_compile={values['async_compile']!r}: expected True or False")
 
 
+def cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Just the cache directory setting (for ``python -m neff_cache``: no torch import)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(_env("cache_dir"))
+    return Options.cache_dir if raw is None else _parse_str("cache_dir", raw)
+
+
 def switch_value(environ: Mapping[str, str] | None = None) -> str:
     """The value of NEURON_EAGER: 'adaptive' turns the library on at ``import torch``."""
     environ = os.environ if environ is None else environ

@@ -1,0 +1,3 @@
+from neff_cache.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,307 @@
+"""Background compile jobs: run a compile function named by import path on a payload, in worker
+processes, and store the bytes it returns in an ArtifactStore.
+
+The compile function is ``f(payload: bytes) -> bytes``, named ``"package.module:function"``; the
+runner measures its wall time in the worker (not counting the first import of its module) and
+records it as the artifact's compile seconds.
+
+Note [Worker processes]
+Workers are fresh interpreters started with ``subprocess`` (``python -c``): not forked, since torch
+is not fork-safe, and not multiprocessing's "spawn" either, because spawn re-imports the parent's
+``__main__`` in every worker, so a training script without an ``if __name__ == "__main__"`` guard
+(common, and adaptive eager is switched on by an environment variable with no code change) would
+run again inside each worker. A worker gets the parent's ``sys.path`` so that "module:function"
+resolves as it would in the parent. Each worker runs one job at a time over its own pipe, so when a
+worker dies the job it was running is known exactly; that job is retried once, alone (no other job
+runs beside it, so a second death is its own), and then reported as failed. Workers run in a
+session of their own: Ctrl-C reaches only the user's program, and killing a worker's process group
+also stops the compilers it started.
+
+Note [Results are collected by poll]
+No thread runs in the background: ``submit`` starts jobs and ``poll`` collects finished ones,
+stores their artifacts, releases their claims and starts queued jobs; the fuser polls at every
+flush. So nothing can hold the interpreter at exit, where an atexit hook kills the workers and
+releases the claims of unfinished jobs, so that other processes need not wait for the claim ttl.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import NamedTuple
+
+from neff_cache._worker import BOOTSTRAP
+from neff_cache.store import ArtifactStore
+
+log = logging.getLogger("neff_cache")
+
+_FN_PATH_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+_ATTEMPTS = 2  # a job whose worker dies is retried once
+
+
+class JobResult(NamedTuple):
+    """A finished job: ``error`` is None when the artifact was stored, else says why it was not."""
+
+    key: str
+    ok: bool
+    error: str | None
+
+
+@dataclasses.dataclass
+class _Job:
+    key: str
+    fn_path: str
+    payload: bytes
+    fingerprint: str
+    backend: str
+    attempts: int = 0
+    alone: bool = False  # a retry after a worker died runs with no other job beside it
+
+
+class _Worker:
+    """One worker process and the pipe to it; it runs at most one job at a time."""
+
+    def __init__(self) -> None:
+        connection, child_end = multiprocessing.Pipe()
+        parent_sys_path = json.dumps([str(entry) for entry in sys.path])
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", BOOTSTRAP, str(child_end.fileno()), parent_sys_path],
+                pass_fds=(child_end.fileno(),),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except BaseException:
+            connection.close()
+            raise
+        finally:
+            child_end.close()  # else the worker's death would not show as EOF on our end
+        self.connection = connection
+        self.job: _Job | None = None
+
+    def start(self, job: _Job) -> None:
+        job.attempts += 1
+        self.job = job
+        self.connection.send((job.fn_path, job.payload))
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.connection.close()
+        try:
+            self.process.wait(timeout=5.0)  # reap it; SIGKILL takes effect at once unless the kernel is stuck
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, timeout_s: float) -> None:
+        """Let an idle worker exit on end-of-input; kill it if it does not within ``timeout_s``."""
+        self.connection.close()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def exit_description(self) -> str:
+        returncode = self.process.poll()
+        if returncode is None:
+            return "stopped responding"
+        if returncode < 0:
+            try:
+                return f"killed by {signal.Signals(-returncode).name}"
+            except ValueError:
+                return f"killed by signal {-returncode}"
+        return f"exited with code {returncode}"
+
+
+class CompileJobs:
+    """Runs compile functions in background worker processes and stores their artifacts.
+
+    ``submit`` starts a job unless its key is pending, stored, or claimed by another process (so
+    the key is compiled once across processes); ``poll`` returns finished jobs. A worker that dies
+    is replaced and its job retried once; the caller never sees an exception from a job. Not meant
+    to be shared across ``fork``: a forked child starts with no jobs and its own workers.
+    """
+
+    def __init__(self, store: ArtifactStore, max_workers: int = 1, *, claim_ttl_s: float = 900.0):
+        if type(max_workers) is not int or max_workers < 1:
+            raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
+        if not claim_ttl_s > 0:
+            raise ValueError(f"claim_ttl_s must be positive, got {claim_ttl_s!r}")
+        self.store = store
+        self.max_workers = max_workers
+        self.claim_ttl_s = claim_ttl_s
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._workers: list[_Worker] = []
+        self._finished: list[JobResult] = []
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._shut_down = False
+        atexit.register(self._stop_at_exit)
+
+    def submit(self, key: str, fn_path: str, payload: bytes, *, fingerprint: str, backend: str) -> bool:
+        """Queue ``fn_path(payload)`` to compile ``key``; False if ``key`` is already pending here,
+        already stored, or being compiled by another process (use ``store.wait_for`` for that)."""
+        if type(fn_path) is not str or _FN_PATH_PATTERN.fullmatch(fn_path) is None:
+            raise ValueError(f"fn_path must name a function as 'package.module:function', got {fn_path!r}")
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload for key {key} must be bytes, got {type(payload).__name__}")
+        with self._lock:
+            self._forget_parent_jobs_after_fork()
+            if self._shut_down:
+                raise RuntimeError("CompileJobs.submit after shutdown(); create a new CompileJobs")
+            if key in self._pending_keys() or self.store.contains(key):
+                return False
+            if not self.store.claim(key, ttl_s=self.claim_ttl_s):
+                return False
+            self._queue.append(_Job(key, fn_path, bytes(payload), str(fingerprint), str(backend)))
+            self._start_queued_jobs()
+            return True
+
+    def poll(self, timeout_s: float = 0.0) -> list[JobResult]:
+        """Collect finished jobs (their artifacts are stored by now) and start queued ones; waits up
+        to ``timeout_s`` for at least one job to finish. Every submitted key is reported once."""
+        with self._lock:
+            self._forget_parent_jobs_after_fork()
+            deadline = time.monotonic() + timeout_s
+            while True:
+                self._collect(max(0.0, deadline - time.monotonic()))
+                self._start_queued_jobs()
+                running = any(worker.job is not None for worker in self._workers)
+                if self._finished or not running or time.monotonic() >= deadline:
+                    break
+            finished, self._finished = self._finished, []
+            return finished
+
+    def pending(self) -> set[str]:
+        """Keys submitted here and not yet reported by ``poll`` as finished."""
+        with self._lock:
+            self._forget_parent_jobs_after_fork()
+            return self._pending_keys()
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop the workers. With ``wait``, first let every pending job finish and store its artifact;
+        without, kill them now and report unfinished jobs as cancelled (their claims are released)."""
+        with self._lock:
+            self._forget_parent_jobs_after_fork()
+            while wait and self._pending_keys():
+                self._collect(0.1)
+                self._start_queued_jobs()
+            for job in self._unfinished_jobs():
+                self._finish(job, "cancelled: CompileJobs.shutdown() came before it finished", logging.INFO)
+            self._queue.clear()
+            for worker in self._workers:
+                worker.job = None
+                if wait:
+                    worker.stop(timeout_s=5.0)
+                else:
+                    worker.kill()
+            self._workers.clear()
+            self._shut_down = True
+            atexit.unregister(self._stop_at_exit)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _pending_keys(self) -> set[str]:
+        return {job.key for job in self._unfinished_jobs()}
+
+    def _unfinished_jobs(self) -> list[_Job]:
+        return [worker.job for worker in self._workers if worker.job is not None] + list(self._queue)
+
+    def _start_queued_jobs(self) -> None:
+        for worker in [w for w in self._workers if w.job is None and w.process.poll() is not None]:
+            self._workers.remove(worker)  # died while idle (OOM killer, a stray kill)
+            worker.connection.close()
+        while self._queue:
+            busy = [worker.job for worker in self._workers if worker.job is not None]
+            job = self._queue[0]
+            if len(busy) >= self.max_workers or (busy and (job.alone or any(other.alone for other in busy))):
+                return
+            self._queue.popleft()
+            worker = next((w for w in self._workers if w.job is None), None)
+            if worker is None:
+                try:
+                    worker = _Worker()
+                except OSError as error:
+                    self._finish(job, f"could not start a compile worker: {type(error).__name__}: {error}")
+                    continue
+                self._workers.append(worker)
+            try:
+                worker.start(job)
+            except OSError:
+                self._worker_died(worker)
+
+    def _collect(self, timeout_s: float) -> None:
+        busy = {worker.connection: worker for worker in self._workers if worker.job is not None}
+        if not busy:
+            return
+        for connection in multiprocessing.connection.wait(list(busy), timeout_s):
+            worker = busy[connection]
+            try:
+                ok, result, seconds = connection.recv()
+            except (EOFError, OSError):
+                self._worker_died(worker)
+                continue
+            job, worker.job = worker.job, None
+            if ok:
+                self.store.put(
+                    job.key, result, fingerprint=job.fingerprint, backend=job.backend, compile_seconds=seconds
+                )
+                self._finish(job, None)
+            else:
+                exception_line = result.strip().splitlines()[-1]
+                self._finish(job, f"{job.fn_path} raised {exception_line}\n{result}")
+
+    def _worker_died(self, worker: _Worker) -> None:
+        job, worker.job = worker.job, None
+        self._workers.remove(worker)
+        worker.kill()  # its compilers too, if the worker died before them
+        how = worker.exit_description()
+        if job.attempts < _ATTEMPTS:
+            log.warning(
+                "compile worker for key %s died (%s) running %s; retrying it once",
+                job.key,
+                how,
+                job.fn_path,
+            )
+            job.alone = True
+            self._queue.appendleft(job)
+        else:
+            self._finish(job, f"compile worker died {job.attempts} times running {job.fn_path} (last: {how})")
+
+    def _finish(self, job: _Job, error: str | None, level: int = logging.WARNING) -> None:
+        self.store.release(job.key)
+        self._finished.append(JobResult(job.key, error is None, error))
+        if error is not None:
+            log.log(level, "compile job for key %s failed: %s", job.key, error.splitlines()[0])
+
+    def _forget_parent_jobs_after_fork(self) -> None:
+        if os.getpid() == self._pid:
+            return
+        # The workers, their pipes and the claims belong to the parent: drop them untouched.
+        self._pid = os.getpid()
+        self._queue.clear()
+        self._workers.clear()
+        self._finished.clear()
+
+    def _stop_at_exit(self) -> None:
+        # No lock: a daemon thread blocked in poll() may hold it, and exit must not wait for it.
+        if os.getpid() != self._pid:
+            return
+        for job in self._unfinished_jobs():
+            self.store.release(job.key)
+        for worker in self._workers:
+            worker.kill()

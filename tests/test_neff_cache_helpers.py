@@ -1,0 +1,91 @@
+"""Functions that test_neff_cache.py runs in other processes (compile workers, racing processes).
+
+Kept apart from the tests so those processes import nothing heavy; this module holds no tests.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+from neff_cache import ArtifactStore
+
+
+def artifact_for(key: str) -> bytes:
+    return f"artifact of {key}".encode() * 100
+
+
+def compile_upper(payload: bytes) -> bytes:
+    return payload.upper()
+
+
+def compile_and_log_call(payload: bytes) -> bytes:
+    """Appends a line to the file named by the payload, so a test can count the attempts."""
+    with open(payload, "a") as calls:
+        calls.write(f"{os.getpid()}\n")
+    return b"compiled " + payload
+
+
+def exit_abruptly(payload: bytes) -> bytes:
+    compile_and_log_call(payload)
+    os._exit(1)
+
+
+def kill_self(payload: bytes) -> bytes:
+    compile_and_log_call(payload)
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL cannot be caught")
+
+
+def exit_on_first_call(payload: bytes) -> bytes:
+    """Dies the first time (no log file yet), succeeds on the retry."""
+    first_call = not os.path.exists(payload)
+    compile_and_log_call(payload)
+    if first_call:
+        os._exit(1)
+    return b"compiled on retry"
+
+
+def raise_compile_error(payload: bytes) -> bytes:
+    compile_and_log_call(payload)
+    raise RuntimeError("lowering failed: op aten::frobnicate has no kernel")
+
+
+def return_text(payload: bytes) -> bytes:
+    return "not bytes"  # type: ignore[return-value]
+
+
+def sleep_forever(payload: bytes) -> bytes:
+    """Records its pid in the file named by the payload, then sleeps far longer than any test."""
+    with open(payload, "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+    time.sleep(60)
+    return b"too late"
+
+
+def race_for_keys(directory: str, keys: list[str], seed: int, start, results) -> None:
+    """Get every key, compiling those this process wins the claim for and waiting for the rest.
+
+    Puts (compiled keys, keys whose artifact was wrong or missing) on ``results``.
+    """
+    store = ArtifactStore(directory)
+    order = list(keys)
+    random.Random(seed).shuffle(order)
+    compiled, wrong = [], []
+    start.wait()
+    for key in order:
+        data = store.get(key)
+        if data is None:
+            if store.claim(key, ttl_s=60):
+                time.sleep(0.05)  # a compile long enough for the others to pile up behind the claim
+                data = artifact_for(key)
+                store.put(key, data, fingerprint="fp", backend="test", compile_seconds=0.05)
+                store.release(key)
+                compiled.append(key)
+            else:
+                data = store.wait_for(key, timeout_s=30)
+        if data != artifact_for(key):
+            wrong.append(key)
+    results.put((compiled, wrong))
