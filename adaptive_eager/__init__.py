@@ -16,7 +16,7 @@ from typing import Any
 import importlib
 
 from ._metrics import METRICS, format_report
-from .config import ConfigError, Options, load_options
+from .config import ConfigError, Options, defaults, load_options, with_overrides
 from .errors import AdaptiveEagerError
 
 # The tracer imports torch internals; ``import torch`` imports this package (backend autoload)
@@ -66,16 +66,17 @@ def disable() -> None:
 @contextlib.contextmanager
 def adaptive_eager(**options: Any):
     """Record ops lazily inside the block; leaving it flushes. Nesting is allowed: an inner block
-    with different options applies them until it exits."""
-    opts = load_options(**options)
+    starts from the outer block's options and applies its own keywords until it exits."""
     st = _state_or_none()
     if st is None:
+        opts = load_options(**options)
         st = _t().activate(opts)
         owner = True
         previous = None
     else:
         owner = False
         previous = st.options
+        opts = with_overrides(previous, **options)
         if opts != previous:
             _t().flush(st, "options")
             st.set_options(opts)
@@ -124,11 +125,16 @@ def is_enabled() -> bool:
 
 def metrics() -> dict:
     """Counters since the last ``reset_metrics()`` (process-wide, all threads)."""
-    return METRICS.as_dict()
+    from fuser.compiled import STATS
+
+    return {**METRICS.as_dict(), **STATS.as_dict()}
 
 
 def reset_metrics() -> None:
+    from fuser.compiled import STATS
+
     METRICS.reset()
+    STATS.reset()
 
 
 def report() -> str:
@@ -138,5 +144,5 @@ def report() -> str:
 
 __all__ = [
     "adaptive_eager", "enable", "disable", "sync", "is_lazy", "is_enabled", "metrics",
-    "reset_metrics", "report", "AdaptiveEagerError", "ConfigError", "Options", "load_options",
+    "reset_metrics", "report", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
 ]

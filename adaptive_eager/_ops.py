@@ -11,6 +11,8 @@ RANDOM_FILL     in-place random fill (``uniform_``, ``normal_``, ``bernoulli_.fl
                 temporary now, in program order, and record a ``copy_`` (Note [RNG])
 RANDOM_NEW      random factory / ``*_like``: run now, in program order (Note [RNG])
 FLUSH           needs real data or changes tensor metadata: flush the window, then run eagerly
+BATCH_NORM      ``native_batch_norm`` writes the running stats in training mode although its schema
+                does not say so; that case is recorded as ``_native_batch_norm_legit`` (annotated)
 
 Note [RNG]
 Eager consumes a generator in program order, at the op. Deferring a random op would let anything
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH = range(6)
+RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM = range(7)
 
 # ops that change a tensor's metadata (shape, strides, storage) in place: the placeholder's
 # metadata must never move under a pending write, so they run eagerly after a flush.
@@ -45,7 +47,7 @@ _SYNC_REASONS = {
 
 class OpFacts:
     __slots__ = (
-        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes",
+        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes", "liftable", "scalarlist_pos",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw",
     )
 
@@ -58,9 +60,15 @@ def _type_class(t: str) -> str:
         return "tensor"
     if t in ("List[Tensor]", "List[Optional[Tensor]]"):
         return "list"
-    if t in ("number", "Optional[number]"):
+    if t in ("number", "Optional[number]", "float", "Optional[float]"):
         return "scalar"
     return "other"
+
+
+# Note [Scalar lifting]: float arguments are not part of an op's metadata-cache key or of its
+# structural signature (they become per-window runtime values, see fuser.compiled), except for
+# ops whose float arguments decide output shapes.
+_SHAPE_FROM_FLOATS = ("arange", "linspace", "logspace", "range", "upsample", "interpolate", "histogram")
 
 
 def classify(func: torch._ops.OpOverload) -> OpFacts:
@@ -69,7 +77,7 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
     f.func = func
     f.name = str(func)
     base = func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else schema.name.split("::")[-1]
-    tensor_pos, list_pos, scalar_pos, seq_pos, tensor_kw = [], [], [], [], []
+    tensor_pos, list_pos, scalar_pos, seq_pos, tensor_kw, scalarlist_pos = [], [], [], [], [], []
     arg_alias_write: dict[str, tuple[int | str, bool]] = {}
     mutates = False
     write_pos = []
@@ -86,6 +94,8 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
             scalar_pos.append(i)
         elif cls == "other" and "List[" in str(a.type) and not a.kwarg_only:
             seq_pos.append(i)  # int[] sizes arrive as lists: hashable keys need tuples
+            if str(a.type) == "List[number]":
+                scalarlist_pos.append(i)
         info = a.alias_info
         if info is not None:
             for s in info.before_set:
@@ -97,6 +107,8 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
     f.list_pos = tuple(list_pos)
     f.scalar_pos = tuple(scalar_pos)
     f.seq_pos = tuple(seq_pos)
+    f.scalarlist_pos = frozenset(scalarlist_pos)
+    f.liftable = not any(word in base for word in _SHAPE_FROM_FLOATS)
     f.tensor_kw = frozenset(tensor_kw)
     f.mutates = mutates
     f.write_pos = frozenset(write_pos)
@@ -132,6 +144,8 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
         f.kind, f.reason = FLUSH, "metadata_mutation"
     elif base in _ALLOCATORS:
         f.kind = ALLOC
+    elif f.name == "aten.native_batch_norm.default":
+        f.kind = BATCH_NORM
     elif torch.Tag.nondeterministic_seeded in tags:
         if f.factory or base.endswith("_like"):
             f.kind = RANDOM_NEW

@@ -92,6 +92,14 @@ def _breakpointhook_wrapper(original):
     return breakpointhook
 
 
+def _optimizer_step_hook(optimizer, args, kwargs) -> None:
+    # Note [Step alignment]: a training loop that never syncs would otherwise be cut only by the
+    # window cap, at a different op every step, so no window would ever repeat and nothing would
+    # be compiled. Ending the window where ``optimizer.step()`` ends makes every step the same
+    # window (and a step longer than the cap is cut at the same offsets every time).
+    _flush_current("optimizer_step")
+
+
 def install() -> None:
     global _active
     with _lock:
@@ -108,6 +116,9 @@ def install() -> None:
         builtins.print = _print_wrapper(builtins.print)
         _saved["breakpointhook"] = sys.breakpointhook
         sys.breakpointhook = _breakpointhook_wrapper(sys.breakpointhook)
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)
 
 
 def uninstall() -> None:
@@ -121,6 +132,8 @@ def uninstall() -> None:
                 builtins.print = value
             elif key == "breakpointhook":
                 sys.breakpointhook = value
+            elif key == "optimizer_hook":
+                value.remove()
             else:
                 name = key[1]
                 if value is _MISSING:

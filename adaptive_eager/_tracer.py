@@ -16,11 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fuser
-from fuser.window import ALIAS, FRESH, VIEW, Node, Out, Window
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
 
 from . import _ops
 from ._metrics import METRICS
-from ._ops import ALLOC, FLUSH, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
+from ._ops import ALLOC, BATCH_NORM, FLUSH, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
 from .config import Options
 from .errors import AdaptiveEagerError  # noqa: F401  (re-exported)
 
@@ -119,34 +119,14 @@ def flush(st: TracerState, reason: str) -> None:
     try:
         dead = fuser.mark_needed(window)
         METRICS.ops_eliminated += dead
-        with _disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
+        with _disable_current_modes():
             launched = fuser.run_window(window, st.options)
         METRICS.launches += launched
-        METRICS.ops_materialized += launched
+        METRICS.ops_materialized += sum(1 for n in window.nodes if n.needed and not n.is_view)
     except fuser.ReplayError as e:
         raise _user_error(e, reason) from e.error
     finally:
         _release(window)
-
-
-class _no_autocast:
-    """Recorded ops were already autocast (autocast sits above the dispatch mode); running them
-    again with autocast on would cast twice."""
-
-    __slots__ = ("guard",)
-
-    def __enter__(self):
-        self.guard = None
-        if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
-            self.guard = torch._C._ExcludeDispatchKeyGuard(
-                torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-                | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
-            )
-            self.guard.__enter__()
-
-    def __exit__(self, *exc):
-        if self.guard is not None:
-            self.guard.__exit__(*exc)
 
 
 def _release(window: Window) -> None:
@@ -256,7 +236,10 @@ def _meta(t):
     return _empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _compute_meta(f, args, kwargs, device):
+_STRUCTURE_IDS: dict = {}
+
+
+def _compute_meta(f, args, kwargs, device, sig, ksig):
     """Output metadata by running the op on meta tensors (the slow path: ~65 us)."""
     margs = list(args)
     for i in f.tensor_pos:
@@ -280,7 +263,12 @@ def _compute_meta(f, args, kwargs, device):
             raise NotImplementedError(f"{f.name} returns a non-tensor")
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
-    return tuple(specs), nbytes, isinstance(res, list)
+    specs = tuple(specs)
+    structure = (f, tuple(sig), ksig, specs)
+    eid = _STRUCTURE_IDS.get(structure)
+    if eid is None:
+        eid = _STRUCTURE_IDS[structure] = len(_STRUCTURE_IDS)
+    return specs, nbytes, isinstance(res, list), eid
 
 
 _META_CACHE: dict = {}
@@ -299,6 +287,8 @@ def _record(st: TracerState, f, args, kwargs):
     # Recorded ops snapshot the real 0-dim tensors they read, so running such an op now can
     # never change what a pending op will read.
     only_real_scalars = st.scalar_fast_path
+    refs = []  # Note [Window signature] in fuser.window
+    floats = []  # positions of float arguments (Note [Scalar lifting] in _ops)
     for i in f.tensor_pos:
         if i >= n:
             break
@@ -306,11 +296,16 @@ def _record(st: TracerState, f, args, kwargs):
         if a is None:
             continue
         if not isinstance(a, _Tensor):  # a Python number passed where the schema says Tensor
-            sig[i] = (a.__class__, a)
+            if a.__class__ is float and f.liftable:
+                sig[i] = float
+                floats.append(i)
+            else:
+                sig[i] = (a.__class__, a)
             continue
         if not _on_target(st, a):
             if a.dim() == 0 and a.is_cpu and i not in f.write_pos:
-                snaps.append(i)
+                snaps.append((i, len(refs)))
+                refs.append(0)
                 sig[i] = (a.dtype, "cpu-scalar")
                 continue
             return _DECLINED
@@ -322,12 +317,15 @@ def _record(st: TracerState, f, args, kwargs):
                 nargs = list(args)
             nargs[i] = o
             inputs.append(o)
+            refs.append(o.uid)
             only_real_scalars = False
-        elif st.scalar_fast_path:
-            if a.dim():
-                only_real_scalars = False
-            elif i not in f.write_pos:
-                snaps.append(i)
+        else:
+            if st.scalar_fast_path:
+                if a.dim():
+                    only_real_scalars = False
+                elif i not in f.write_pos:
+                    snaps.append((i, len(refs)))
+            refs.append(-1 - window.slot_of(a))
         sig[i] = (a.shape, a.stride(), a.dtype)
     for i in f.list_pos:
         if i >= n:
@@ -347,12 +345,15 @@ def _record(st: TracerState, f, args, kwargs):
             if o is not None and o.node.window is window:
                 new[j] = o
                 inputs.append(o)
+                refs.append(o.uid)
                 only_real_scalars = False
-            elif st.scalar_fast_path:
-                if a.dim():
-                    only_real_scalars = False
-                elif i not in f.write_pos:
-                    new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
+            else:
+                if st.scalar_fast_path:
+                    if a.dim():
+                        only_real_scalars = False
+                    elif i not in f.write_pos:
+                        a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
+                refs.append(-1 - window.slot_of(a))
             lsig.append((a.shape, a.stride(), a.dtype))
         if nargs is None:
             nargs = list(args)
@@ -363,10 +364,19 @@ def _record(st: TracerState, f, args, kwargs):
     for i in f.scalar_pos:
         if i < n:
             v = args[i]
-            sig[i] = (v.__class__, v)  # 1, 1.0 and True hash alike but promote differently
+            if v.__class__ is float and f.liftable:
+                sig[i] = float
+                floats.append(i)
+            else:
+                sig[i] = (v.__class__, v)  # 1, 1.0 and True hash alike but promote differently
     for i in f.seq_pos:
         if i < n and type(args[i]) is list:
-            sig[i] = tuple(args[i])
+            lst = args[i]
+            if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
+                sig[i] = (float, len(lst))
+                floats.extend((i, j) for j in range(len(lst)))
+            else:
+                sig[i] = tuple(lst)
     nkwargs = kwargs
     ksig = ()
     if kwargs:
@@ -381,6 +391,9 @@ def _record(st: TracerState, f, args, kwargs):
                         nkwargs = dict(kwargs)
                     nkwargs[k] = o
                     inputs.append(o)
+                    refs.append(o.uid)
+                else:
+                    refs.append(-1 - window.slot_of(v))
                 ksig.append((k, v.shape, v.stride(), v.dtype))
             else:
                 if k == "device" and v is not None:
@@ -388,7 +401,11 @@ def _record(st: TracerState, f, args, kwargs):
                     if dv.type != st.target:
                         return _DECLINED
                     device = dv
-                ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
+                if v.__class__ is float and f.liftable:
+                    ksig.append((k, float))
+                    floats.append(k)
+                else:
+                    ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
         ksig = tuple(ksig)
     if device is None:
         if not f.factory:
@@ -406,26 +423,29 @@ def _record(st: TracerState, f, args, kwargs):
         return _DECLINED
     if entry is None:
         try:
-            entry = _compute_meta(f, args, kwargs, device)
+            entry = _compute_meta(f, args, kwargs, device, sig, ksig)
         except Exception as e:
             log.debug("cannot record %s: meta execution failed: %s", f.name, e)
             entry = _FAILED
         _META_CACHE[key] = entry
     if entry is _FAILED:
         return _DECLINED
-    specs, nbytes, returns_list = entry
+    specs, nbytes, returns_list, eid = entry
 
     if snaps:
         if nargs is None:
             nargs = list(args)
-        for i in snaps:
-            # Eager reads a CPU scalar when the op runs; snapshot it, the program may change it later
-            nargs[i] = args[i].clone()
+        for i, r in snaps:
+            # Eager reads a 0-dim tensor when the op runs; snapshot it, the program may change it
+            # later (Note [Scalar fast path])
+            snap = nargs[i] = args[i].clone()
+            refs[r] = -1 - window.slot_of(snap)
     node = Node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(), window)
     node.mutates = f.mutates
     outs = node.outs
     results = []
     alias_ret = f.alias_ret
+    uid = (node.index + 1) * OUTS_PER_NODE
     for j, spec in enumerate(specs):
         if spec is None:
             target = alias_ret[j] if j < len(alias_ret) else None
@@ -435,25 +455,45 @@ def _record(st: TracerState, f, args, kwargs):
                 continue
             t = args[target] if type(target) is int else kwargs[target]
             src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
-            o = Out(node, ALIAS, alias=src)
+            o = Out(node, ALIAS, alias=src, uid=uid + j)
             o.tensor = t
+            o.slot = src.slot if type(src) is Out else window.slot_of(t)
             if type(src) is Out and src.root is not None and src.root.tensor is t:
                 src.root.held += 1  # o.tensor is one more strong reference to that placeholder
             t._ae = o
-            window.written.add(_untyped_storage(t)._cdata)
             outs.append(o)
             results.append(t)
             continue
         p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(node, FRESH, tensor=p)
+        o = Out(node, FRESH, tensor=p, uid=uid + j)
         p._ae = o
         outs.append(o)
         results.append(p)
-    if f.list_writes:
-        for i in f.list_pos:
-            if i in f.write_pos and i < n:
-                for t in args[i]:
+    if f.mutates:
+        # Every written argument, returned or not (BatchNorm's running stats are written but not
+        # returned; foreach ops write lists): later reads must flush, compiled regions write back.
+        for pos in f.write_pos:
+            written = kwargs.get(pos) if type(pos) is str else (args[pos] if pos < n else None)
+            for t in (written if type(written) in (list, tuple) else (written,)):
+                if isinstance(t, _Tensor):
                     window.written.add(_untyped_storage(t)._cdata)
+                    o = getattr(t, "_ae", None)
+                    live = o is not None and o.node is not None and o.node.window is window
+                    slot = o.slot if live else window.slot_of(t)
+                    if slot >= 0:
+                        window.mutated.add(slot)
+    window.sigs.append((eid, tuple(refs)))
+    if floats:
+        node.fbase = len(window.scalars)
+        node.fpos = floats
+        sc = window.scalars
+        for pos in floats:
+            if type(pos) is int:
+                sc.append(args[pos])
+            elif type(pos) is str:
+                sc.append(kwargs[pos])
+            else:
+                sc.append(args[pos[0]][pos[1]])
     window.nodes.append(node)
     window.pending_bytes += nbytes
     METRICS.ops_recorded += 1
@@ -472,33 +512,51 @@ def _record(st: TracerState, f, args, kwargs):
 def _record_view(st: TracerState, f, args, kwargs):
     res = f.func(*args, **kwargs)  # views read no data: make the real view now
     window = st.window
-    inputs = []
-    nargs = None
-    for i in f.tensor_pos:
-        if i < len(args):
-            a = args[i]
-            o = getattr(a, "_ae", None) if a is not None else None
-            if o is not None and o.node.window is window:
-                if nargs is None:
-                    nargs = list(args)
-                nargs[i] = o
-                inputs.append(o)
-    if not inputs:
+    a = args[0] if args else None
+    if not isinstance(a, _Tensor) or not _on_target(st, a):
         return res
+    # Views of real tensors are recorded too: a compiled region then derives them from the real
+    # input inside the graph, instead of taking an alias of an input it may also write (Note
+    # [Out kinds]); ``W.t()`` in a forward pass and ``W.add_()`` in the optimizer step.
+    o = getattr(a, "_ae", None)
+    if o is not None and (o.node is None or o.node.window is not window):
+        o = None
+    nargs = list(args)
+    if o is not None:
+        nargs[0] = o
+        inputs = [o]
+        ref = o.uid
+        slot = o.slot
+        root = o.root
+        if root is not None:
+            root.pinned = True  # the view's data lives in that placeholder (Note [Out kinds])
+    else:
+        inputs = []
+        slot = window.slot_of(a)
+        ref = -1 - slot
+        root = None
     node = Node(f.func, nargs, kwargs, inputs, None, window)
     node.is_view = True
-    roots = {id(i.root): i.root for i in inputs if i.root is not None}
-    for r in roots.values():
-        r.pinned = True  # the view's data lives in that placeholder (Note [Out kinds])
     views = res if isinstance(res, (tuple, list)) else (res,)
-    for v in views:
-        o = Out(node, VIEW, tensor=v)
-        o.value = v
-        o.root = inputs[0].root
-        v._ae = o
-        node.outs.append(o)
+    uid = (node.index + 1) * OUTS_PER_NODE
+    for j, v in enumerate(views):
+        vo = Out(node, VIEW, tensor=v, uid=uid + j, slot=slot)
+        vo.value = v
+        vo.root = root
+        v._ae = vo
+        node.outs.append(vo)
+    # the view's own signature: op, input geometry (offset included: views keep it) and arguments
+    key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,
+           tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))
+    eid = _VIEW_IDS.get(key)
+    if eid is None:
+        eid = _VIEW_IDS[key] = -1 - len(_VIEW_IDS)
+    window.sigs.append((eid, (ref,)))
     window.nodes.append(node)
     return res
+
+
+_VIEW_IDS: dict = {}
 
 
 def _random_fill(st: TracerState, f, args, kwargs):
@@ -519,6 +577,17 @@ def _random_fill(st: TracerState, f, args, kwargs):
         with torch._C._AutoDispatchBelowADInplaceOrView():
             self.copy_(tmp)
     return self
+
+
+def _record_or_run(st: TracerState, f, args, kwargs):
+    res = _record(st, f, args, kwargs)
+    if res is _SCALAR:
+        return _eager(st, f, args, kwargs, None)
+    if res is not _DECLINED:
+        return res
+    if not _touches_target(st, f, args, kwargs):
+        return f.func(*args, **kwargs)
+    return _eager(st, f, args, kwargs, _reason_for_unrecordable(st, f, args, kwargs))
 
 
 class LazyMode(TorchDispatchMode):
@@ -543,20 +612,19 @@ class LazyMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         if kind == RECORD:
-            res = _record(st, f, args, kwargs)
-            if res is _SCALAR:
-                return _eager(st, f, args, kwargs, None)
-            if res is not _DECLINED:
-                return res
-            if not _touches_target(st, f, args, kwargs):
-                return func(*args, **kwargs)
-            return _eager(st, f, args, kwargs, _reason_for_unrecordable(st, f, args, kwargs))
+            return _record_or_run(st, f, args, kwargs)
         if kind == VIEW_OP:
             return _record_view(st, f, args, kwargs)
         if kind == ALLOC:
             return func(*args, **kwargs)
         if kind == RANDOM_FILL:
             return _random_fill(st, f, args, kwargs)
+        if kind == BATCH_NORM:
+            # the same arguments and kernels, but the running-stat writes are in the schema, so they
+            # are marked written and functionalization returns their new values
+            mutating = len(args) > 5 and args[5] and args[3] is not None and args[4] is not None
+            func = torch.ops.aten._native_batch_norm_legit.default if mutating else func
+            return _record_or_run(st, facts_for(func), args, kwargs)
         if kind == RANDOM_NEW:
             if _touches_target(st, f, args, kwargs):
                 return _eager(st, f, args, kwargs, None)

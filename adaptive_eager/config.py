@@ -8,6 +8,7 @@ This is the only module that reads ``os.environ``. Each setting has one spelling
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -143,15 +144,25 @@ def _warn_unknown(environ: Mapping[str, str]) -> None:
             warnings.warn(f"unknown setting {key} is ignored{hint}", stacklevel=3)
 
 
-def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> Options:
-    """Build options from the environment, then apply keyword ``overrides`` (keywords win)."""
-    environ = os.environ if environ is None else environ
-    _warn_unknown(environ)
+_defaults: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def defaults(**options: Any):
+    """Temporarily change the defaults every ``adaptive_eager()``/``enable()`` starts from, above the
+    environment and below explicit keywords (what tests use instead of editing os.environ)."""
+    _validate(options)
+    saved = dict(_defaults)
+    _defaults.update(options)
+    try:
+        yield
+    finally:
+        _defaults.clear()
+        _defaults.update(saved)
+
+
+def _validate(overrides: Mapping[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for name, (parse, _) in SETTINGS.items():
-        raw = environ.get(_env(name))
-        if raw is not None:
-            values[name] = parse(name, raw)
     for name, value in overrides.items():
         if name not in SETTINGS:
             close = difflib.get_close_matches(name, list(SETTINGS), n=1)
@@ -161,6 +172,25 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
             continue
         values[name] = SETTINGS[name][0](name, str(value)) if isinstance(value, str) else value
     _check_types(values)
+    return values
+
+
+def with_overrides(base: Options, **overrides: Any) -> Options:
+    """``base`` with the given keyword options applied (an inner ``adaptive_eager(...)`` block)."""
+    return base.replace(**_validate(overrides)) if overrides else base
+
+
+def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> Options:
+    """Build options from the environment, then ``defaults()``, then keyword ``overrides``."""
+    environ = os.environ if environ is None else environ
+    _warn_unknown(environ)
+    values: dict[str, Any] = {}
+    for name, (parse, _) in SETTINGS.items():
+        raw = environ.get(_env(name))
+        if raw is not None:
+            values[name] = parse(name, raw)
+    values.update(_defaults)
+    values.update(_validate(overrides))
     if "device" not in values:
         values["device"] = default_device_type()
     return Options(**values)

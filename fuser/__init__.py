@@ -11,8 +11,16 @@ from .window import ALIAS, FRESH, VIEW, Node, Out, Window
 
 
 def run_window(window: Window, options) -> int:
-    """Run ``window`` (after ``mark_needed``); return the number of device launches made."""
-    return replay_window(window)
+    """Run ``window`` (after ``mark_needed``) with the backend ``options`` names; return the
+    number of device launches made."""
+    if options.backend == "replay":
+        return replay_window(window)
+    from . import compiled
+    from .backends import get_backend
+
+    return compiled.run(
+        window, get_backend(options.backend, options.device), options.hot_after, wait=not options.async_compile
+    )
 
 
 __all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError"]

@@ -72,6 +72,30 @@ def _resolve(x):
     return x
 
 
+class as_recorded:
+    """Run ops the way they were recorded: below autograd (the graph was built at record time;
+    running them above it again would build a second one and bump version counters) and with
+    autocast off (autocast sits above the dispatch mode, so recorded ops are already cast)."""
+
+    __slots__ = ("guards",)
+
+    def __enter__(self):
+        self.guards = [torch._C._AutoDispatchBelowADInplaceOrView()]
+        if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
+            self.guards.append(
+                torch._C._ExcludeDispatchKeyGuard(
+                    torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+                    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
+                )
+            )
+        for g in self.guards:
+            g.__enter__()
+
+    def __exit__(self, *exc):
+        for g in reversed(self.guards):
+            g.__exit__(*exc)
+
+
 class ReplayError(Exception):
     """Internal: wraps the failure of one node so the caller can re-raise it with user context."""
 
@@ -110,10 +134,14 @@ def _finish(out: Out, result) -> None:
 def replay_window(window: Window) -> int:
     """Run the needed nodes of ``window`` in order; return how many ops were launched.
 
-    Must be called with the tracer's mode disabled and below autograd (the ops were recorded below
-    autograd; running them again above it would build a second graph and bump version counters).
-    Raises ``ReplayError`` for the first node that fails.
+    Must be called with the tracer's mode disabled. Raises ``ReplayError`` for the first node that
+    fails.
     """
+    with as_recorded():
+        return _replay(window)
+
+
+def _replay(window: Window) -> int:
     launched = 0
     for node in window.nodes:
         if node.is_view:

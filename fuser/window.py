@@ -26,15 +26,18 @@ An ``Out`` is one value a node produces:
 from __future__ import annotations
 
 FRESH, ALIAS, VIEW = 0, 1, 2
+OUTS_PER_NODE = 1 << 16  # uid = (node index + 1) * OUTS_PER_NODE + output index
 
 
 class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
-    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held", "live")
+    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held", "live", "uid", "slot")
 
-    def __init__(self, node: Node, kind: int, tensor=None, alias=None):
+    def __init__(self, node: Node, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
         self.node = node
+        self.uid = uid  # position in the window (node index and output index): part of region keys
+        self.slot = slot  # ALIAS/VIEW of a real input: that input's slot in ``Window.real_inputs``
         self.kind = kind
         self.tensor = tensor  # FRESH: placeholder; VIEW: the eager view; ALIAS: the mutated tensor
         self.alias = alias  # ALIAS: the argument it aliases (tensor or Out)
@@ -50,9 +53,17 @@ class Out:
 class Node:
     """One recorded op: ``func(*args, **kwargs)`` where pending inputs appear as ``Out`` objects."""
 
-    __slots__ = ("func", "args", "kwargs", "outs", "inputs", "mutates", "is_view", "source", "needed", "window")
+    __slots__ = (
+        "func", "args", "kwargs", "outs", "inputs", "mutates", "is_view", "source", "needed", "window", "index",
+        "fbase", "fpos",
+    )
 
     def __init__(self, func, args, kwargs, inputs, source, window: Window):
+        self.index = len(window.nodes)
+        # float arguments (Note [Scalar lifting]): positions (arg index, kwarg name or (list arg
+        # index, element index)) and where their values start in ``Window.scalars``
+        self.fpos = ()
+        self.fbase = 0
         self.func = func
         self.args = args
         self.kwargs = kwargs
@@ -75,13 +86,28 @@ class Node:
 class Window:
     """Ops recorded since the last flush, in program order."""
 
-    __slots__ = ("nodes", "pending_bytes", "closed", "written")
+    __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars")
 
     def __init__(self):
         self.nodes: list[Node] = []
         self.pending_bytes = 0
         self.closed = False
         self.written: set[int] = set()  # storages (``_cdata``) that pending in-place ops write
+        # Note [Window signature]: one (op signature id, dataflow refs) pair per node, appended at
+        # record time, so the structural key of a window costs nothing to build at flush. A ref is
+        # an Out's ``uid`` (> 0) or ``-(slot + 1)`` for a real (non-pending) input tensor.
+        self.sigs: list[tuple] = []
+        self.slots: dict[int, int] = {}  # id(real tensor) -> slot
+        self.real_inputs: list = []  # the real tensors the window reads or writes, by slot
+        self.mutated: set[int] = set()  # slots of real inputs written by pending in-place ops
+        self.scalars: list[float] = []  # float arguments of the nodes, in order (not in ``sigs``)
+
+    def slot_of(self, t) -> int:
+        slot = self.slots.get(id(t))
+        if slot is None:
+            slot = self.slots[id(t)] = len(self.real_inputs)
+            self.real_inputs.append(t)
+        return slot
 
     def __len__(self) -> int:
         return len(self.nodes)

@@ -1,0 +1,136 @@
+"""What every backend shares: the error type, the graph checks, and how compiled code is called."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.fx.node import _get_qualified_name, map_arg
+
+
+class BackendCompileError(RuntimeError):
+    """A graph a backend cannot compile, or an artifact it cannot load.
+
+    Never fatal to the program: the fuser counts the reason and runs the region by replay.
+    """
+
+
+def op_name(target: object) -> str:
+    """How errors and serialized graphs name a node's target ("aten.add.Tensor")."""
+    if target is operator.getitem:
+        return "operator.getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    try:
+        return _get_qualified_name(target)  # FX's spelling: "torch.sin", not its C binding's
+    except Exception:
+        return repr(target)
+
+
+def check_graph(backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> None:
+    """Raise ``BackendCompileError`` unless ``gm`` has the shape the ``Backend`` contract promises.
+
+    Checked before any compiler runs, so a graph the fuser built wrong fails with a message that
+    names the node, not with an error from deep inside a compiler.
+    """
+    placeholders = 0
+    outputs = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            placeholders += 1
+        elif node.op == "call_function":
+            if not (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
+                raise BackendCompileError(
+                    f"{backend}: cannot compile {op_name(node.target)} (node {node.name}): "
+                    "only ATen OpOverloads and operator.getitem are supported"
+                )
+        elif node.op == "output":
+            outputs += 1
+            result = node.args[0]
+            if not isinstance(result, (tuple, list)) or not all(isinstance(r, torch.fx.Node) for r in result):
+                raise BackendCompileError(f"{backend}: the output node must return a tuple of tensors, got {result!r}")
+        else:
+            raise BackendCompileError(
+                f"{backend}: cannot compile {node.op} node {node.name} ({node.target}): "
+                "graphs hold only placeholders, ATen calls and one output"
+            )
+    if outputs != 1:
+        raise BackendCompileError(f"{backend}: graph has {outputs} output nodes, expected 1")
+    if placeholders != len(example_inputs):
+        raise BackendCompileError(
+            f"{backend}: graph has {placeholders} placeholders but {len(example_inputs)} example inputs"
+        )
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor):
+            raise BackendCompileError(f"{backend}: example input {i} is a {type(t).__name__}, not a tensor")
+
+
+def eager_output_meta(
+    backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
+) -> list[tuple]:
+    """(shape, stride, storage offset, dtype) of each output as eager execution would produce it.
+
+    Found by running the graph on fake tensors, node by node, so an op that cannot even be
+    shape-propagated (no meta kernel, data-dependent output shape) is named in the error.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    values: dict[torch.fx.Node, object] = {}
+    inputs = iter(example_inputs)
+    with torch.no_grad(), mode:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                values[node] = mode.from_tensor(next(inputs))
+            elif node.op == "call_function":
+                args = map_arg(node.args, values.__getitem__)
+                kwargs = map_arg(node.kwargs, values.__getitem__)
+                try:
+                    values[node] = node.target(*args, **kwargs)
+                except Exception as e:
+                    raise BackendCompileError(
+                        f"{backend}: cannot compile {op_name(node.target)} (node {node.name}): "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
+            elif node.op == "output":
+                return [tensor_meta(backend, values[n]) for n in node.args[0]]
+    raise BackendCompileError(f"{backend}: graph has no output node")
+
+
+def tensor_meta(backend: str, t: object) -> tuple:
+    """The output metadata the ``Backend`` contract promises to reproduce."""
+    if not isinstance(t, torch.Tensor):
+        raise BackendCompileError(f"{backend}: graph output is a {type(t).__name__}, not a tensor")
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_any_autocast_enabled = torch._C._is_any_autocast_enabled
+_DisableAutocast = torch._C._DisableAutocast
+
+
+def below_autograd(
+    fn: Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]],
+) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
+    """Wrap ``fn`` so the graph's ops run as they were recorded: grad mode and autocast off.
+
+    The recorder sees ops below autograd and autocast, so the graph already holds autocast's casts
+    and no autograd; re-entering either would record history on outputs, cast again, or reject
+    Inductor's ``out=`` kernels when an input requires grad. Plain function calls instead of
+    ``torch.no_grad()``: that context manager adds ~5 us per call, these ~1 us.
+    """
+
+    def run(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        grad = _is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            if _is_any_autocast_enabled():
+                with _DisableAutocast():
+                    return fn(inputs)
+            return fn(inputs)
+        finally:
+            _set_grad_enabled(grad)
+
+    return run

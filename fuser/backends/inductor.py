@@ -1,0 +1,484 @@
+"""The inductor backend: a region compiled by TorchInductor into one self-contained artifact.
+
+Note [Self-contained Inductor artifacts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Inductor's own saved artifacts (``standalone_compile(...).save``) hold generated source. Loading one
+re-derives each C++ kernel's cache key from the compiler command line, which runs ``g++ --version``
+and the vector-ISA dry compiles even when the built ``.so`` is present, and reruns g++ when it is
+not (measured: 18 s in a fresh process with an empty cache; fails outright with no compiler on
+PATH). AOTInductor's ``.pt2`` needs no compiler to load, but compiling a 10-op chain took 90 s (vs
+1-10 s here) and a call costs ~25 us on tiny inputs (vs ~3 us here).
+
+So the artifact keeps what Inductor generated and adds what it built: the Python wrapper module
+(``CompiledFxGraph.source_code``), the ``.so`` behind each ``async_compile.cpp_pybinding(...)`` call
+in it, and on CUDA the Triton cache files of its kernels. ``load`` executes the wrapper with
+``AsyncCompile`` replaced by ``_Kernels``, which hands each C++ kernel its bundled ``.so`` (written
+to a temporary file only long enough to ``dlopen`` it) and passes Triton kernels to the real
+``AsyncCompile`` after restoring their cache files, so Triton finds them instead of compiling.
+A fresh process therefore loads an artifact with no C++ compiler and no cache directory.
+``compile`` runs that same wrapper-executing code with a recorder as the kernel source, so an
+Inductor whose wrapper has a shape the loader does not understand fails at compile time, never at
+load time.
+
+Note [Calling the wrapper directly]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The callable from ``load`` is the wrapper's ``call(args)`` with no AOTAutograd runtime wrappers and
+no guards (~2 us of Python on tiny inputs; Inductor's ``CompiledArtifact`` costs ~6-9 us). That is
+sound only when the wrapper's calling convention is the graph's: ``compile`` checks that the graph
+Inductor compiled has one input per example input and outputs whose shape, stride, storage offset
+and dtype are what eager gives, and that it holds no constants and mutates no input. Of the skipped
+wrappers' work, the backend redoes the two parts a functional inference graph needs: grad mode and
+autocast off (``below_autograd``), and on CUDA a copy of any input whose address breaks the
+alignment the kernels were compiled to assume (``inputs_to_check``).
+
+Note [Dynamic shapes]
+~~~~~~~~~~~~~~~~~~~~~
+Compiles are static: ``dynamic_shapes="from_example_inputs"`` specializes on the example shapes,
+and the wrapper's ``assert_size_stride`` rejects other shapes. A dynamic variant goes in
+``_run_inductor``: pass ``standalone_compile`` a ``fake_mode`` with a ``ShapeEnv`` and example
+inputs whose dynamic dims are marked (``torch._dynamo.mark_dynamic``); the compiled graph then has
+SymInt placeholders besides the tensors, which the callable from ``load`` fills from the inputs'
+sizes (``_check_calling_convention`` must allow for them), and the region key must record which
+dims are dynamic.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import zipfile
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from ._common import BackendCompileError, below_autograd, check_graph, eager_output_meta, op_name, tensor_meta
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+_DEVICE_TYPES = ("cpu", "cuda")
+
+# Inductor settings that shape the generated code (so they are part of the fingerprint).
+_CONFIG = {
+    # No worker pool: starting one costs seconds, and regions are compiled off the hot path anyway.
+    "compile_threads": 1,
+    # The loader executes Inductor's Python wrapper (Note [Self-contained Inductor artifacts]).
+    "cpp_wrapper": False,
+    # CUDA graphs are installed by the post-compile step the loader skips.
+    "triton.cudagraphs": False,
+    # Frozen parameters would become constants that the artifact would have to carry.
+    "freezing": False,
+}
+
+_ASYNC_COMPILE_IMPORT = "from torch._inductor.async_compile import AsyncCompile\n"
+_TRITON_DIR_PLACEHOLDER = b"@ADAPTIVE_EAGER_TRITON_KERNEL_DIR@"
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so one compile result always packs to the same bytes
+
+# A compile patches Inductor's process-wide config and cache-dir environment variables for its
+# duration; two compiles at once in one process would see each other's.
+_compile_lock = threading.Lock()
+
+
+class InductorBackend:
+    """Compiles with ``torch._inductor.standalone_compile``; see the module notes for the format."""
+
+    name = "inductor"
+
+    def __init__(self, device_type: str) -> None:
+        if device_type not in _DEVICE_TYPES:
+            raise ValueError(
+                f"the inductor backend supports device types {', '.join(_DEVICE_TYPES)}, not {device_type!r}"
+            )
+        self.device_type = device_type
+        self._fingerprint: str | None = None
+
+    def fingerprint(self) -> str:
+        """Backend format, torch build, Python ABI, machine, the device's code target, and ``_CONFIG``.
+
+        The device part is what the binaries are built for: ATen's CPU capability (the ISA Inductor
+        vectorizes for) on CPU; CUDA version, compute capability and Triton version on CUDA.
+        """
+        if self._fingerprint is None:
+            self._fingerprint = _fingerprint(self.device_type)
+        return self._fingerprint
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> bytes:
+        """Compile ``gm`` into a self-contained artifact (Note [Self-contained Inductor artifacts])."""
+        check_graph(self.name, gm, example_inputs)
+        for i, t in enumerate(example_inputs):
+            if t.device.type != self.device_type:
+                raise BackendCompileError(
+                    f"inductor: example input {i} is on {t.device}, this backend compiles for {self.device_type}"
+                )
+        expected = eager_output_meta(self.name, gm, example_inputs)
+        start = time.perf_counter()
+        with _compile_lock:
+            source, cpp_kernels, triton_files, inputs_to_check = _run_inductor(
+                gm, example_inputs, expected, self.device_type
+            )
+        members: dict[str, bytes] = {"wrapper.py": source.encode()}
+        kernel_members = {}
+        for key, blob in cpp_kernels.items():
+            kernel_members[key] = f"cpp/{hashlib.sha256(blob).hexdigest()}.so"
+            members[kernel_members[key]] = blob
+        members.update(triton_files)
+        manifest = {
+            "format": _FORMAT,
+            "fingerprint": self.fingerprint(),
+            "inputs_to_check": inputs_to_check,
+            "cpp_kernels": kernel_members,
+            "triton_device": _device_index(example_inputs) if triton_files else None,
+            "triton_files": sorted(triton_files),
+        }
+        artifact = _pack(manifest, members)
+        log.debug(
+            "inductor: compiled %d nodes in %.2f s into %d bytes (%d C++ kernels, %d Triton files)",
+            len(gm.graph.nodes), time.perf_counter() - start, len(artifact), len(cpp_kernels), len(triton_files),
+        )
+        return artifact
+
+    def load(self, artifact: bytes) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
+        """Rebuild the compiled callable; runs no compiler (Note [Self-contained Inductor artifacts])."""
+        manifest, members = _unpack(artifact)
+        if manifest.get("fingerprint") != self.fingerprint():
+            raise BackendCompileError(
+                f"inductor: artifact was made for {manifest.get('fingerprint')!r}, "
+                f"this process is {self.fingerprint()!r}"
+            )
+
+        def bundled_kernel(argtypes: list[str], source_code: str, kwargs: dict) -> Callable:
+            member = manifest["cpp_kernels"].get(_kernel_key(argtypes, source_code, kwargs))
+            if member is None:
+                raise BackendCompileError("inductor: artifact lacks a C++ kernel its wrapper asks for")
+            return _load_cpp_kernel(members[member])
+
+        try:
+            if manifest["triton_files"]:
+                _restore_triton(manifest["triton_device"], {name: members[name] for name in manifest["triton_files"]})
+            call = _instantiate(members["wrapper.py"].decode(), bundled_kernel)
+            return below_autograd(_boxed(call, manifest["inputs_to_check"]))
+        except BackendCompileError:
+            raise
+        except Exception as e:
+            raise BackendCompileError(f"inductor: artifact does not load: {type(e).__name__}: {e}") from e
+
+
+def _run_inductor(
+    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], expected: list[tuple], device_type: str
+) -> tuple[str, dict[str, bytes], dict[str, bytes], list[int]]:
+    """Compile in an Inductor cache dir of our own; return the wrapper source and the binaries it uses."""
+    from torch._inductor import config, standalone_compile
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
+    from torch._inductor.utils import fresh_cache
+
+    captured = []
+
+    def capture(inner_gm: torch.fx.GraphModule, inner_inputs: list, **kwargs: object) -> object:
+        compiled = compile_fx_inner(inner_gm, inner_inputs, **kwargs)
+        captured.append((inner_gm, compiled))
+        return compiled
+
+    # compile_fx takes ownership of the graph and its passes rewrite it in place; gm is the fuser's
+    # record of the window (it may replay it after a failed compile), so Inductor gets a copy.
+    gm = copy.deepcopy(gm)
+    # Detached, so AOTAutograd traces an inference graph (outputs 1:1 with ours, no backward), and
+    # distinct objects, so a tensor passed for two placeholders is not deduplicated into one input.
+    inputs = [t.detach() for t in example_inputs]
+    if device_type == "cuda":
+        # a fresh directory, so every Triton file in it belongs to this compile (_collect_triton)
+        cache_dir = fresh_cache()
+    else:
+        # A directory that outlives the process: Inductor keeps its vector-ISA probe builds there,
+        # which makes the first compile in a process ~10 s instead of ~25 s. Ours, so it does not
+        # mix with torch.compile's entries; the environment variable is restored afterwards.
+        cache_dir = temporary_cache_dir(os.path.join(default_cache_dir(), "adaptive_eager"))
+    # AOTAutograd's cache would answer a repeated graph without calling inner_compile, leaving
+    # nothing to capture; Inductor's own graph cache still makes such a compile fast.
+    no_autograd_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    with torch.no_grad(), cache_dir, no_autograd_cache, config.patch(_CONFIG):
+        try:
+            standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs", options={"inner_compile": capture})
+        except Exception as e:
+            raise BackendCompileError(
+                f"inductor: cannot compile {_culprit(e, gm)}: {type(e).__name__}: {str(e)[:800]}"
+            ) from e
+        if len(captured) != 1:
+            raise BackendCompileError(f"inductor: expected one compiled graph, Inductor produced {len(captured)}")
+        inner_gm, compiled = captured[0]
+        source = getattr(compiled, "source_code", None)
+        if not isinstance(source, str):
+            raise BackendCompileError(f"inductor: compiled a {type(compiled).__name__}, which has no Python wrapper")
+        _check_calling_convention(inner_gm, compiled, expected, len(inputs))
+
+        cpp_kernels: dict[str, bytes] = {}
+
+        def record(argtypes: list[str], source_code: str, kwargs: dict) -> Callable:
+            fn = CppPythonBindingsCodeCache.load_pybinding(argtypes, source_code, **kwargs)
+            path = getattr(getattr(fn, "__self__", None), "__file__", None)
+            if path is None:
+                raise BackendCompileError("inductor: cannot find the shared object of a compiled C++ kernel")
+            with open(path, "rb") as f:
+                cpp_kernels[_kernel_key(argtypes, source_code, kwargs)] = f.read()
+            return fn
+
+        try:
+            _instantiate(source, record)
+        except BackendCompileError:
+            raise
+        except Exception as e:
+            raise BackendCompileError(f"inductor: the generated wrapper does not load: {type(e).__name__}: {e}") from e
+        triton_files = _collect_triton(_device_index(example_inputs)) if device_type == "cuda" else {}
+    return source, cpp_kernels, triton_files, list(compiled.inputs_to_check)
+
+
+def _check_calling_convention(
+    inner_gm: torch.fx.GraphModule, compiled: object, expected: list[tuple], n_inputs: int
+) -> None:
+    """See Note [Calling the wrapper directly]."""
+    nodes = list(inner_gm.graph.nodes)
+    n_placeholders = sum(n.op == "placeholder" for n in nodes)
+    if n_placeholders != n_inputs:
+        raise BackendCompileError(
+            f"inductor: compiled code takes {n_placeholders} inputs for the graph's {n_inputs}"
+        )
+    outputs = next(n for n in reversed(nodes) if n.op == "output").args[0]
+    if len(outputs) != len(expected):
+        raise BackendCompileError(
+            f"inductor: compiled code returns {len(outputs)} outputs for the graph's {len(expected)}"
+        )
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        got = tensor_meta("inductor", getattr(out, "meta", {}).get("val"))
+        if got != want:
+            raise BackendCompileError(
+                f"inductor: compiled output {i} would be (shape, stride, offset, dtype) {got}, eager gives {want}"
+            )
+    for attribute in ("constants", "torchbind_constants", "mutated_inputs"):
+        if getattr(compiled, attribute, None):
+            raise BackendCompileError(f"inductor: compiled code has {attribute}, which artifacts cannot carry")
+
+
+def _culprit(error: BaseException, gm: torch.fx.GraphModule) -> str:
+    """The first op of ``gm`` that Inductor's error names (its lowering errors print the target)."""
+    texts = []
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        texts.append(str(e))
+        pending += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
+    text = "\n".join(texts)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and op_name(node.target) in text:
+            return f"{op_name(node.target)} (node {node.name})"
+    return "the graph (the error names none of its ops)"
+
+
+class _Kernels:
+    """What Inductor's wrapper gets from ``AsyncCompile()`` when this backend executes it.
+
+    C++ kernels come from ``cpp_kernel`` (the recorder at compile time, the artifact at load time);
+    Triton kernels go to the real ``AsyncCompile``, as in Inductor's own loading. Any other kernel
+    kind is a wrapper this backend cannot make self-contained, reported at compile time.
+    """
+
+    def __init__(self, cpp_kernel: Callable[[list[str], str, dict], Callable]) -> None:
+        self._cpp_kernel = cpp_kernel
+        self._async_compile = None
+
+    def cpp_pybinding(self, argtypes: list[str], source_code: str, **kwargs: object) -> Callable:
+        return self._cpp_kernel(argtypes, source_code, kwargs)
+
+    def triton(self, kernel_name: str, source_code: str, device_str: str = "cuda") -> object:
+        if self._async_compile is None:
+            from torch._inductor.async_compile import AsyncCompile
+
+            self._async_compile = AsyncCompile()
+        return self._async_compile.triton(kernel_name, source_code, device_str)
+
+    def wait(self, scope: dict) -> None:
+        if self._async_compile is not None:
+            self._async_compile.wait(scope)
+
+    def __getattr__(self, kind: str) -> object:
+        if kind.startswith("__"):
+            raise AttributeError(kind)
+        raise BackendCompileError(f"inductor: generated code uses {kind!r} kernels, which artifacts cannot carry")
+
+
+def _instantiate(source: str, cpp_kernel: Callable[[list[str], str, dict], Callable]) -> Callable:
+    """Execute Inductor's wrapper module with ``_Kernels`` as its ``AsyncCompile``; return ``call``."""
+    if _ASYNC_COMPILE_IMPORT not in source:
+        raise BackendCompileError(
+            f"inductor: the wrapper torch {torch.__version__} generates does not import AsyncCompile "
+            "the way this loader expects; artifacts cannot be made self-contained"
+        )
+    from torch._inductor import config
+
+    kernels = _Kernels(cpp_kernel)
+    # Removing the import leaves our name in place: the wrapper can only build kernels through
+    # ``kernels``, so one that reaches for the real compiler fails here instead of compiling.
+    namespace = {"__name__": f"{__name__}.wrapper", "AsyncCompile": lambda: kernels}
+    code = compile(source.replace(_ASYNC_COMPILE_IMPORT, ""), "<inductor wrapper>", "exec")
+    # A Triton cache miss compiles in this thread instead of starting Inductor's worker pool.
+    with config.patch(compile_threads=1):
+        exec(code, namespace)
+    call = namespace.get("call")
+    if not callable(call):
+        raise BackendCompileError("inductor: the generated wrapper defines no call()")
+    return call
+
+
+def _boxed(call: Callable, inputs_to_check: list[int]) -> Callable[[list[torch.Tensor]], tuple]:
+    if not inputs_to_check:
+        # the wrapper clears the list it is given, to free inputs early; the caller keeps theirs
+        return lambda inputs: call(list(inputs))
+    from torch._inductor.utils import ALIGNMENT, clone_preserve_strides
+
+    def realigned(inputs: list[torch.Tensor]) -> tuple:
+        args = list(inputs)
+        for i in inputs_to_check:
+            if args[i].data_ptr() % ALIGNMENT:
+                args[i] = clone_preserve_strides(args[i])
+        return call(args)
+
+    return realigned
+
+
+def _kernel_key(argtypes: list[str], source_code: str, kwargs: dict) -> str:
+    return hashlib.sha256(repr((list(argtypes), source_code, sorted(kwargs.items()))).encode()).hexdigest()
+
+
+def _load_cpp_kernel(blob: bytes) -> Callable:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    # Named by content, so a kernel shared by several artifacts is loaded once per process.
+    key = "adaptive_eager_" + hashlib.sha256(blob).hexdigest()[:40]
+    # dlopen needs a file, but the mapping outlives it: nothing is left on disk.
+    with tempfile.TemporaryDirectory(prefix="adaptive_eager_kernel_", ignore_cleanup_errors=True) as d:
+        path = os.path.join(d, "kernel.so")
+        with open(path, "wb") as f:
+            f.write(blob)
+        module = CppPythonBindingsCodeCache._load_library(path, key)
+    return getattr(module, CppPythonBindingsCodeCache.entry_function)
+
+
+def _device_index(example_inputs: list[torch.Tensor]) -> int:
+    for t in example_inputs:
+        if t.device.type == "cuda":
+            return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return torch.cuda.current_device()
+
+
+def _collect_triton(device_index: int) -> dict[str, bytes]:
+    """This compile's Triton cache files (its cache dir is private to the compile), made relocatable."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    base = triton_cache_dir(device_index)
+    files: dict[str, bytes] = {}
+    if not os.path.isdir(base):
+        return files
+    for kernel_hash in sorted(os.listdir(base)):
+        kernel_dir = os.path.join(base, kernel_hash)
+        if kernel_hash.startswith("tmp.") or not os.path.isdir(kernel_dir):
+            continue
+        for name in sorted(os.listdir(kernel_dir)):
+            if name.endswith(".lock") or name.startswith("tmp."):
+                continue
+            with open(os.path.join(kernel_dir, name), "rb") as f:
+                data = f.read()
+            if name.endswith(".json"):
+                # Triton's group index records absolute paths; Inductor's TritonBundler relocates them the same way.
+                data = data.replace(kernel_dir.encode(), _TRITON_DIR_PLACEHOLDER)
+            files[f"triton/{kernel_hash}/{name}"] = data
+    return files
+
+
+def _restore_triton(device_index: int, files: dict[str, bytes]) -> None:
+    """Put bundled Triton kernels where this process's Triton cache will look for them."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    base = triton_cache_dir(device_index)
+    kernels: dict[str, list[tuple[str, bytes]]] = {}
+    for member, data in files.items():
+        _, kernel_hash, name = member.split("/")
+        kernels.setdefault(kernel_hash, []).append((name, data))
+    for kernel_hash, entries in kernels.items():
+        target = os.path.join(base, kernel_hash)
+        if os.path.isdir(target) and os.listdir(target):
+            continue
+        tmp = os.path.join(base, f"tmp.{uuid.uuid4().hex}")
+        os.makedirs(tmp)
+        for name, data in entries:
+            if name.endswith(".json"):
+                data = data.replace(_TRITON_DIR_PLACEHOLDER, target.encode())
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+        try:
+            # a rename, so Triton never sees a half-written kernel directory
+            os.replace(tmp, target)
+        except OSError:
+            # another process restored the same kernel first
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pack(manifest: dict, members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in {"manifest.json": json.dumps(manifest, sort_keys=True).encode(), **members}.items():
+            info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, data)
+    return buf.getvalue()
+
+
+def _unpack(artifact: bytes) -> tuple[dict, dict[str, bytes]]:
+    """Manifest and members; zip's CRC-32 on every member catches corruption."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(artifact)) as z:
+            members = {name: z.read(name) for name in z.namelist()}
+        manifest = json.loads(members.pop("manifest.json"))
+    except (zipfile.BadZipFile, zlib.error, KeyError, ValueError, EOFError) as e:
+        raise BackendCompileError(f"inductor: artifact is corrupt or not an inductor artifact: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise BackendCompileError(f"inductor: artifact manifest is not format {_FORMAT}: {str(manifest)[:200]}")
+    return manifest, members
+
+
+def _fingerprint(device_type: str) -> str:
+    parts = [
+        f"inductor-{_FORMAT}",
+        f"torch-{torch.__version__}@{(torch.version.git_version or 'unknown')[:12]}",
+        sys.implementation.cache_tag,  # the kernels are Python extension modules
+        platform.machine(),
+    ]
+    if device_type == "cpu":
+        parts.append(f"cpu-{torch.backends.cpu.get_cpu_capability()}")
+    else:
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = "none"
+        major, minor = torch.cuda.get_device_capability()
+        toolkit = torch.version.cuda or f"hip{torch.version.hip}"
+        parts.append(f"cuda-{toolkit}-sm{major}{minor}-triton-{triton_version}")
+    parts.append("config-" + hashlib.sha256(json.dumps(_CONFIG, sort_keys=True).encode()).hexdigest()[:16])
+    return "|".join(parts)
