@@ -571,11 +571,7 @@ def _random_fill(st: TracerState, f, args, kwargs):
     f.func(tmp, *args[1:], **kwargs)
     METRICS.ops_eager += 1
     METRICS.launches += 1
-    res = _record(st, facts_for(_copy_), (self, tmp), {})
-    if res is _DECLINED:  # cannot defer the copy (should not happen for same-device dense tensors)
-        flush(st, "random")
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            self.copy_(tmp)
+    _record_or_run(st, facts_for(_copy_), (self, tmp), {})
     return self
 
 

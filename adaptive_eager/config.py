@@ -34,7 +34,7 @@ class Options:
     device: str  # target device type; ops on other devices run eagerly, untouched
     window: int = 1024  # op cap: a window holding this many ops is flushed
     window_mb: float = 1024.0  # pending-bytes cap: outputs of pending ops, in MiB
-    backend: str = "replay"
+    backend: str = "replay"  # load_options picks inductor for cpu and cuda
     cache_dir: str = os.path.join("~", ".cache", "adaptive_eager")
     cache_size_mb: int = 4096
     hot_after: int = 2
@@ -102,7 +102,7 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "device": (_parse_device, "target device type (default: neuron if present, else cuda, else cpu)"),
     "window": (_parse_int, "op cap of a window (default 1024)"),
     "window_mb": (_parse_float, "pending-bytes cap of a window in MiB (default 1024)"),
-    "backend": (_parse_choice(BACKENDS), "how windows run: `replay`, `inductor` or `neuron`"),
+    "backend": (_parse_choice(BACKENDS), "how windows run: `inductor` (default on cpu and cuda) or `replay` (op by op; default elsewhere)"),
     "cache_dir": (_parse_str, "persistent cache directory (default ~/.cache/adaptive_eager)"),
     "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
@@ -193,6 +193,15 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
     values.update(_validate(overrides))
     if "device" not in values:
         values["device"] = default_device_type()
+    if "backend" not in values:
+        values["backend"] = "inductor" if values["device"] in ("cpu", "cuda") else "replay"
+    if values["backend"] == "neuron":
+        raise ConfigError(
+            "backend 'neuron' needs torch-neuronx's compiler, which adaptive eager does not drive yet; "
+            "use NEURON_EAGER_BACKEND=replay (op by op) on Trainium for now"
+        )
+    if values["backend"] == "inductor" and values["device"] not in ("cpu", "cuda"):
+        raise ConfigError(f"backend 'inductor' compiles for cpu and cuda, not {values['device']!r}; use backend='replay'")
     return Options(**values)
 
 

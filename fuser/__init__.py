@@ -18,9 +18,7 @@ def run_window(window: Window, options) -> int:
     from . import compiled
     from .backends import get_backend
 
-    return compiled.run(
-        window, get_backend(options.backend, options.device), options.hot_after, wait=not options.async_compile
-    )
+    return compiled.run(window, get_backend(options.backend, options.device), options)
 
 
 __all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError"]

@@ -16,17 +16,26 @@ code and input metadata plus the backend fingerprint, computed only on a compile
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import pickle
+import queue
 import struct
+import threading
 import time
+from concurrent.futures import Future
 from collections import Counter, OrderedDict
 
 import torch
+import xxhash
 
 from .replay import ReplayError, _bind, as_recorded, replay_window
 from .window import ALIAS, FRESH, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
+
+FORMAT = 1  # bump when Program's encoding or the artifact packing changes
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage
@@ -47,11 +56,14 @@ class RegionStats:
         self.compiled_runs = 0
         self.blacklisted = 0
         self.compile_failures = 0
+        self.cache_hits_disk = 0
+        self.waited_for_other_process = 0
         self.recompiles: Counter[str] = Counter()
         self.not_compiled: Counter[str] = Counter()  # why a window stayed on replay
 
     def as_dict(self) -> dict:
         return {
+            "corrupt_entries": sum(s.corrupt_entries + s.incompatible_entries for s in _STORES.values()),
             "regions_compiled": self.regions_compiled,
             "compile_seconds": round(self.compile_seconds, 3),
             "cache_hits_memory": self.cache_hits_memory,
@@ -61,6 +73,9 @@ class RegionStats:
             "recompiles": dict(self.recompiles),
             "blacklisted": self.blacklisted,
             "compile_failures": self.compile_failures,
+            "compiles": self.regions_compiled,
+            "cache_hits_disk": self.cache_hits_disk,
+            "waited_for_other_process": self.waited_for_other_process,
             "not_compiled": dict(self.not_compiled),
         }
 
@@ -69,7 +84,8 @@ STATS = RegionStats()
 
 
 class _Entry:
-    __slots__ = ("seen", "run", "n_live", "mutated", "blacklisted", "future", "lifted_inputs", "group")
+    __slots__ = ("seen", "run", "n_live", "mutated", "blacklisted", "future", "lifted_inputs", "group",
+                 "program", "pkey", "other_process")
 
     def __init__(self):
         self.future = None  # a compile in flight
@@ -80,6 +96,9 @@ class _Entry:
         self.blacklisted = False
         self.lifted_inputs: list[tuple[int, torch.dtype]] = []  # (index in Window.scalars, dtype)
         self.group = None
+        self.program: Program | None = None
+        self.pkey: str | None = None  # persistent key (Program.digest), computed at first sight
+        self.other_process = False  # another process holds the compile claim for pkey
 
 
 class RegionCache:
@@ -174,13 +193,14 @@ def _scalar_key(structure, scalars: list) -> tuple:
     return (group, group.lifted, tuple(v for i, v in enumerate(values) if i not in lifted))
 
 
-def run(window: Window, backend, hot_after: int, wait: bool = False) -> int:
-    """Run ``window`` (after ``mark_needed``) compiled when its key is hot, else by replay; return
-    the launches made."""
+def run(window: Window, backend, options) -> int:
+    """Run ``window`` (after ``mark_needed``) compiled when its key is hot or on disk, else by
+    replay; return the launches made."""
     live = _live_outs(window)
     mutated = tuple(sorted(window.mutated))
     if not live and not mutated:
         return 0  # nothing observable: every op is dead (e.g. a window of views)
+    wait = not options.async_compile
     structure = (tuple(window.sigs), tuple(o.uid for o in live), mutated)
     group, lifted, baked = _scalar_key(structure, window.scalars)
     key = (structure, lifted, baked)
@@ -190,26 +210,117 @@ def run(window: Window, backend, hot_after: int, wait: bool = False) -> int:
         _collect(entry)
     if entry.run is not None:
         STATS.cache_hits_memory += 1
-        try:
-            return _run_compiled(entry, window, live)
-        except Exception as e:  # never the program's problem: blacklist and replay (below)
-            _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
+        return _run_or_replay(entry, window, live)
     entry.seen += 1
-    if not entry.blacklisted and entry.future is None and entry.run is None and entry.seen >= hot_after:
-        STATS.cache_misses += 1
+    if entry.blacklisted or entry.future is not None:
+        return _replay(window)
+    if entry.other_process:
+        poll_jobs()
+    if entry.seen == 1 or entry.other_process:
+        # A region compiled by an earlier run or another process is used at first sight.
         reason = _not_compilable(window)
         if reason is not None:
             STATS.not_compiled[reason] += 1
             entry.blacklisted = True
-        else:
-            _compile(entry, window, live, mutated, lifted, backend, wait)
+            return _replay(window)
+        store = _store(options)
+        if entry.program is None:
+            entry.program = Program.from_window(window, live, mutated, lifted)
+            entry.pkey = entry.program.digest(backend.fingerprint())
+            entry.n_live, entry.mutated = len(live), mutated
+        data = store.get(entry.pkey, fingerprint=backend.fingerprint())
+        if data is not None:
+            entry.other_process = False
+            entry.future = _submit(_load, data, backend)
+            _collect(entry, from_disk=True)
             if entry.run is not None:
-                try:
-                    return _run_compiled(entry, window, live)
-                except Exception as e:
-                    _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
+                return _run_or_replay(entry, window, live)
+    if entry.seen >= options.hot_after and not entry.blacklisted and not entry.other_process:
+        STATS.cache_misses += 1
+        store = _store(options)
+        if entry.program is None:
+            entry.program = Program.from_window(window, live, mutated, lifted)
+            entry.pkey = entry.program.digest(backend.fingerprint())
+            entry.n_live, entry.mutated = len(live), mutated
+        if not store.claim(entry.pkey):
+            # another process is compiling this region: replay meanwhile, pick it up from disk
+            if not entry.other_process:
+                STATS.waited_for_other_process += 1
+            entry.other_process = True
+            return _replay(window)
+        if wait:
+            entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
+            entry.program = None
+            _collect(entry)
+            if entry.run is not None:
+                return _run_or_replay(entry, window, live)
+        else:
+            _submit_job(entry, backend, store, options)
+    return _replay(window)
+
+
+# Note [Background compiles]
+# With async_compile, a hot region is compiled in a worker *process* (neff_cache.CompileJobs),
+# never a thread of this process: Inductor saves and restores the global RNG state around a
+# compile, which would rewind the random numbers the program draws meanwhile. The program keeps
+# replaying; the artifact lands in the store, and the region's next window loads it.
+_JOBS: dict = {}
+_PENDING: dict = {}  # persistent key -> entry waiting for a background compile
+
+
+def _jobs(store, options):
+    from neff_cache import CompileJobs
+
+    jobs = _JOBS.get(id(store))
+    if jobs is None:
+        jobs = _JOBS[id(store)] = CompileJobs(store, max_workers=1)
+    return jobs
+
+
+def _submit_job(entry: _Entry, backend, store, options) -> None:
+    store.release(entry.pkey)  # CompileJobs claims the key itself
+    payload = json.dumps({"backend": backend.name, "device": options.device,
+                          "program": entry.program.to_bytes().decode()}).encode()
+    try:
+        submitted = _jobs(store, options).submit(
+            entry.pkey, "fuser.compiled:compile_job", payload, fingerprint=backend.fingerprint(), backend=backend.name
+        )
+    except Exception as e:  # noqa: BLE001 - an unserializable argument: compile synchronously instead
+        log.info("adaptive_eager: compiling in this process: %s", e)
+        entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
+        _collect(entry)
+        return
+    entry.other_process = True  # picked up from the store at a later sight
+    _PENDING[entry.pkey] = entry
+    if not submitted:
+        STATS.waited_for_other_process += 1
+
+
+def poll_jobs() -> None:
+    """Collect finished background compiles (their artifacts are then in the store)."""
+    for jobs in _JOBS.values():
+        for result in jobs.poll():
+            entry = _PENDING.pop(result.key, None)
+            if result.ok:
+                STATS.regions_compiled += 1
+            else:
+                STATS.compile_failures += 1
+                if entry is not None:
+                    entry.other_process = False
+                    _blacklist(entry, f"background compile failed: {result.error}")
+
+
+def _replay(window: Window) -> int:
     STATS.replayed_regions += 1
     return replay_window(window)
+
+
+def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> int:
+    try:
+        return _run_compiled(entry, window, live)
+    except Exception as e:  # never the program's problem: blacklist and replay
+        _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
+        return _replay(window)
 
 
 def _not_compilable(window: Window) -> str | None:
@@ -255,6 +366,9 @@ class _Ref:
     def __reduce__(self):
         return (_Ref, (self.uid,))
 
+    def __repr__(self) -> str:
+        return f"%{self.uid}"
+
 
 class _In:
     """A real input of the program, by slot."""
@@ -266,6 +380,9 @@ class _In:
 
     def __reduce__(self):
         return (_In, (self.slot,))
+
+    def __repr__(self) -> str:
+        return f"in{self.slot}"
 
 
 class _Lifted:
@@ -279,6 +396,9 @@ class _Lifted:
 
     def __reduce__(self):
         return (_Lifted, (self.index,))
+
+    def __repr__(self) -> str:
+        return f"scalar{self.index}"
 
 
 def _sentinel(k: int) -> float:
@@ -349,6 +469,36 @@ class Program:
         inputs = [(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in window.real_inputs]
         scalars = tuple(window.scalars[i] for i in lifted)
         return cls(ops, inputs, [o.uid for o in live], mutated, tuple(lifted), scalars)
+
+    def to_bytes(self) -> bytes:
+        """JSON (OpOverloads and torch enums do not pickle): what a compile worker process gets."""
+        doc = {
+            "format": FORMAT,
+            "ops": [[str(func), _enc(args), _enc(kwargs), [None if o is None else [o[0], o[1], _enc(o[2])] for o in outs]]
+                    for func, args, kwargs, outs in self.ops],
+            "inputs": [[list(shape), list(stride), str(dtype).removeprefix("torch."), device]
+                       for shape, stride, dtype, device in self.inputs],
+            "live": list(self.live), "mutated": list(self.mutated), "lifted": list(self.lifted),
+            "scalars": list(self.scalars),
+        }
+        return json.dumps(doc).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Program:
+        doc = json.loads(data)
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"program format {doc.get('format')} is not {FORMAT}")
+        ops = [(_op(name), _dec(args), _dec(kwargs), [None if o is None else (o[0], o[1], _dec(o[2])) for o in outs])
+               for name, args, kwargs, outs in doc["ops"]]
+        inputs = [(tuple(shape), tuple(stride), getattr(torch, dtype), device) for shape, stride, dtype, device in doc["inputs"]]
+        return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]))
+
+    def digest(self, fingerprint: str) -> str:
+        """The persistent region key: xxh3_128 of the program's structure (ops, arguments, input
+        metadata, outputs, lifted floats) and the backend fingerprint. Never tensor data; the
+        same in every process (Note [Region key])."""
+        text = repr((FORMAT, fingerprint, self.ops, self.inputs, self.live, self.mutated, self.lifted))
+        return xxhash.xxh3_128_hexdigest(text.encode())
 
     def example_inputs(self) -> list[torch.Tensor]:
         return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -457,6 +607,83 @@ class Program:
         return [torch.tensor(values[k], dtype=dt) for k, dt in self.lifted_inputs]
 
 
+_ENUMS = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}
+
+
+def _enc(x):
+    # JSON keeps 1, 1.0 and True apart; everything else is tagged
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    if type(x) is list:
+        return [_enc(v) for v in x]
+    if type(x) is tuple:
+        return {"$tuple": [_enc(v) for v in x]}
+    if type(x) is dict:
+        return {"$dict": {k: _enc(v) for k, v in x.items()}}
+    if type(x) is _Ref:
+        return {"$ref": x.uid}
+    if type(x) is _In:
+        return {"$in": x.slot}
+    if type(x) is _Lifted:
+        return {"$lifted": x.index}
+    if isinstance(x, torch.dtype):
+        return {"$dtype": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.device):
+        return {"$device": str(x)}
+    if isinstance(x, torch.layout):
+        return {"$layout": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.memory_format):
+        return {"$memory_format": str(x).removeprefix("torch.")}
+    if type(x) is complex:
+        return {"$complex": [x.real, x.imag]}
+    raise TypeError(f"cannot send {x!r} ({type(x).__name__}) to a compile worker")
+
+
+def _dec(x):
+    if type(x) is list:
+        return [_dec(v) for v in x]
+    if type(x) is not dict:
+        return x
+    ((tag, v),) = x.items()
+    if tag == "$tuple":
+        return tuple(_dec(e) for e in v)
+    if tag == "$dict":
+        return {k: _dec(e) for k, e in v.items()}
+    if tag == "$ref":
+        return _Ref(v)
+    if tag == "$in":
+        return _In(v)
+    if tag == "$lifted":
+        return _Lifted(v)
+    if tag == "$device":
+        return torch.device(v)
+    if tag == "$complex":
+        return complex(*v)
+    value = getattr(torch, v)
+    if not isinstance(value, _ENUMS[tag]):
+        raise ValueError(f"unknown {tag} {v!r}")
+    return value
+
+
+def _op(name: str):
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+
+def compile_job(payload: bytes) -> bytes:
+    """Compile-worker entry point (named by import path in neff_cache.CompileJobs): a serialized
+    Program and backend name in, the packed artifact out."""
+    import adaptive_eager
+
+    adaptive_eager.disable()  # NEURON_EAGER=adaptive in the environment turned it on at import
+    doc = json.loads(payload)
+    from .backends import get_backend
+
+    backend = get_backend(doc["backend"], doc["device"])
+    program = Program.from_bytes(doc["program"].encode())
+    return _pack(*compile_program(program, backend))
+
+
 def compile_program(program: Program, backend) -> tuple[bytes, list]:
     """Compile ``program`` with ``backend``: the artifact ``backend.load`` takes, and the lifted
     float inputs it expects after the real inputs ((Window.scalars index, dtype) each)."""
@@ -465,38 +692,76 @@ def compile_program(program: Program, backend) -> tuple[bytes, list]:
     return artifact, program.lifted_inputs
 
 
-# Compiles run on their own thread: a flush often happens inside the dispatch mode's
-# __torch_dispatch__, where Python dispatch is off for this thread and graph tracing
-# (make_fx, functionalization) cannot work; a fresh thread has clean dispatch state.
-_EXECUTOR = None
+# Note [Compile thread]
+# Compiles (and artifact loads) run on a thread of their own: a flush often happens inside the
+# dispatch mode's __torch_dispatch__, where Python dispatch is off for the calling thread and graph
+# tracing (make_fx, functionalization) cannot work; a fresh thread has clean dispatch state. The
+# thread is a daemon, so a pending compile never holds the interpreter at exit.
+_QUEUE: queue.SimpleQueue | None = None
 
 
-def _executor():
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        from concurrent.futures import ThreadPoolExecutor
+def _worker() -> None:
+    while True:
+        future, fn, args = _QUEUE.get()
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the flushing thread
+                future.set_exception(e)
 
-        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptive_eager_compile")
-    return _EXECUTOR
+
+def _submit(fn, *args) -> Future:
+    global _QUEUE
+    if _QUEUE is None:
+        _QUEUE = queue.SimpleQueue()
+        threading.Thread(target=_worker, name="adaptive_eager_compile", daemon=True).start()
+    future: Future = Future()
+    _QUEUE.put((future, fn, args))
+    return future
 
 
-def _compile_and_load(program: Program, backend):
+def _pack(artifact: bytes, lifted_inputs) -> bytes:
+    return pickle.dumps({"artifact": artifact, "lifted": [(i, str(dt).removeprefix("torch.")) for i, dt in lifted_inputs]})
+
+
+def _unpack(data: bytes):
+    doc = pickle.loads(data)
+    return doc["artifact"], [(i, getattr(torch, dt)) for i, dt in doc["lifted"]]
+
+
+def _load(data: bytes, backend):
+    artifact, lifted_inputs = _unpack(data)
+    return backend.load(artifact), lifted_inputs, 0.0
+
+
+def _compile_and_store(program: Program, backend, store, pkey: str):
     t0 = time.perf_counter()
-    artifact, lifted_inputs = compile_program(program, backend)
-    return backend.load(artifact), lifted_inputs, time.perf_counter() - t0
+    try:
+        artifact, lifted_inputs = compile_program(program, backend)
+        seconds = time.perf_counter() - t0
+        store.put(pkey, _pack(artifact, lifted_inputs), fingerprint=backend.fingerprint(), backend=backend.name,
+                  compile_seconds=seconds)
+    finally:
+        store.release(pkey)
+    return backend.load(artifact), lifted_inputs, seconds
 
 
-def _compile(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backend, wait: bool) -> None:
-    program = Program.from_window(window, live, mutated, lifted)
-    entry.n_live = len(live)
-    entry.mutated = mutated
-    entry.future = _executor().submit(_compile_and_load, program, backend)
-    if wait:
-        _collect(entry)
+_STORES: dict = {}
 
 
-def _collect(entry: _Entry) -> None:
-    """Take a finished compile's result (blocking if it is still running)."""
+def _store(options):
+    """The persistent artifact store of ``options.cache_dir`` (one per directory and process)."""
+    from neff_cache import ArtifactStore
+
+    where = (os.path.expanduser(options.cache_dir), options.cache_size_mb, os.getpid())
+    store = _STORES.get(where)
+    if store is None:
+        store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=options.cache_size_mb)
+    return store
+
+
+def _collect(entry: _Entry, from_disk: bool = False) -> None:
+    """Take a finished compile's (or load's) result, blocking if it is still running."""
     future, entry.future = entry.future, None
     try:
         entry.run, lifted_inputs, seconds = future.result()
@@ -514,10 +779,13 @@ def _collect(entry: _Entry) -> None:
         STATS.compile_failures += 1
         _blacklist(entry, f"compile failed: {type(e).__name__}: {e}")
         return
+    entry.lifted_inputs = lifted_inputs
+    if from_disk:
+        STATS.cache_hits_disk += 1
+        return
     STATS.compile_seconds += seconds
     STATS.regions_compiled += 1
-    entry.lifted_inputs = lifted_inputs
     log.info("adaptive_eager: compiled a region in %.2fs", seconds)
 
 
-__all__ = ["run", "build_graph", "CACHE", "STATS", "ReplayError", "VIEW"]
+__all__ = ["run", "Program", "compile_program", "CACHE", "STATS", "ReplayError", "VIEW"]

@@ -3,6 +3,13 @@ import pytest
 import adaptive_eager as ae
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Compiled regions go to a cache of this test session, never the user's ~/.cache."""
+    with ae.defaults(cache_dir=str(tmp_path_factory.mktemp("adaptive_eager_cache"))):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_metrics():
     """Every test starts with zeroed counters and leaves adaptive eager off for this thread."""
