@@ -232,7 +232,10 @@ def run(window: Window, backend, options) -> int:
         if data is not None:
             entry.other_process = False
             entry.future = _submit(_load, data, backend)
-            _collect(entry, from_disk=True)
+            if not wait:
+                # the first load in a process imports Inductor (~1-2 s): replay meanwhile
+                return _replay(window)
+            _collect(entry)
             if entry.run is not None:
                 return _run_or_replay(entry, window, live)
     if entry.seen >= options.hot_after and not entry.blacklisted and not entry.other_process:
@@ -582,7 +585,8 @@ class Program:
                     for a in schema.arguments:
                         if (a.name == where) if type(where) is str else (schema.arguments.index(a) == where):
                             argument = a
-                if argument is None or str(argument.type) not in ("Tensor", "Optional[Tensor]"):
+                alpha = where == "alpha" and node.target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+                if not alpha and (argument is None or str(argument.type) not in ("Tensor", "Optional[Tensor]")):
                     raise LiftError(f"{node.target} needs a lifted float as a Python number")
                 first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
                 other = first.meta.get("val") if first is not None else None
@@ -593,7 +597,14 @@ class Program:
                         ph = made[(k, dtype)] = graph.placeholder(f"lifted_{k}_{len(made)}")
                     last_input = ph
                     spec.append((k, dtype))
-                if type(where) is str:
+                if alpha:
+                    # x + alpha * y with alpha an input: the Scalar alpha becomes a multiply
+                    with graph.inserting_before(node):
+                        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], ph))
+                    scaled.meta["val"] = node.meta.get("val")
+                    node.update_arg(1, scaled)
+                    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
+                elif type(where) is str:
                     node.update_kwarg(where, ph)
                 else:
                     node.update_arg(where, ph)
@@ -731,7 +742,7 @@ def _unpack(data: bytes):
 
 def _load(data: bytes, backend):
     artifact, lifted_inputs = _unpack(data)
-    return backend.load(artifact), lifted_inputs, 0.0
+    return backend.load(artifact), lifted_inputs, None  # no compile seconds: it came from disk
 
 
 def _compile_and_store(program: Program, backend, store, pkey: str):
@@ -760,7 +771,7 @@ def _store(options):
     return store
 
 
-def _collect(entry: _Entry, from_disk: bool = False) -> None:
+def _collect(entry: _Entry) -> None:
     """Take a finished compile's (or load's) result, blocking if it is still running."""
     future, entry.future = entry.future, None
     try:
@@ -780,7 +791,7 @@ def _collect(entry: _Entry, from_disk: bool = False) -> None:
         _blacklist(entry, f"compile failed: {type(e).__name__}: {e}")
         return
     entry.lifted_inputs = lifted_inputs
-    if from_disk:
+    if seconds is None:
         STATS.cache_hits_disk += 1
         return
     STATS.compile_seconds += seconds

@@ -1,0 +1,223 @@
+"""Compiled regions: where compilation changes the picture (DESIGN.md, the fuser issue)."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+import fuser.compiled
+from adaptive_eager import adaptive_eager
+
+SYNC = dict(backend="inductor", hot_after=1, async_compile=False)
+
+
+def test_compiled_outputs_keep_eager_strides_and_values():
+    x = torch.randn(8, 6)
+    with adaptive_eager(**SYNC):
+        t = (x * 2).t()  # a view of a fresh value
+        c = (x.t() * 2).contiguous()
+        r = x.sum(0, keepdim=True)
+    assert ae.metrics()["compiled_runs"] == 1
+    for got, want in ((t, (x * 2).t()), (c, (x.t() * 2).contiguous()), (r, x.sum(0, keepdim=True))):
+        assert got.shape == want.shape and got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+
+
+def test_dead_intermediate_is_not_an_output_of_the_region():
+    x = torch.randn(1000)
+    with adaptive_eager(**SYNC):
+        mid = x.exp()
+        out = (mid * 2).sin()
+        del mid
+    (entry,) = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None and e.n_live == 1][-1:]
+    assert entry.n_live == 1  # only `out` leaves the region: `mid` is never written to memory
+    torch.testing.assert_close(out, (x.exp() * 2).sin())
+
+
+def test_mutation_write_back_and_views_of_outputs():
+    p = torch.ones(4, 4)
+    buf = torch.zeros(4)
+    with adaptive_eager(**SYNC):
+        y = p * 3
+        row = y[1]  # a view the program keeps: the region must write y's placeholder
+        p.add_(1)
+        buf.copy_(y.sum(0))
+    assert ae.metrics()["compiled_runs"] == 1
+    assert p.tolist() == [[2.0] * 4] * 4
+    assert buf.tolist() == [12.0] * 4
+    assert row.tolist() == [3.0] * 4 and row._base is y
+
+
+def test_runtime_error_in_compiled_region_is_eager_error_via_replay():
+    x = torch.randn(5)
+    idx = torch.tensor([1, 10])
+    with adaptive_eager(**SYNC):
+        with pytest.raises(IndexError, match="recorded at"):
+            x[idx].sum().item()
+
+
+def test_a_region_that_fails_to_compile_is_blacklisted_and_replayed(monkeypatch, caplog):
+    from fuser.backends import get_backend
+
+    backend = get_backend("inductor", "cpu")
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(backend, "compile", broken)
+    x = torch.randn(16)
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        for _ in range(3):
+            y = (x * 7 + 3).cos()
+            ae.sync()
+    torch.testing.assert_close(y, (x * 7 + 3).cos(), rtol=0, atol=0)  # replayed: bitwise eager
+    m = ae.metrics()
+    assert m["compile_failures"] == 1 and m["blacklisted"] == 1 and m["compiled_runs"] == 0
+    assert "compiler crashed" in caplog.text
+
+
+def test_first_sight_replays_and_hot_key_compiles():
+    x = torch.randn(32)
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=str(_fresh_dir())):
+        for i in range(4):
+            y = (x + 1).tanh() * 0.5
+            ae.sync()
+    m = ae.metrics()
+    assert m["replayed_regions"] == 1 and m["compiles"] == 1 and m["compiled_runs"] == 3
+
+
+def test_one_off_windows_are_never_compiled():
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=str(_fresh_dir())):
+        for n in range(1, 6):
+            (torch.ones(n) * 2).sum().item()
+    assert ae.metrics()["compiles"] == 0
+
+
+def test_cosine_schedule_compiles_each_region_once():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 100)
+    x = torch.randn(8, 16)
+    eager_model = torch.nn.Linear(16, 16)
+    eager_model.load_state_dict(model.state_dict())
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
+    eager_sched = torch.optim.lr_scheduler.CosineAnnealingLR(eager_opt, 100)
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=str(_fresh_dir())):
+        for _ in range(100):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            sched.step()
+    for _ in range(100):
+        eager_opt.zero_grad()
+        eager_model(x).square().mean().backward()
+        eager_opt.step()
+        eager_sched.step()
+    m = ae.metrics()
+    assert m["compiles"] <= 3, m  # first step (momentum buffers created) + the steady step
+    assert m["compiled_runs"] >= 95
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_training_loop_that_rarely_syncs_hits_compiled_regions():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data, target = torch.randn(16, 8), torch.randn(16, 1)
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=str(_fresh_dir())):
+        for step in range(120):
+            loss = torch.nn.functional.mse_loss(model(data), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 50 == 49:
+                loss.item()
+            if step == 9:
+                ae.reset_metrics()  # after warm-up
+    m = ae.metrics()
+    hit = m["compiled_runs"] / m["windows"]
+    assert hit >= 0.99, m
+
+
+def _fresh_dir():
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="ae_fuser_")
+
+
+WARM_RESTART = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    import adaptive_eager as ae
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    times = []
+    with ae.adaptive_eager(cache_dir=sys.argv[1], async_compile=sys.argv[2] == "async"):
+        for i in range(12):
+            t0 = time.perf_counter()
+            opt.zero_grad(); model(x).sum().backward(); opt.step()
+            times.append(time.perf_counter() - t0)
+            if i == 5:
+                time.sleep(5)  # give a background load time to land
+    m = ae.metrics()
+    print(json.dumps({"compiles": m["compiles"], "disk": m["cache_hits_disk"], "runs": m["compiled_runs"],
+                      "first": times[0], "steady": sorted(times[2:])[1]}))
+    """
+)
+
+
+def test_warm_restart_compiles_nothing_and_starts_at_full_speed(tmp_path):
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", WARM_RESTART, str(tmp_path), mode], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold = run("sync")  # compiles in the process, so the artifact is on disk when it exits
+    warm = run("async")  # the default: artifacts load in the background while the first step replays
+    assert cold["compiles"] >= 1
+    assert warm["compiles"] == 0 and warm["disk"] >= 1 and warm["runs"] >= 1
+    # no compile and no blocking load in the first warm step: it runs at (replayed) eager speed
+    assert warm["first"] < 0.5, (cold, warm)
+
+
+CONCURRENT = textwrap.dedent(
+    """
+    import json, sys, torch
+    import adaptive_eager as ae
+    x = torch.arange(64.0)
+    with ae.adaptive_eager(cache_dir=sys.argv[1], hot_after=1, async_compile=False):
+        for k in range(3):  # three distinct regions, each seen twice
+            for _ in range(2):
+                ((x * (k + 2)).sin() + k).sum().item()
+    m = ae.metrics()
+    print(json.dumps({"compiles": m["compiles"], "disk": m["cache_hits_disk"], "waited": m["waited_for_other_process"]}))
+    """
+)
+
+
+def test_four_processes_on_a_cold_cache_compile_each_region_once(tmp_path):
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(r["compiles"] for r in results) == 3, results
