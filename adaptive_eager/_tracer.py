@@ -117,12 +117,11 @@ def flush(st: TracerState, reason: str) -> None:
     METRICS.flushes[reason] += 1
     METRICS.windows += 1
     try:
-        dead = fuser.mark_needed(window)
-        METRICS.ops_eliminated += dead
         with _disable_current_modes():
-            launched = fuser.run_window(window, st.options)
+            launched, materialized, eliminated = fuser.run_window(window, st.options)
         METRICS.launches += launched
-        METRICS.ops_materialized += sum(1 for n in window.nodes if n.needed and not n.is_view)
+        METRICS.ops_materialized += materialized
+        METRICS.ops_eliminated += eliminated
     except fuser.ReplayError as e:
         raise _user_error(e, reason) from e.error
     finally:
@@ -130,21 +129,21 @@ def flush(st: TracerState, reason: str) -> None:
 
 
 def _release(window: Window) -> None:
-    """Drop every reference the window holds and unmark the tensors (no leaks, no stale marks)."""
-    for node in window.nodes:
-        for o in node.outs:
-            if o is None:
-                continue
-            t = o.tensor
-            if t is not None:
-                d = t.__dict__
-                if d.get("_ae") is o:
-                    del d["_ae"]
-            o.tensor = o.alias = o.value = o.root = None
-            o.node = None
-        node.outs = node.args = node.kwargs = node.inputs = None
-        node.window = None
+    """Drop every reference the window holds and unmark the tensors (no leaks, no stale marks).
+
+    Clearing each Out's references breaks the tensor -> Out -> tensor and Out <-> Node cycles, and
+    clearing the node list the Node -> Window one, so everything is freed by reference counting."""
+    for o in window.outs:
+        t = o.tensor
+        if t is not None:
+            d = t.__dict__
+            if d.get("_ae") is o:
+                del d["_ae"]
+        o.tensor = o.alias = o.value = o.root = o.node = None
+    window.outs.clear()
+    window.fresh.clear()
     window.nodes.clear()
+    window.real_inputs.clear()
 
 
 def _user_error(e: fuser.ReplayError, reason: str) -> BaseException:
@@ -462,12 +461,15 @@ def _record(st: TracerState, f, args, kwargs):
                 src.root.held += 1  # o.tensor is one more strong reference to that placeholder
             t._ae = o
             outs.append(o)
+            window.outs.append(o)
             results.append(t)
             continue
         p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
         o = Out(node, FRESH, tensor=p, uid=uid + j)
         p._ae = o
         outs.append(o)
+        window.outs.append(o)
+        window.fresh.append(o)
         results.append(p)
     if f.mutates:
         # Every written argument, returned or not (BatchNorm's running stats are written but not
@@ -545,6 +547,7 @@ def _record_view(st: TracerState, f, args, kwargs):
         vo.root = root
         v._ae = vo
         node.outs.append(vo)
+        window.outs.append(vo)
     # the view's own signature: op, input geometry (offset included: views keep it) and arguments
     key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,
            tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))

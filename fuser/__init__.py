@@ -10,15 +10,21 @@ from .replay import ReplayError, mark_needed, replay_window
 from .window import ALIAS, FRESH, VIEW, Node, Out, Window
 
 
-def run_window(window: Window, options) -> int:
-    """Run ``window`` (after ``mark_needed``) with the backend ``options`` names; return the
-    number of device launches made."""
+def run_window(window: Window, options) -> tuple[int, int, int]:
+    """Run ``window`` with the backend ``options`` names; return (device launches made, ops
+    computed, ops found dead). A compiled region counts its ops as computed: the compiler does
+    its own dead-code elimination."""
     if options.backend == "replay":
-        return replay_window(window)
+        dead = mark_needed(window)
+        return replay_window(window), _computed(window), dead
     from . import compiled
     from .backends import get_backend
 
     return compiled.run(window, get_backend(options.backend, options.device), options)
+
+
+def _computed(window: Window) -> int:
+    return sum(1 for n in window.nodes if n.needed and not n.is_view)
 
 
 __all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError"]

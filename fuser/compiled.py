@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 import torch
 import xxhash
 
-from .replay import ReplayError, _bind, as_recorded, replay_window
+from .replay import ReplayError, _bind, as_recorded, mark_needed, placeholder_is_dead, replay_window
 from .window import ALIAS, FRESH, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
@@ -85,7 +85,7 @@ STATS = RegionStats()
 
 class _Entry:
     __slots__ = ("seen", "run", "n_live", "mutated", "blacklisted", "future", "lifted_inputs", "group",
-                 "program", "pkey", "other_process")
+                 "program", "pkey", "other_process", "counts")
 
     def __init__(self):
         self.future = None  # a compile in flight
@@ -99,6 +99,7 @@ class _Entry:
         self.program: Program | None = None
         self.pkey: str | None = None  # persistent key (Program.digest), computed at first sight
         self.other_process = False  # another process holds the compile claim for pkey
+        self.counts = (0, 0)  # (ops computed, ops dead) of this structure, for metrics()
 
 
 class RegionCache:
@@ -126,9 +127,16 @@ CACHE = RegionCache()
 
 
 def _live_outs(window: Window) -> list[Out]:
-    """FRESH values the program can still observe, in window order (see mark_needed)."""
-    return [o for node in window.nodes if not node.is_view for o in node.outs
-            if o is not None and o.kind == FRESH and o.live]
+    """FRESH values the program can still observe, in window order: the region's outputs.
+
+    Only values are visited, never nodes, so a flush that hits a compiled region costs per output,
+    not per op."""
+    live = []
+    for o in window.fresh:
+        if o.pinned or not placeholder_is_dead(o):
+            o.live = True
+            live.append(o)
+    return live
 
 
 def _inputs_alias(window: Window) -> bool:
@@ -193,13 +201,13 @@ def _scalar_key(structure, scalars: list) -> tuple:
     return (group, group.lifted, tuple(v for i, v in enumerate(values) if i not in lifted))
 
 
-def run(window: Window, backend, options) -> int:
+def run(window: Window, backend, options) -> tuple[int, int, int]:
     """Run ``window`` (after ``mark_needed``) compiled when its key is hot or on disk, else by
     replay; return the launches made."""
     live = _live_outs(window)
     mutated = tuple(sorted(window.mutated))
     if not live and not mutated:
-        return 0  # nothing observable: every op is dead (e.g. a window of views)
+        return 0, 0, len(window.nodes)  # nothing observable: every op is dead
     wait = not options.async_compile
     structure = (tuple(window.sigs), tuple(o.uid for o in live), mutated)
     group, lifted, baked = _scalar_key(structure, window.scalars)
@@ -225,6 +233,8 @@ def run(window: Window, backend, options) -> int:
             return _replay(window)
         store = _store(options)
         if entry.program is None:
+            dead = mark_needed(window)
+            entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
             entry.program = Program.from_window(window, live, mutated, lifted)
             entry.pkey = entry.program.digest(backend.fingerprint())
             entry.n_live, entry.mutated = len(live), mutated
@@ -242,6 +252,8 @@ def run(window: Window, backend, options) -> int:
         STATS.cache_misses += 1
         store = _store(options)
         if entry.program is None:
+            dead = mark_needed(window)
+            entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
             entry.program = Program.from_window(window, live, mutated, lifted)
             entry.pkey = entry.program.digest(backend.fingerprint())
             entry.n_live, entry.mutated = len(live), mutated
@@ -313,14 +325,16 @@ def poll_jobs() -> None:
                     _blacklist(entry, f"background compile failed: {result.error}")
 
 
-def _replay(window: Window) -> int:
+def _replay(window: Window) -> tuple[int, int, int]:
     STATS.replayed_regions += 1
-    return replay_window(window)
+    dead = mark_needed(window)
+    launched = replay_window(window)
+    return launched, sum(1 for n in window.nodes if n.needed and not n.is_view), dead
 
 
-def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> int:
+def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> tuple[int, int, int]:
     try:
-        return _run_compiled(entry, window, live)
+        return (_run_compiled(entry, window, live), *entry.counts)
     except Exception as e:  # never the program's problem: blacklist and replay
         _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
         return _replay(window)
@@ -349,13 +363,14 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out]) -> int:
         inputs += [torch.tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
     with as_recorded():
         outs = entry.run(inputs)
+        copies = 0
         for o, r in zip(live, outs):
-            _bind(o, r)
+            copies += _bind(o, r)
         real = window.real_inputs
         for slot, r in zip(entry.mutated, outs[entry.n_live:]):
             real[slot].copy_(r)  # write-back of parameters, optimizer state, buffers
     STATS.compiled_runs += 1
-    return 1
+    return 1 + copies + len(entry.mutated)  # the copies are launches too
 
 
 class _Ref:

@@ -31,6 +31,10 @@ def placeholder_is_dead(out: Out) -> bool:
         return False
     if t._use_count() > 1:  # another TensorImpl owner (a view's base link, an autograd input save)
         return False
+    if not t.requires_grad:
+        # only autograd (saving an output) or a view shares a placeholder's storage; views made
+        # under the mode pin their root (Note [Out kinds])
+        return True
     # one count for the placeholder's TensorImpl, one for the storage's Python object
     return _storage_use_count(_untyped_storage(t)._cdata) <= 2
 
@@ -105,11 +109,12 @@ class ReplayError(Exception):
         self.error = error
 
 
-def _bind(out: Out, result: torch.Tensor) -> None:
+def _bind(out: Out, result: torch.Tensor) -> int:
+    """Make ``result`` the value of ``out``'s placeholder; return the copy launches it took."""
     placeholder = out.tensor
     if not out.live:  # only later ops of this window read it: never written to the placeholder
         out.value = result
-        return
+        return 0
     if (
         result.dtype is placeholder.dtype
         and not out.pinned
@@ -118,17 +123,19 @@ def _bind(out: Out, result: torch.Tensor) -> None:
         # Nobody else shares the placeholder's (never written) storage: adopt the result's storage
         # instead of copying it. Every holder of this TensorImpl sees the new storage.
         placeholder.set_(_untyped_storage(result), result.storage_offset(), result.size(), result.stride())
-    else:
-        # Views of the placeholder, or autograd's saved copy of an output, share its storage.
-        placeholder.copy_(result)
+        out.value = placeholder
+        return 0
+    # Views of the placeholder, or autograd's saved copy of an output, share its storage.
+    placeholder.copy_(result)
     out.value = placeholder
+    return 1
 
 
-def _finish(out: Out, result) -> None:
+def _finish(out: Out, result) -> int:
     if out.kind == ALIAS:
         out.value = out.alias.value if type(out.alias) is Out else out.alias
-    else:
-        _bind(out, result)
+        return 0
+    return _bind(out, result)
 
 
 def replay_window(window: Window) -> int:
@@ -160,11 +167,11 @@ def _replay(window: Window) -> int:
         outs = node.outs
         if len(outs) == 1:
             if outs[0] is not None:
-                _finish(outs[0], result)
+                launched += _finish(outs[0], result)
         else:
             for o, r in zip(outs, result):
                 if o is not None:
-                    _finish(o, r)
+                    launched += _finish(o, r)
     return launched
 
 

@@ -86,7 +86,8 @@ class Node:
 class Window:
     """Ops recorded since the last flush, in program order."""
 
-    __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars")
+    __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
+                 "outs", "fresh")
 
     def __init__(self):
         self.nodes: list[Node] = []
@@ -101,6 +102,8 @@ class Window:
         self.real_inputs: list = []  # the real tensors the window reads or writes, by slot
         self.mutated: set[int] = set()  # slots of real inputs written by pending in-place ops
         self.scalars: list[float] = []  # float arguments of the nodes, in order (not in ``sigs``)
+        self.outs: list[Out] = []  # every Out, so a flush touches values, not nodes
+        self.fresh: list[Out] = []  # the FRESH ones (placeholders whose liveness decides outputs)
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))
