@@ -47,14 +47,14 @@ def mark_needed(window: Window) -> int:
     """
     dead = 0
     for node in reversed(window.nodes):
-        if node.mutates:
-            needed = True
-        elif node.is_view:
+        if node.is_view:
             needed = any(o.needed for o in node.outs)
         else:
-            needed = False
+            # a mutating op is always needed, but its fresh outputs (BatchNorm's) still need their
+            # liveness: it decides whether they are written to their placeholders
+            needed = node.mutates
             for o in node.outs:
-                if o is None:
+                if o is None or o.kind != FRESH:
                     continue
                 o.live = o.pinned or not placeholder_is_dead(o)
                 if o.live or o.needed:

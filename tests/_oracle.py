@@ -1,0 +1,111 @@
+"""Plain eager as the oracle: exact copies of a program's inputs, and the first observable difference.
+
+Shared by the differential tests; this module holds no tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+def clone_exact(tree):
+    """Copy every tensor in ``tree`` with its storage, offset, sizes and strides.
+
+    ``Tensor.clone()`` would make expanded, overlapping or offset inputs dense, and would split two
+    inputs that share a storage; both change what an op sees (its kernel path, whether an in-place
+    write shows through another argument). Copying the storage keeps all of that.
+    """
+    copies: dict[int, torch.UntypedStorage] = {}
+
+    def copy(x):
+        if not isinstance(x, torch.Tensor) or x.layout is not torch.strided:
+            return x
+        storage = x.untyped_storage()
+        key = storage._cdata
+        if key not in copies:
+            copies[key] = storage.clone()
+        out = torch.empty(0, dtype=x.dtype, device=x.device)
+        out.set_(copies[key], x.storage_offset(), x.size(), x.stride())
+        return out
+
+    return tree_map(copy, tree)
+
+
+def tensors_in(tree) -> list[torch.Tensor]:
+    found = []
+    tree_map(lambda x: found.append(x) if isinstance(x, torch.Tensor) else None, tree)
+    return found
+
+
+def aliasing(outputs, inputs) -> list[int | None]:
+    """For each output tensor, the index of the first input tensor whose storage it shares."""
+    storages = [t.untyped_storage()._cdata if t.untyped_storage().nbytes() else None for t in tensors_in(inputs)]
+    found = []
+    for t in tensors_in(outputs):
+        key = t.untyped_storage()._cdata if t.untyped_storage().nbytes() else None
+        found.append(storages.index(key) if key is not None and key in storages else None)
+    return found
+
+
+def _significant_strides(t: torch.Tensor) -> tuple:
+    # A dimension of size 0 or 1 is never stepped over, so its stride is not observable.
+    return tuple(s for n, s in zip(t.shape, t.stride()) if n > 1) if t.numel() > 1 else ()
+
+
+def tensor_difference(expected: torch.Tensor, actual, where: str, *, values: bool = True, strides: bool = True):
+    if not isinstance(actual, torch.Tensor):
+        return f"{where}: expected a tensor, got {type(actual).__name__}"
+    for attr in ("dtype", "shape", "device", "layout", "requires_grad"):
+        if getattr(expected, attr) != getattr(actual, attr):
+            return f"{where}: {attr} {getattr(actual, attr)} != eager {getattr(expected, attr)}"
+    if strides and _significant_strides(expected) != _significant_strides(actual):
+        return f"{where}: strides {actual.stride()} != eager {expected.stride()}"
+    if expected.is_conj() != actual.is_conj() or expected.is_neg() != actual.is_neg():
+        return f"{where}: conj/neg bits differ from eager"
+    if values:
+        try:
+            torch.testing.assert_close(actual, expected, equal_nan=True, check_stride=False)
+        except AssertionError as e:
+            return f"{where}: values differ from eager: {' '.join(str(e).split())[:300]}"
+    return None
+
+
+def first_difference(expected, actual, where: str = "output", *, values: bool = True, strides: bool = True):
+    """A sentence naming the first place ``actual`` differs from the eager ``expected``, or None."""
+    if isinstance(expected, torch.Tensor):
+        return tensor_difference(expected, actual, where, values=values, strides=strides)
+    if isinstance(expected, (tuple, list)):
+        if type(expected) is not type(actual) or len(expected) != len(actual):
+            return f"{where}: {type(actual).__name__} of {_len(actual)} != eager {type(expected).__name__} of {len(expected)}"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            diff = first_difference(e, a, f"{where}[{i}]", values=values, strides=strides)
+            if diff is not None:
+                return diff
+        return None
+    if isinstance(expected, dict):
+        if type(expected) is not type(actual) or expected.keys() != actual.keys():
+            return f"{where}: {actual!r} != eager {expected!r}"
+        for k in expected:
+            diff = first_difference(expected[k], actual[k], f"{where}[{k!r}]", values=values, strides=strides)
+            if diff is not None:
+                return diff
+        return None
+    if type(expected) is not type(actual):
+        return f"{where}: {type(actual).__name__} != eager {type(expected).__name__}"
+    if isinstance(expected, float):
+        # a float read out of a tensor (item, tolist): torch.testing's float32 tolerances
+        if not values or math.isclose(expected, actual, rel_tol=1.3e-6, abs_tol=1e-5) or expected == actual:
+            return None
+        if math.isnan(expected) and math.isnan(actual):
+            return None
+        return f"{where}: {actual!r} != eager {expected!r}"
+    if values and expected != actual:
+        return f"{where}: {actual!r} != eager {expected!r}"
+    return None
+
+
+def _len(x):
+    return len(x) if isinstance(x, (tuple, list)) else "-"
