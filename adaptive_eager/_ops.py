@@ -47,7 +47,7 @@ _SYNC_REASONS = {
 
 class OpFacts:
     __slots__ = (
-        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes", "liftable", "scalarlist_pos",
+        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw",
     )
 
@@ -134,6 +134,7 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
         alias_ret.append(target if (info is not None and info.is_write) else None)
     f.alias_ret = tuple(alias_ret)
     tags = func.tags
+    f.pointwise = torch.Tag.pointwise in tags and not mutates
     f.reason = "fallback"
     ns = schema.name.split("::")[0]
     if ns != "aten":

@@ -262,12 +262,59 @@ def _compute_meta(f, args, kwargs, device, sig, ksig):
             raise NotImplementedError(f"{f.name} returns a non-tensor")
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
+    if f.pointwise and len(specs) == 1 and specs[0] is not None:
+        specs = (_eager_strides(f, args, kwargs, specs[0]),)
     specs = tuple(specs)
     structure = (f, tuple(sig), ksig, specs)
     eid = _STRUCTURE_IDS.get(structure)
     if eid is None:
         eid = _STRUCTURE_IDS[structure] = len(_STRUCTURE_IDS)
     return specs, nbytes, isinstance(res, list), eid
+
+
+def _written(window: Window, t: torch.Tensor) -> bool:
+    # a 0-dim tensor with a pending write must be read in window order, not snapshot now
+    return bool(window.written) and _untyped_storage(t)._cdata in window.written
+
+
+def _scalars_settled(window: Window, f, args, n: int) -> bool:
+    """Whether an op on real 0-dim tensors may run now (Note [Scalar fast path]): none of them has
+    a pending write (through another alias of its storage), and none it writes is read by a
+    pending op through a recorded view."""
+    written, viewed = window.written, window.viewed
+    for i in f.tensor_pos:
+        if i < n and isinstance(args[i], _Tensor):
+            t = args[i]
+            storage = _untyped_storage(t)
+            if i in f.write_pos and storage.nbytes() != t.element_size():
+                return False  # other elements of its storage may be read by pending ops
+            sid = storage._cdata
+            if sid in written or (i in f.write_pos and sid in viewed):
+                return False
+    return True
+
+
+def _eager_strides(f, args, kwargs, spec):
+    """Some meta kernels lay out elementwise results differently from the device kernels
+    (``logical_and`` with a transposed operand); eager's layout is what the program must see, so
+    for pointwise ops it is taken from a real CPU run on tensors of the same geometry (once per
+    signature)."""
+
+    def real(t):
+        if not isinstance(t, _Tensor):
+            return t
+        size = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+        return torch.ones(size, dtype=t.dtype).as_strided(t.shape, t.stride())
+
+    try:
+        rargs = [real(a) if isinstance(a, _Tensor) else a for a in args]
+        rkwargs = {k: real(v) for k, v in kwargs.items() if k != "device"}
+        r = f.func(*rargs, **rkwargs)
+    except Exception:  # the meta answer stands where a CPU run is not possible
+        return spec
+    if isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2]:
+        return (spec[0], tuple(r.stride()), spec[2])
+    return spec
 
 
 _META_CACHE: dict = {}
@@ -283,7 +330,10 @@ def _record(st: TracerState, f, args, kwargs):
     device = None
     # Note [Scalar fast path]: on a CPU target, an op reading only real 0-dim tensors (AdamW's
     # ``step += 1``) runs now: deferring it would make the ``step.item()`` that follows a sync.
-    # Recorded ops snapshot the real 0-dim tensors they read, so running such an op now can
+    # It may only write a tensor whose storage holds that one element, and recorded ops snapshot
+    # every real one-element tensor they read, so no pending op can see the early write.
+    # Recorded ops snapshot the real 0-dim tensors they read (unless a pending op writes them: then
+    # they are read in window order), so running such an op now can
     # never change what a pending op will read.
     only_real_scalars = st.scalar_fast_path
     refs = []  # Note [Window signature] in fuser.window
@@ -322,7 +372,7 @@ def _record(st: TracerState, f, args, kwargs):
             if st.scalar_fast_path:
                 if a.dim():
                     only_real_scalars = False
-                elif i not in f.write_pos:
+                if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
                     snaps.append((i, len(refs)))
             refs.append(-1 - window.slot_of(a))
         sig[i] = (a.shape, a.stride(), a.dtype)
@@ -350,7 +400,7 @@ def _record(st: TracerState, f, args, kwargs):
                 if st.scalar_fast_path:
                     if a.dim():
                         only_real_scalars = False
-                    elif i not in f.write_pos:
+                    if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
                         a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
                 refs.append(-1 - window.slot_of(a))
             lsig.append((a.shape, a.stride(), a.dtype))
@@ -358,7 +408,7 @@ def _record(st: TracerState, f, args, kwargs):
             nargs = list(args)
         nargs[i] = new
         sig[i] = tuple(lsig)
-    if only_real_scalars and device is not None and not inputs:
+    if only_real_scalars and device is not None and not inputs and _scalars_settled(window, f, args, n):
         return _SCALAR
     for i in f.scalar_pos:
         if i < n:
@@ -440,7 +490,8 @@ def _record(st: TracerState, f, args, kwargs):
             snap = nargs[i] = args[i].clone()
             refs[r] = -1 - window.slot_of(snap)
     node = Node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(), window)
-    node.mutates = f.mutates
+    # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
+    node.mutates = f.mutates or f.nrets == 0
     outs = node.outs
     results = []
     alias_ret = f.alias_ret
@@ -537,6 +588,9 @@ def _record_view(st: TracerState, f, args, kwargs):
         slot = window.slot_of(a)
         ref = -1 - slot
         root = None
+        if st.scalar_fast_path and a.numel() == 1:
+            # a pending op may read this one-element tensor through the view: no fast-path writes
+            window.viewed.add(_untyped_storage(a)._cdata)
     node = Node(f.func, nargs, kwargs, inputs, None, window)
     node.is_view = True
     views = res if isinstance(res, (tuple, list)) else (res,)

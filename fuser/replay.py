@@ -165,7 +165,7 @@ def _replay(window: Window) -> int:
             raise ReplayError(node, e) from e
         launched += 1
         outs = node.outs
-        if len(outs) == 1:
+        if len(outs) == 1 and not isinstance(result, (list, tuple)):
             if outs[0] is not None:
                 launched += _finish(outs[0], result)
         else:

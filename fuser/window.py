@@ -87,7 +87,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "outs", "fresh")
+                 "outs", "fresh", "viewed")
 
     def __init__(self):
         self.nodes: list[Node] = []
@@ -104,6 +104,7 @@ class Window:
         self.scalars: list[float] = []  # float arguments of the nodes, in order (not in ``sigs``)
         self.outs: list[Out] = []  # every Out, so a flush touches values, not nodes
         self.fresh: list[Out] = []  # the FRESH ones (placeholders whose liveness decides outputs)
+        self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

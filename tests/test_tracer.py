@@ -521,3 +521,58 @@ def test_long_loop_keeps_memory_flat():
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         assert len(st.window) < 1024
     assert rss1 - rss0 < 20_000  # KiB: a leak of even one small object per op would show
+
+
+# Footguns found by the generated-program and OpInfo tests (each a minimal reproducer).
+
+
+def test_op_returning_a_one_element_list():
+    x = torch.randn(5)
+    with adaptive_eager():
+        parts = torch.unsafe_split(x, 5)
+    assert len(parts) == 1
+    assert_eager(parts[0], x)
+
+
+def test_checks_without_outputs_are_not_dead_code():
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.inv(torch.zeros(2, 2))
+    with pytest.raises(torch.linalg.LinAlgError):
+        with adaptive_eager():
+            torch.linalg.inv(torch.zeros(2, 2))
+
+
+def test_scalar_fast_path_never_reorders_through_aliases():
+    def program():
+        s = torch.tensor(5.0)
+        x = torch.ones(2)
+        s.view(1).zero_()  # pending write through an alias...
+        y = x - s  # ...must be seen by this read
+        t = torch.tensor([5.0])
+        v = t[0]
+        c = t.cumsum(0)  # pending read of t...
+        v.neg_()  # ...must not see this later write through a 0-dim view
+        u = torch.tensor(-1.5)
+        u.expand(()).abs_()
+        w = u.sum()  # reads u after the pending abs_
+        return y, c, w, t.clone(), u.clone()
+
+    eager = program()
+    with adaptive_eager():
+        lazy = program()
+    for got, want in zip(lazy, eager):
+        assert_eager(got, want)
+
+
+def test_batch_norm_outputs_and_running_stats():
+    x, w, b = torch.randn(6, 4, 3), torch.randn(4), torch.randn(4)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    want = torch.nn.functional.batch_norm(x, rm.clone(), rv.clone(), w, b, training=True)
+    erm, erv = rm.clone(), rv.clone()
+    torch.nn.functional.batch_norm(x, erm, erv, w, b, training=True)
+    lrm, lrv = rm.clone(), rv.clone()
+    with adaptive_eager():
+        got = torch.nn.functional.batch_norm(x, lrm, lrv, w, b, training=True)
+    assert_eager(got, want)
+    assert_eager(lrm, erm)
+    assert_eager(lrv, erv)
