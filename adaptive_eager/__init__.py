@@ -138,8 +138,15 @@ def reset_metrics() -> None:
 
 
 def report() -> str:
-    """A readable table of ``metrics()``; also returned so it can be logged."""
-    return format_report(metrics())
+    """A readable table of ``metrics()`` and the persistent cache in use."""
+    from fuser.compiled import _STORES
+
+    lines = [format_report(metrics())]
+    for store in _STORES.values():
+        s = store.stats()
+        lines.append(f"cache {s['directory']}: {s['entries']} entries, {s['bytes'] / 2**20:.1f} MiB, {s['hits']} hits"
+                     f"{' (in memory: the directory is not usable)' if s.get('in_memory') else ''}")
+    return "\n".join(lines)
 
 
 __all__ = [

@@ -43,12 +43,17 @@ METRICS = Metrics()
 def format_report(m: dict) -> str:
     lines = ["adaptive_eager report", "=" * 40]
     for k in ("ops_recorded", "ops_eager", "windows", "ops_materialized", "ops_eliminated", "launches",
-              "eager_equivalent_launches"):
-        lines.append(f"{k:<28}{m[k]:>12}")
+              "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
+              "cache_hits_memory", "cache_hits_disk", "blacklisted"):
+        if k in m:
+            lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]
     if eq:
         lines.append(f"{'launches / eager':<28}{m['launches'] / eq:>12.3f}")
-    for title, key in (("flushes by reason", "flushes"), ("fallback ops", "fallback_ops")):
+    for title, key in (("flushes by reason", "flushes"), ("fallback ops", "fallback_ops"),
+                       ("recompiles by cause", "recompiles"), ("windows not compiled", "not_compiled")):
+        if key not in m:
+            continue
         lines.append("")
         lines.append(title)
         items = sorted(m[key].items(), key=lambda kv: -kv[1])

@@ -28,9 +28,10 @@ def train(steps: int, lazy: bool) -> list[float]:
 
 
 if __name__ == "__main__":
-    eager = train(20, lazy=False)
+    eager = train(30, lazy=False)
     ae.reset_metrics()
-    lazy = train(20, lazy=True)
+    lazy = train(30, lazy=True)
     print(f"final loss  eager: {eager[-1]:.6f}   adaptive eager: {lazy[-1]:.6f}")
-    print("identical losses:", eager == lazy)
+    # replayed steps are bitwise eager; compiled regions agree within float tolerance
+    print(f"largest loss difference: {max(abs(a - b) for a, b in zip(eager, lazy)):.2e}")
     print(ae.report())
