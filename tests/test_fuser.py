@@ -221,3 +221,52 @@ def test_four_processes_on_a_cold_cache_compile_each_region_once(tmp_path):
         assert p.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sum(r["compiles"] for r in results) == 3, results
+
+
+def test_corrupt_cache_entry_is_evicted_recompiled_and_results_unaffected(tmp_path, caplog):
+    x = torch.randn(4096)
+
+    def program():
+        return ((x * 3).sin() + 1).sum()
+
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=str(tmp_path)):
+        program().item()
+    assert ae.metrics()["compiles"] == 1
+    # a new process: nothing in memory; then damage the stored artifact (small ones live in sqlite)
+    import diskcache
+
+    fuser.compiled.CACHE.clear()
+    fuser.compiled._STORES.clear()
+    with diskcache.Cache(str(tmp_path)) as raw:
+        (stored_key,) = [k for k in raw.iterkeys()]
+        value, tag = raw.get(stored_key, tag=True)
+        damaged = bytearray(value)
+        damaged[len(damaged) // 2] ^= 0xFF
+        raw.set(stored_key, bytes(damaged), tag=tag)
+    ae.reset_metrics()
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=str(tmp_path)):
+        got = program()
+    m = ae.metrics()
+    assert m["corrupt_entries"] == 1 and m["compiles"] == 1 and m["compile_failures"] == 0
+    torch.testing.assert_close(got, program())
+
+
+def test_background_compile_never_blocks_the_program(tmp_path):
+    import time
+
+    x = torch.randn(256)
+    step_times = []
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=True, cache_dir=str(tmp_path)):
+        deadline = time.monotonic() + 240
+        while ae.metrics()["compiled_runs"] == 0 and time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            y = ((x * 1.5).cos() - 0.25).tanh()
+            ae.sync()
+            step_times.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 1, m  # the worker process compiled it and the program picked it up
+    assert m["compiles"] == 1 and m["replayed_regions"] >= 2
+    # while the worker compiled (seconds), no step waited for it
+    assert max(step_times[:-1]) < 1.0, max(step_times)
+    torch.testing.assert_close(y, ((x * 1.5).cos() - 0.25).tanh())
