@@ -53,7 +53,8 @@ _is_lib_code: dict = {}
 
 def _user_source():
     """(code, line) of the innermost frame outside torch and this library: the user's line."""
-    f = _getframe(2)
+    # frames 0-2 are this function, _record and _record_or_run: always library code
+    f = _getframe(3)
     while f is not None:
         code = f.f_code
         lib = _is_lib_code.get(code)
@@ -337,6 +338,7 @@ def _record(st: TracerState, f, args, kwargs):
     # never change what a pending op will read.
     only_real_scalars = st.scalar_fast_path
     refs = []  # Note [Window signature] in fuser.window
+    slots = window.slots
     floats = []  # positions of float arguments (Note [Scalar lifting] in _ops)
     for i in f.tensor_pos:
         if i >= n:
@@ -368,13 +370,16 @@ def _record(st: TracerState, f, args, kwargs):
             inputs.append(o)
             refs.append(o.uid)
             only_real_scalars = False
+            sig[i] = o.meta  # known since it was recorded: no shape/stride objects to build
+            continue
         else:
             if st.scalar_fast_path:
                 if a.dim():
                     only_real_scalars = False
                 if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
                     snaps.append((i, len(refs)))
-            refs.append(-1 - window.slot_of(a))
+            slot = slots.get(id(a))
+            refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
         sig[i] = (a.shape, a.stride(), a.dtype)
     for i in f.list_pos:
         if i >= n:
@@ -396,6 +401,8 @@ def _record(st: TracerState, f, args, kwargs):
                 inputs.append(o)
                 refs.append(o.uid)
                 only_real_scalars = False
+                lsig.append(o.meta)
+                continue
             else:
                 if st.scalar_fast_path:
                     if a.dim():
@@ -507,6 +514,7 @@ def _record(st: TracerState, f, args, kwargs):
             src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
             o = Out(node, ALIAS, alias=src, uid=uid + j)
             o.tensor = t
+            o.meta = src.meta if type(src) is Out else (t.shape, t.stride(), t.dtype)
             o.slot = src.slot if type(src) is Out else window.slot_of(t)
             if type(src) is Out and src.root is not None and src.root.tensor is t:
                 src.root.held += 1  # o.tensor is one more strong reference to that placeholder
@@ -517,6 +525,7 @@ def _record(st: TracerState, f, args, kwargs):
             continue
         p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
         o = Out(node, FRESH, tensor=p, uid=uid + j)
+        o.meta = spec
         p._ae = o
         outs.append(o)
         window.outs.append(o)
@@ -597,6 +606,7 @@ def _record_view(st: TracerState, f, args, kwargs):
     uid = (node.index + 1) * OUTS_PER_NODE
     for j, v in enumerate(views):
         vo = Out(node, VIEW, tensor=v, uid=uid + j, slot=slot)
+        vo.meta = (v.shape, v.stride(), v.dtype)
         vo.value = v
         vo.root = root
         v._ae = vo

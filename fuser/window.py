@@ -32,12 +32,14 @@ OUTS_PER_NODE = 1 << 16  # uid = (node index + 1) * OUTS_PER_NODE + output index
 class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
-    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held", "live", "uid", "slot")
+    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held", "live", "uid", "slot",
+                 "meta")
 
     def __init__(self, node: Node, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
         self.node = node
         self.uid = uid  # position in the window (node index and output index): part of region keys
         self.slot = slot  # ALIAS/VIEW of a real input: that input's slot in ``Window.real_inputs``
+        self.meta = None  # (shape, stride, dtype) of ``tensor``: the record path's signature of it
         self.kind = kind
         self.tensor = tensor  # FRESH: placeholder; VIEW: the eager view; ALIAS: the mutated tensor
         self.alias = alias  # ALIAS: the argument it aliases (tensor or Out)
