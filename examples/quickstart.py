@@ -17,7 +17,9 @@ def train(steps: int, lazy: bool) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = torch.randn(256, 32), torch.randn(256, 1)
     losses = []
-    with adaptive_eager() if lazy else torch.enable_grad():
+    # async_compile=False compiles hot regions in this process, so even this short demo runs
+    # compiled steps; by default they compile in a background worker while the steps replay.
+    with adaptive_eager(async_compile=False) if lazy else torch.enable_grad():
         for _ in range(steps):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
