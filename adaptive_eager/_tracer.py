@@ -181,19 +181,19 @@ def needs_flush(st: TracerState, t: torch.Tensor) -> bool:
     return bool(window.written) and _untyped_storage(t)._cdata in window.written
 
 
-def _reads_pending(st: TracerState, args, kwargs) -> bool:
-    for a in args:
+def _tensors(args, kwargs):
+    """The tensors among an op's arguments (top level and inside lists), off the record path."""
+    for a in (*args, *kwargs.values()):
         if isinstance(a, _Tensor):
-            if needs_flush(st, a):
-                return True
+            yield a
         elif type(a) in (list, tuple):
             for x in a:
-                if isinstance(x, _Tensor) and needs_flush(st, x):
-                    return True
-    for v in kwargs.values():
-        if isinstance(v, _Tensor) and needs_flush(st, v):
-            return True
-    return False
+                if isinstance(x, _Tensor):
+                    yield x
+
+
+def _reads_pending(st: TracerState, args, kwargs) -> bool:
+    return any(needs_flush(st, t) for t in _tensors(args, kwargs))
 
 
 def _eager(st: TracerState, f, args, kwargs, reason: str | None):
@@ -214,19 +214,11 @@ def _eager(st: TracerState, f, args, kwargs, reason: str | None):
 
 
 def _touches_target(st: TracerState, f, args, kwargs) -> bool:
-    for a in args:
-        if isinstance(a, _Tensor):
-            if _on_target(st, a):
-                return True
-        elif type(a) in (list, tuple):
-            for x in a:
-                if isinstance(x, _Tensor) and _on_target(st, x):
-                    return True
-    for k, v in kwargs.items():
-        if isinstance(v, _Tensor) and _on_target(st, v):
-            return True
-        if k == "device" and v is not None and torch.device(v).type == st.target:
-            return True
+    if any(_on_target(st, t) for t in _tensors(args, kwargs)):
+        return True
+    dv = kwargs.get("device")
+    if dv is not None and torch.device(dv).type == st.target:
+        return True
     if f.factory and f.has_device_kw and "device" not in kwargs:
         return torch.get_default_device().type == st.target
     return False
@@ -700,11 +692,9 @@ class LazyMode(TorchDispatchMode):
 
 def _reason_for_unrecordable(st, f, args, kwargs) -> str:
     """Why ``_record`` declined an op that touches the target device (for metrics and logs)."""
-    for a in list(args) + list(kwargs.values()):
-        ts = a if type(a) in (list, tuple) else (a,)
-        for t in ts:
-            if isinstance(t, _Tensor) and not _on_target(st, t) and not (t.dim() == 0 and t.is_cpu):
-                return "device_copy"
+    for t in _tensors(args, kwargs):
+        if not _on_target(st, t) and not (t.dim() == 0 and t.is_cpu):
+            return "device_copy"
     dv = kwargs.get("device")
     if dv is not None and torch.device(dv).type != st.target:
         return "device_copy"

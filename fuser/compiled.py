@@ -381,9 +381,6 @@ class _Ref:
     def __init__(self, uid: int):
         self.uid = uid
 
-    def __reduce__(self):
-        return (_Ref, (self.uid,))
-
     def __repr__(self) -> str:
         return f"%{self.uid}"
 
@@ -395,9 +392,6 @@ class _In:
 
     def __init__(self, slot: int):
         self.slot = slot
-
-    def __reduce__(self):
-        return (_In, (self.slot,))
 
     def __repr__(self) -> str:
         return f"in{self.slot}"
@@ -411,9 +405,6 @@ class _Lifted:
 
     def __init__(self, index: int):
         self.index = index
-
-    def __reduce__(self):
-        return (_Lifted, (self.index,))
 
     def __repr__(self) -> str:
         return f"scalar{self.index}"
