@@ -137,8 +137,9 @@ def reset_metrics() -> None:
     STATS.reset()
 
 
-def report() -> str:
-    """A readable table of ``metrics()`` and the persistent cache in use."""
+def report(explain: bool = False) -> str:
+    """A readable table of ``metrics()`` and the persistent cache in use; with ``explain=True``,
+    followed by ``explain()``."""
     from fuser.compiled import _STORES
 
     lines = [format_report(metrics())]
@@ -146,10 +147,41 @@ def report() -> str:
         s = store.stats()
         lines.append(f"cache {s['directory']}: {s['entries']} entries, {s['bytes'] / 2**20:.1f} MiB, {s['hits']} hits"
                      f"{' (in memory: the directory is not usable)' if s.get('in_memory') else ''}")
+    if explain:
+        lines.append("")
+        lines.append(_explain_text())
     return "\n".join(lines)
+
+
+def explain(top: int = 5) -> str:
+    """The top causes of flushes, recompiles and eager fallbacks since ``reset_metrics()``, each
+    with the user's ``file:line`` and what to change."""
+    return _explain_text(top)
+
+
+def _explain_text(top: int = 5) -> str:  # report()'s ``explain`` argument shadows explain()
+    from ._explain import explain as build
+
+    return build(metrics(), METRICS.flush_sites, METRICS.fallback_sites, top=top)
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext adaptive_eager``: adaptive eager on for every cell, each cell ending with a flush.
+
+    Adds the ``%adaptive_eager on|off|report`` line magic. IPython is imported only here."""
+    from . import _ipython
+
+    _ipython.load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext adaptive_eager``: flush and turn adaptive eager off."""
+    from . import _ipython
+
+    _ipython.unload(ipython)
 
 
 __all__ = [
     "adaptive_eager", "enable", "disable", "sync", "is_lazy", "is_enabled", "metrics",
-    "reset_metrics", "report", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
+    "reset_metrics", "report", "explain", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
 ]

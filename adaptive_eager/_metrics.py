@@ -16,19 +16,22 @@ class Metrics:
         self.ops_recorded = 0
         self.ops_eager = 0  # ops on the target device that ran immediately (fallbacks, RNG draws)
         self.launches = 0
-        self.eager_equivalent_launches = 0
+        self.eager_equivalent_launches = 0  # besides ops_recorded: ops that ran eagerly
         self.ops_materialized = 0
         self.ops_eliminated = 0
         self.windows = 0
         self.flushes: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
+        # for explain(): (reason, (code, line)) and (op, reason, (code, line)) of the user's lines
+        self.flush_sites: Counter[tuple] = Counter()
+        self.fallback_sites: Counter[tuple] = Counter()
 
     def as_dict(self) -> dict:
         return {
             "ops_recorded": self.ops_recorded,
             "ops_eager": self.ops_eager,
             "launches": self.launches,
-            "eager_equivalent_launches": self.eager_equivalent_launches,
+            "eager_equivalent_launches": self.ops_recorded + self.eager_equivalent_launches,
             "ops_materialized": self.ops_materialized,
             "ops_eliminated": self.ops_eliminated,
             "windows": self.windows,

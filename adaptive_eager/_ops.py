@@ -14,6 +14,8 @@ FLUSH           needs real data or changes tensor metadata: flush the window, th
 BATCH_NORM      ``native_batch_norm`` writes the running stats in training mode although its schema
                 does not say so; that case is recorded as ``_native_batch_norm_legit`` (annotated)
 
+Collectives (``torch.distributed``) are FLUSH with reason "collective" (Note [Collectives]).
+
 Note [RNG]
 Eager consumes a generator in program order, at the op. Deferring a random op would let anything
 that runs in between (a CPU op, ``manual_seed``, ``get_rng_state``) see a different generator
@@ -45,10 +47,26 @@ _SYNC_REASONS = {
 }
 
 
+# Note [Collectives]
+# ``torch.distributed`` reaches the dispatcher as ops of these namespaces: ``c10d::allreduce_``,
+# ``broadcast_``, ``recv_``, ``barrier``... (``dist.*`` and DDP's C++ Reducer both call them) and
+# the functional ``_c10d_functional::all_reduce`` / ``wait_tensor``. The process group reads and
+# writes the tensors' memory directly, on its own threads, after the op returns (``async_op``), so
+# the window is flushed before every collective: its inputs must hold their values, and a pending
+# op must not read a tensor the collective then overwrites. The c10d schemas mark no argument as
+# written (``allreduce_(Tensor[] tensors, ...)``), so ``mutates`` is set here: the tracer flushes
+# any non-empty window before an op that writes. After the flush the window is empty, so nothing
+# pending targets the tensors the collective fills; they are real, and later ops read them after
+# the program's ``wait()``, as eager does. ``wait_tensor`` launches nothing: it flushes only when
+# its input is pending.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+_COLLECTIVE_NON_WRITERS = frozenset({"wait_tensor"})
+
+
 class OpFacts:
     __slots__ = (
         "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes", "liftable", "scalarlist_pos", "pointwise",
-        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw",
+        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast",
     )
 
     def __repr__(self) -> str:
@@ -137,8 +155,11 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
     f.pointwise = torch.Tag.pointwise in tags and not mutates
     f.reason = "fallback"
     ns = schema.name.split("::")[0]
-    if ns != "aten":
-        f.kind, f.reason = FLUSH, "fallback"  # custom and c10d ops: no meta we can trust
+    if ns in _COLLECTIVE_NAMESPACES:
+        f.kind, f.reason = FLUSH, "collective"  # Note [Collectives]
+        f.mutates = base not in _COLLECTIVE_NON_WRITERS
+    elif ns != "aten":
+        f.kind, f.reason = FLUSH, "fallback"  # custom ops: no meta we can trust
     elif base in _SYNC_REASONS or torch.Tag.data_dependent_output in tags:
         f.kind, f.reason = FLUSH, _SYNC_REASONS.get(base, "data_dependent")
     elif base in _METADATA_MUTATORS:
@@ -160,6 +181,12 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
         f.kind = RECORD
         if torch.Tag.dynamic_output_shape in tags:
             f.reason = "dynamic_shape"
+    # Note [Record fast path] in adaptive_eager._tracer: one fresh output, positional tensors and
+    # numbers only, nothing written
+    f.fast = (
+        f.kind == RECORD and not f.list_pos and not f.tensor_kw and not f.mutates and f.nrets == 1
+        and not f.returns_list and f.alias_ret == (None,) and not f.factory and not f.scalarlist_pos
+    )
     return f
 
 

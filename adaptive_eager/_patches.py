@@ -100,6 +100,40 @@ def _optimizer_step_hook(optimizer, args, kwargs) -> None:
     _flush_current("optimizer_step")
 
 
+def _opaque(original):
+    """C++ entry points that read tensor memory without dispatching (DDP's parameter check and
+    bucket rebuild): flush, then run them eagerly, like a collective."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        st = _tracer.current_state()
+        if st is None or st.mode is None:
+            return original(*args, **kwargs)
+        if st.window.nodes:
+            _tracer.flush(st, "collective")
+        with _disable_current_modes():
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _opaque_entry_points():
+    """(owner, attribute name) of every C++ function that reads memory directly and must flush."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return []
+    if not dist.is_available():
+        return []
+    points = []
+    if hasattr(dist, "_verify_params_across_processes"):
+        points.append((dist, "_verify_params_across_processes"))
+    reducer = getattr(torch._C._distributed_c10d, "Reducer", None)
+    if reducer is not None and hasattr(reducer, "_rebuild_buckets"):
+        points.append((reducer, "_rebuild_buckets"))
+    return points
+
+
 def install() -> None:
     global _active
     with _lock:
@@ -119,6 +153,10 @@ def install() -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)
+        for owner, name in _opaque_entry_points():
+            original = getattr(owner, name)
+            _saved[("opaque", owner, name)] = original
+            setattr(owner, name, _opaque(original))
 
 
 def uninstall() -> None:
@@ -134,6 +172,8 @@ def uninstall() -> None:
                 sys.breakpointhook = value
             elif key == "optimizer_hook":
                 value.remove()
+            elif key[0] == "opaque":
+                setattr(key[1], key[2], value)
             else:
                 name = key[1]
                 if value is _MISSING:

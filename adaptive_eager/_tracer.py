@@ -7,12 +7,14 @@ See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pend
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 
 import torch
+import torch.autograd.profiler as _profiler
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fuser
@@ -20,6 +22,7 @@ from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
 
 from . import _ops
 from ._metrics import METRICS
+from ._period import Periodicity
 from ._ops import ALLOC, BATCH_NORM, FLUSH, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
 from .config import Options
 from .errors import AdaptiveEagerError  # noqa: F401  (re-exported)
@@ -51,10 +54,10 @@ _LIB_DIRS = tuple(
 _is_lib_code: dict = {}
 
 
-def _user_source():
+def _user_source(depth: int = 3):
     """(code, line) of the innermost frame outside torch and this library: the user's line."""
-    # frames 0-2 are this function, _record and _record_or_run: always library code
-    f = _getframe(3)
+    # frames below ``depth`` are this function and its record-path callers: always library code
+    f = _getframe(depth)
     while f is not None:
         code = f.f_code
         lib = _is_lib_code.get(code)
@@ -89,6 +92,10 @@ class TracerState:
         self.device_varies = options.device != "cpu"
         self.device = torch.device(options.device)
         self.max_ops = options.window
+        if getattr(self, "periodicity", None) is None or self.periodicity.cap != options.window:
+            self.periodicity = Periodicity(options.window)
+        self.cut_at = self.periodicity.next_cut()  # Note [Period detection]
+        _apply_log_level(options.log)
         self.max_bytes = int(options.window_mb * 2**20)
 
 
@@ -108,6 +115,9 @@ def _on_target(st: TracerState, t: torch.Tensor) -> bool:
 # Flush
 
 
+_CUTS = ("window_cap", "period")
+
+
 def flush(st: TracerState, reason: str) -> None:
     """Run the open window (if any) and bind every live result into the program's tensors."""
     window = st.window
@@ -115,18 +125,79 @@ def flush(st: TracerState, reason: str) -> None:
         return
     st.window = Window()  # first: anything the run triggers must not see the old window
     window.closed = True
+    per = st.periodicity
+    per.on_flush(window.sigs, reason in _CUTS)
+    st.cut_at = per.next_cut()
     METRICS.flushes[reason] += 1
     METRICS.windows += 1
+    site = _site()
+    METRICS.flush_sites[(reason, site)] += 1
     try:
-        with _disable_current_modes():
+        with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
+              else contextlib.nullcontext()), _disable_current_modes():
             launched, materialized, eliminated = fuser.run_window(window, st.options)
         METRICS.launches += launched
         METRICS.ops_materialized += materialized
         METRICS.ops_eliminated += eliminated
     except fuser.ReplayError as e:
+        _poison(window)
         raise _user_error(e, reason) from e.error
     finally:
+        if log.isEnabledFor(logging.INFO):
+            log.info("flush (%s): %d ops, region %s %s; triggered at %s", reason, len(window.nodes),
+                     getattr(window, "region", None) or "-", getattr(window, "outcome", None) or "replayed",
+                     _where(site))
         _release(window)
+
+
+def _poison(window: Window) -> None:
+    """A window failed: the values its later ops would have made were never computed. Eager
+    would not have run those lines at all; make what the program holds of them unmistakable (NaN,
+    or 0 for integers and bools) instead of leaving uninitialized memory."""
+    with _disable_current_modes(), torch.no_grad():
+        for o in window.fresh:
+            t = o.tensor
+            if t is not None and o.value is None and t.numel():
+                t.fill_(float("nan") if (t.is_floating_point() or t.is_complex()) else 0)
+
+
+def _site():
+    """(code, line) of the user's line that is running now (the trigger of a flush or fallback)."""
+    f = _getframe(2)
+    while f is not None:
+        code = f.f_code
+        lib = _is_lib_code.get(code)
+        if lib is None:
+            lib = _is_lib_code[code] = code.co_filename.startswith(_LIB_DIRS)
+        if not lib:
+            return code, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def _where(site) -> str:
+    if site is None:
+        return "<unknown location>"
+    code, line = site
+    return f"{code.co_filename}:{line} (in {code.co_name})"
+
+
+_log_configured = False
+
+
+def _apply_log_level(level: str) -> None:
+    """NEURON_EAGER_LOG / log=: the level of the ``adaptive_eager`` loggers. With no logging set
+    up by the program, records go to stderr; a program's own logging configuration is kept."""
+    global _log_configured
+    if level == "warning" and not _log_configured:
+        return  # the default: leave the program's logging alone
+    _log_configured = True
+    root = logging.getLogger("adaptive_eager")
+    root.setLevel(getattr(logging, level.upper()))
+    if level != "warning" and not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s: %(message)s"))
+        root.addHandler(handler)
 
 
 def _release(window: Window) -> None:
@@ -151,8 +222,9 @@ def _user_error(e: fuser.ReplayError, reason: str) -> BaseException:
     err, node = e.error, e.node
     msg = (
         f"{err}\n[adaptive_eager] raised by {node.func}, recorded at {node.where()}; it ran when the "
-        f"window was flushed ({reason}). Eager would have raised at that line. To run it eagerly, "
-        f"leave the adaptive_eager() context or set NEURON_EAGER=eager."
+        f"window was flushed ({reason}). Eager would have raised at that line; values recorded after it "
+        f"were never computed (they hold NaN). To run eagerly, leave the adaptive_eager() context, set "
+        f"NEURON_EAGER=eager, or in Jupyter use %adaptive_eager off."
     )
     try:
         new = type(err)(msg)
@@ -205,8 +277,12 @@ def _eager(st: TracerState, f, args, kwargs, reason: str | None):
     if reason is not None:
         if st.window.nodes and (f.mutates or _reads_pending(st, args, kwargs)):
             flush(st, reason)
-        if reason not in ("item", "bool", "data_dependent", "device_copy"):
+        if reason not in ("item", "bool", "data_dependent", "device_copy", "collective"):
             METRICS.fallback_ops[f.name] += 1
+            site = _site()
+            METRICS.fallback_sites[(f.name, reason, site)] += 1
+            if log.isEnabledFor(logging.INFO):
+                log.info("eager op %s (%s) at %s", f.name, reason, _where(site))
     METRICS.ops_eager += 1
     METRICS.launches += 1
     METRICS.eager_equivalent_launches += 1
@@ -311,6 +387,107 @@ def _eager_strides(f, args, kwargs, spec):
 
 
 _META_CACHE: dict = {}
+
+# Note [Record fast path]
+# Most recorded ops are elementwise ops, reductions and matmuls: positional tensors and numbers,
+# one fresh output, nothing written (``OpFacts.fast``). ``_record_fast`` records those with the
+# same signature, meta-cache key and window entries as ``_record``, in about half the Python
+# work. Anything it does not handle (a tensor on another device, a one-element real tensor that
+# the scalar fast path must snapshot, a meta-cache miss) makes it return ``_DECLINED`` before it
+# has changed anything, and the op takes the general path.
+
+
+def _record_fast(st: TracerState, f, args):
+    window = st.window
+    n = len(args)
+    sig = list(args)
+    nargs = None
+    inputs = []
+    refs = []
+    floats = None
+    attr = st.target_attr
+    scalar_fast_path = st.scalar_fast_path
+    device = st.device
+    have_tensor = False
+    for i in f.tensor_pos:
+        if i >= n:
+            break
+        a = args[i]
+        if a is None:
+            continue
+        if not isinstance(a, _Tensor):
+            if a.__class__ is float and f.liftable:
+                sig[i] = float
+                if floats is None:
+                    floats = []
+                floats.append(i)
+            else:
+                sig[i] = (a.__class__, a)
+            continue
+        if attr is None or not getattr(a, attr):
+            return _DECLINED
+        have_tensor = True
+        o = getattr(a, "_ae", None)
+        if o is not None and o.node.window is window:
+            if nargs is None:
+                nargs = list(args)
+            nargs[i] = o
+            inputs.append(o)
+            refs.append(o.uid)
+            sig[i] = o.meta
+            continue
+        if scalar_fast_path and a.numel() == 1:
+            return _DECLINED  # snapshots and the scalar fast path: the general path
+        slot = window.slots.get(id(a))
+        refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
+        sig[i] = (a.shape, a.stride(), a.dtype)
+    if not have_tensor:
+        return _DECLINED
+    if st.device_varies:
+        return _DECLINED  # several devices of the target type: the general path picks one
+    for i in f.scalar_pos:
+        if i < n:
+            v = args[i]
+            if v.__class__ is float and f.liftable:
+                sig[i] = float
+                if floats is None:
+                    floats = []
+                floats.append(i)
+            else:
+                sig[i] = (v.__class__, v)
+    for i in f.seq_pos:
+        if i < n and type(args[i]) is list:
+            sig[i] = tuple(args[i])
+    entry = _META_CACHE.get((f, tuple(sig), ()))
+    if entry is None or entry is _FAILED:
+        return _DECLINED
+    specs, nbytes, _, eid = entry
+    if nargs is None:
+        nargs = list(args)
+    node = Node(f.func, nargs, {}, inputs, _user_source(2), window)
+    uid = (node.index + 1) * OUTS_PER_NODE
+    spec = specs[0]
+    p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
+    o = Out(node, FRESH, p, None, uid)
+    o.meta = spec
+    p._ae = o
+    node.outs.append(o)
+    window.outs.append(o)
+    window.fresh.append(o)
+    window.sigs.append((eid, tuple(refs)))
+    if floats is not None:
+        node.fbase = len(window.scalars)
+        node.fpos = floats
+        window.scalars.extend([args[i] for i in floats])
+    window.nodes.append(node)
+    window.pending_bytes += nbytes
+    METRICS.ops_recorded += 1
+    if len(window.nodes) >= st.cut_at:
+        flush(st, "period" if st.periodicity.period else "window_cap")
+    elif window.pending_bytes >= st.max_bytes:
+        flush(st, "bytes_cap")
+    return p
+
 
 
 def _record(st: TracerState, f, args, kwargs):
@@ -550,10 +727,9 @@ def _record(st: TracerState, f, args, kwargs):
                 sc.append(args[pos[0]][pos[1]])
     window.nodes.append(node)
     window.pending_bytes += nbytes
-    METRICS.ops_recorded += 1
-    METRICS.eager_equivalent_launches += 1
-    if len(window.nodes) >= st.max_ops:
-        flush(st, "window_cap")
+    METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
+    if len(window.nodes) >= st.cut_at:
+        flush(st, "period" if st.periodicity.period else "window_cap")
     elif window.pending_bytes >= st.max_bytes:
         flush(st, "bytes_cap")
     if f.nrets == 0:
@@ -651,6 +827,7 @@ class LazyMode(TorchDispatchMode):
     def __init__(self, state: TracerState):
         super().__init__()
         self.state = state
+        self.profiling = False
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -659,6 +836,14 @@ class LazyMode(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _profiler._is_profiler_enabled and not self.profiling:
+            # torch.profiler is recording: show each op's recording as a range
+            self.profiling = True
+            try:
+                with _profiler.record_function("adaptive_eager.record"):
+                    return self.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.profiling = False
         f = _ops.FACTS.get(func)
         if f is None:
             f = facts_for(func)
@@ -667,6 +852,10 @@ class LazyMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         if kind == RECORD:
+            if f.fast and not kwargs:
+                res = _record_fast(st, f, args)
+                if res is not _DECLINED:
+                    return res
             return _record_or_run(st, f, args, kwargs)
         if kind == VIEW_OP:
             return _record_view(st, f, args, kwargs)
@@ -710,6 +899,7 @@ def activate(options: Options) -> TracerState:
     if st is None:
         st = _tls.state = TracerState(options)
     if st.mode is None:
+        st.periodicity = None  # a new program phase: find its period afresh
         st.set_options(options)
         st.mode = LazyMode(st)
         st.mode.__enter__()

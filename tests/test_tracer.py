@@ -249,7 +249,9 @@ def test_window_and_bytes_caps_flush():
     with adaptive_eager(window=10):
         for _ in range(25):
             x = x + 1
-    assert ae.metrics()["flushes"]["window_cap"] == 2
+    flushes = ae.metrics()["flushes"]
+    # the first cut is the cap; the loop's period is found there and later cuts fall on it
+    assert flushes["window_cap"] == 1 and flushes["period"] == 1, flushes
     ae.reset_metrics()
     big = torch.zeros(1024, 1024)  # 4 MiB per result
     with adaptive_eager(window_mb=10):

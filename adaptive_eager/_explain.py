@@ -1,0 +1,114 @@
+"""``adaptive_eager.explain()``: why the program flushed, recompiled and fell back, and what to change.
+
+Counters alone say *how often*; the user needs *where* and *what to do*. The tracer keeps, per
+flush reason and per eager fallback, the user's ``file:line`` that triggered it
+(``METRICS.flush_sites`` / ``fallback_sites``); this module ranks them and attaches advice, the
+way PyTorch/XLA's metrics report flags "compile too frequent" or "too many host transfers".
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+# flush reason -> what to change (None: expected, nothing to do)
+_FLUSH_ADVICE = {
+    "item": "a value is read on the host (`.item()`) here: each read ends the window. Read it every N "
+            "steps, or keep it a tensor (accumulate losses in a tensor, call .item() once at the end)",
+    "bool": "Python control flow on a tensor value (`if t:`, `while t:`) ends the window here. Use "
+            "torch.where / masks, or decide on the host every N steps",
+    "tolist": "`.tolist()` reads the tensor on the host here: move it out of the hot loop",
+    "numpy": "`.numpy()` / `np.asarray(t)` reads the tensor on the host here: move it out of the hot loop",
+    "print": "printing while adaptive eager is on flushes (output order stays eager): print every N steps",
+    "repr": "formatting a pending tensor (repr/str/f-string) flushes: format every N steps",
+    "data_dependent": "an op whose result depends on the data (nonzero, masked indexing, unique, equal) "
+                      "runs eagerly after a flush: use a fixed-shape form (torch.where, masked_fill) if you can",
+    "dynamic_shape": "an op with a data-dependent output shape runs eagerly after a flush: use a fixed-shape "
+                     "form (torch.where, masked_fill) if you can",
+    "device_copy": "a copy to or from another device flushes here (`.cpu()`, `.to(...)`): move transfers out "
+                   "of the hot loop or batch them",
+    "window_cap": "the window reached the op cap and no period was found yet: raise NEURON_EAGER_WINDOW, or "
+                  "sync at a step boundary (adaptive eager cuts at optimizer.step() by itself)",
+    "bytes_cap": "pending outputs reached the byte cap: raise NEURON_EAGER_WINDOW_MB if memory allows",
+    "random": "a random op that cannot be drawn at record time flushes here",
+    "metadata_mutation": "an in-place change of a tensor's shape or storage (resize_, t_, set_) flushes here: "
+                         "use the out-of-place form",
+    "fallback": "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
+    "collective": None,
+    "optimizer_step": None,
+    "period": None,
+    "exit": None,
+    "sync": None,
+    "options": None,
+    "cell": None,
+    "breakpoint": None,
+}
+
+_RECOMPILE_ADVICE = {
+    "new_shape": "shapes change between windows (a varying batch size or sequence length): pad or bucket "
+                 "them; after a few sizes adaptive eager compiles the region with symbolic sizes",
+    "new_dtype": "a region was seen with new dtypes: keep dtypes stable across steps",
+    "scalar_lifted": "a Python number that changes every step (a learning-rate schedule) became a runtime "
+                     "input: expected once per region",
+    "dynamic": "a region was compiled with symbolic sizes: expected once per region",
+}
+
+
+def _where(site) -> str:
+    if site is None:
+        return "<unknown location>"
+    code, line = site
+    return f"{code.co_filename}:{line} (in {code.co_name})"
+
+
+def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: int = 5) -> str:
+    lines = ["adaptive_eager explain", "=" * 40]
+    windows = metrics.get("windows", 0)
+    compiles = metrics.get("compiles", 0)
+    runs = metrics.get("compiled_runs", 0)
+    lines.append(f"{windows} windows, {runs} ran compiled, {metrics.get('replayed_regions', 0)} replayed, "
+                 f"{compiles} compiles ({metrics.get('compile_seconds', 0)} s)")
+    findings = []
+    if windows >= 20 and compiles > 0.2 * windows:
+        findings.append(f"compile too frequent: {compiles} compiles for {windows} windows. Windows keep "
+                        f"changing structure; see the recompile causes and flush sites below")
+    eq, launches = metrics.get("eager_equivalent_launches", 0), metrics.get("launches", 0)
+    if windows >= 20 and eq and launches > 0.5 * eq:
+        findings.append(f"little fusion: {launches} launches for {eq} eager ones. Frequent flushes "
+                        f"(below) keep windows short")
+    if findings:
+        lines.append("")
+        lines.append("findings")
+        lines.extend(f"  * {f}" for f in findings)
+
+    lines.append("")
+    lines.append("top flush sites (reason, count, where, what to change)")
+    ranked = [(n, reason, site) for (reason, site), n in flush_sites.items()]
+    ranked.sort(key=lambda x: (_FLUSH_ADVICE.get(x[1], "") is None, -x[0]))
+    if not ranked:
+        lines.append("  (none)")
+    for n, reason, site in ranked[:top]:
+        lines.append(f"  {reason:<40}{n:>8}  {_where(site)}")
+        advice = _FLUSH_ADVICE.get(reason, "")
+        if advice:
+            lines.append(f"      -> {advice}")
+
+    lines.append("")
+    lines.append("recompiles by cause")
+    recompiles = metrics.get("recompiles", {})
+    if not recompiles:
+        lines.append("  (none)")
+    for cause, n in sorted(recompiles.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {cause:<40}{n:>8}")
+        if cause in _RECOMPILE_ADVICE:
+            lines.append(f"      -> {_RECOMPILE_ADVICE[cause]}")
+
+    lines.append("")
+    lines.append("top eager fallbacks (op, reason, count, where)")
+    ranked = sorted(((n, op, reason, site) for (op, reason, site), n in fallback_sites.items()), key=lambda x: -x[0])
+    if not ranked:
+        lines.append("  (none)")
+    for n, op, reason, site in ranked[:top]:
+        lines.append(f"  {op + ' (' + reason + ')':<40}{n:>8}  {_where(site)}")
+    if ranked:
+        lines.append("      -> each one flushes the window first; see the flush advice for its reason")
+    return "\n".join(lines)
