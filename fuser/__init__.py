@@ -13,9 +13,12 @@ from .window import ALIAS, FRESH, VIEW, Node, Out, Window
 def run_window(window: Window, options) -> tuple[int, int, int]:
     """Run ``window`` with the backend ``options`` names; return (device launches made, ops
     computed, ops found dead). A compiled region counts its ops as computed: the compiler does
-    its own dead-code elimination."""
+    its own dead-code elimination. Leaves ``window.outcome`` (and, compiled, ``window.region``)
+    for the flush log line."""
     if options.backend == "replay":
         dead = mark_needed(window)
+        # no region key is built on this path (nothing is looked up), so ``window.region`` stays None
+        window.outcome = "replayed" if dead < len(window.nodes) else "dead"
         return replay_window(window), _computed(window), dead
     from . import compiled
     from .backends import get_backend

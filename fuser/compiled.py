@@ -16,6 +16,7 @@ code and input metadata plus the backend fingerprint, computed only on a compile
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -39,6 +40,11 @@ FORMAT = 1  # bump when Program's encoding or the artifact packing changes
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage
+# ``_profiler._is_profiler_enabled`` is a module flag torch.profiler sets on start and clears on stop
+# (``_run_on_profiler_start``): one attribute read, so a run pays ~nothing while no profiler records.
+_profiler = torch.autograd.profiler
+_record_function = torch.autograd.profiler.record_function
+_REGION_IDS = itertools.count(1)
 
 
 class RegionStats:
@@ -60,6 +66,7 @@ class RegionStats:
         self.waited_for_other_process = 0
         self.recompiles: Counter[str] = Counter()
         self.not_compiled: Counter[str] = Counter()  # why a window stayed on replay
+        self.not_dynamic: Counter[str] = Counter()  # why a varying shape stayed per-shape
 
     def as_dict(self) -> dict:
         return {
@@ -77,6 +84,7 @@ class RegionStats:
             "cache_hits_disk": self.cache_hits_disk,
             "waited_for_other_process": self.waited_for_other_process,
             "not_compiled": dict(self.not_compiled),
+            "not_dynamic": dict(self.not_dynamic),
         }
 
 
@@ -85,9 +93,15 @@ STATS = RegionStats()
 
 class _Entry:
     __slots__ = ("seen", "run", "n_live", "mutated", "blacklisted", "future", "lifted_inputs", "group",
-                 "program", "pkey", "other_process", "counts")
+                 "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic")
 
     def __init__(self):
+        # short id for logs and the profiler: pkey[:8] once the persistent key is known
+        self.region = f"{next(_REGION_IDS):08x}"
+        self.shape_class: _ShapeClass | None = None  # Note [Dynamic shapes]
+        # this structure's sizes and int arguments, in class order; None: not routed to a symbolic region
+        self.shape: tuple | None = None
+        self.dynamic = False  # a symbolic region (the compile of a _ShapeClass)
         self.future = None  # a compile in flight
         self.seen = 0
         self.run = None  # the loaded compiled callable
@@ -193,7 +207,7 @@ def _scalar_key(structure, scalars: list) -> tuple:
                     lifted.add(i)
         if len(lifted) != len(group.lifted):
             group.lifted = tuple(sorted(lifted))
-            STATS.recompiles["scalar_lifted"] += 1
+            _recompile("scalar_lifted", None)
     group.last = values
     if not group.lifted:
         return (group, (), values)
@@ -203,10 +217,11 @@ def _scalar_key(structure, scalars: list) -> tuple:
 
 def run(window: Window, backend, options) -> tuple[int, int, int]:
     """Run ``window`` (after ``mark_needed``) compiled when its key is hot or on disk, else by
-    replay; return the launches made."""
+    replay; return the launches made. Leaves ``window.outcome`` and ``window.region``."""
     live = _live_outs(window)
     mutated = tuple(sorted(window.mutated))
     if not live and not mutated:
+        window.outcome = "dead"
         return 0, 0, len(window.nodes)  # nothing observable: every op is dead
     wait = not options.async_compile
     structure = (tuple(window.sigs), tuple(o.uid for o in live), mutated)
@@ -216,12 +231,20 @@ def run(window: Window, backend, options) -> tuple[int, int, int]:
     entry.group = group
     if entry.future is not None and (wait or entry.future.done()):
         _collect(entry)
+    window.region = entry.region
     if entry.run is not None:
         STATS.cache_hits_memory += 1
+        window.outcome = "compiled"
         return _run_or_replay(entry, window, live)
+    return _miss(entry, window, live, mutated, lifted, backend, options, wait)
+
+
+def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backend, options, wait: bool):
     entry.seen += 1
-    if entry.blacklisted or entry.future is not None:
+    if entry.blacklisted:
         return _replay(window)
+    if entry.future is not None:
+        return _replay(window, "compiling")
     if entry.other_process:
         poll_jobs()
     if entry.seen == 1 or entry.other_process:
@@ -233,45 +256,465 @@ def run(window: Window, backend, options) -> tuple[int, int, int]:
             return _replay(window)
         store = _store(options)
         if entry.program is None:
-            dead = mark_needed(window)
-            entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
-            entry.program = Program.from_window(window, live, mutated, lifted)
-            entry.pkey = entry.program.digest(backend.fingerprint())
-            entry.n_live, entry.mutated = len(live), mutated
+            _describe(entry, window, live, mutated, lifted, backend)
         data = store.get(entry.pkey, fingerprint=backend.fingerprint())
         if data is not None:
             entry.other_process = False
             entry.future = _submit(_load, data, backend)
             if not wait:
                 # the first load in a process imports Inductor (~1-2 s): replay meanwhile
-                return _replay(window)
+                return _replay(window, "compiling")
             _collect(entry)
             if entry.run is not None:
+                window.outcome = "loaded"
                 return _run_or_replay(entry, window, live)
+    if entry.shape is not None and entry.shape_class.dynamic_ok and getattr(backend, "dynamic_shapes", False):
+        done = _run_dynamic(entry, window, live, backend, options, wait)
+        if done is not None:
+            return done
     if entry.seen >= options.hot_after and not entry.blacklisted and not entry.other_process:
         STATS.cache_misses += 1
         store = _store(options)
         if entry.program is None:
-            dead = mark_needed(window)
-            entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
-            entry.program = Program.from_window(window, live, mutated, lifted)
-            entry.pkey = entry.program.digest(backend.fingerprint())
-            entry.n_live, entry.mutated = len(live), mutated
+            _describe(entry, window, live, mutated, lifted, backend)
         if not store.claim(entry.pkey):
             # another process is compiling this region: replay meanwhile, pick it up from disk
             if not entry.other_process:
                 STATS.waited_for_other_process += 1
             entry.other_process = True
-            return _replay(window)
+            return _replay(window, "compiling")
+        cause = _static_cause(entry)
+        if cause is not None:
+            _recompile(cause, entry.region)
         if wait:
-            entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
+            _compile_here(entry, backend, store)
             entry.program = None
-            _collect(entry)
             if entry.run is not None:
+                window.outcome = "compiled"
                 return _run_or_replay(entry, window, live)
         else:
             _submit_job(entry, backend, store, options)
+            return _replay(window, "compiling")
     return _replay(window)
+
+
+def _describe(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backend) -> None:
+    """What a compile needs (the Program and its persistent key), built once per structure."""
+    dead = mark_needed(window)
+    entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
+    entry.program = Program.from_window(window, live, mutated, lifted)
+    entry.pkey = entry.program.digest(backend.fingerprint())
+    entry.region = entry.pkey[:8]
+    entry.n_live, entry.mutated = len(live), mutated
+    window.region = entry.region
+    _classify(entry)
+
+
+def _compile_here(entry: _Entry, backend, store) -> None:
+    """Compile ``entry.program`` in this process and wait for it (Note [Compile thread])."""
+    if _profiler._is_profiler_enabled:
+        with _record_function("adaptive_eager.compile"):
+            entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
+            _collect(entry)
+    else:
+        entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
+        _collect(entry)
+
+
+def _recompile(cause: str, region: str | None) -> None:
+    STATS.recompiles[cause] += 1
+    if log.isEnabledFor(logging.INFO):
+        log.info("adaptive_eager: recompiling region %s: %s", region or "(new key)", cause)
+
+
+# Note [Dynamic shapes]
+# ~~~~~~~~~~~~~~~~~~~~~
+# The exact key (Note [Region key]) holds every shape, so a loop over batch sizes would compile each
+# region once per size. On an exact-key miss (never on a hit: a hit costs what it always did), the
+# structure's Program is split into a *shape class* (everything but the ints: ops, dataflow,
+# dtypes, devices, floats, live outputs, written inputs, lifted floats) and a *shape* (the ints:
+# input sizes and strides and every int argument, in one fixed order). Once a class has shown two
+# shapes, the positions that differ are explained by symbols: each varying input dimension whose
+# values (across the shapes seen) form a new column is a symbol; a varying int argument must be a
+# fixed multiple of a symbol (``x.view(B, -1)``, ``mean``'s ``div(grad, B * 10)``); an input with a
+# symbolic dimension must be contiguous. Anything else (a size that is B - 1, a strided input) is
+# counted in ``STATS.not_dynamic`` and the class stays per-shape, as before.
+# The class is then compiled once symbolically (``Program.dims``/``_Sym`` arguments, make_fx with a
+# ShapeEnv whose symbols are exactly those dims, Inductor with the graph's ShapeEnv). The artifact is
+# used for a new shape only if (a) every non-symbolic position equals the class's value, every
+# symbolic argument is its multiple of its symbol, symbolic inputs are contiguous and every symbol is
+# >= 2 (ShapeEnv specializes 0 and 1), (b) the guards Inductor recorded (e.g. ``s0 <= 4096``) hold for
+# the window's inputs, and (c) at its first run for that exact key, every output's shape, stride
+# and dtype equal the placeholders the program already holds (checked before anything is written;
+# a mismatch replays). The exact key is then registered with the symbolic callable, so its next
+# window is a plain hit. A failed symbolic compile blacklists only the class's symbolic entry.
+# The symbolic Program's persistent key leaves out the hint sizes, so another process that sees the
+# same varying dims loads it from the store.
+SHAPE_CLASSES_MAX = 1024
+MAX_SHAPES = 8  # shapes remembered per class (only their differences matter)
+
+
+class _Hole:
+    """An int of a Program in its shape-class key."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "#"
+
+
+_HOLE = _Hole()
+
+
+class _ShapeClass:
+    __slots__ = ("shapes", "where", "pattern", "reps", "dims", "dyn_slots", "base", "sym", "compiled",
+                 "dynamic_ok", "family")
+
+    def __init__(self, where: list, family):
+        self.shapes: list[tuple] = []  # distinct shapes seen
+        self.where = where  # per shape position: ("size"|"stride", slot, dim) or None for an argument
+        self.pattern: list | None = None  # per position: None (fixed), "contiguous", or (symbol, factor)
+        self.reps: list[tuple[int, int]] = []  # symbol k -> its (slot, dim)
+        self.dims: list[tuple[int, int, int]] = []
+        self.dyn_slots: set[int] = set()
+        self.base: tuple | None = None
+        self.sym: _Entry | None = None  # the symbolic region
+        self.compiled = 0  # static compiles of this class
+        self.dynamic_ok = True
+        self.family = family  # the class key with dtypes erased: tells a "new_dtype" recompile
+
+
+_CLASSES: OrderedDict = OrderedDict()
+_FAMILIES: dict = {}  # dtype-erased class key -> the class that compiled first
+
+
+def _shape_key(program: Program, erase_dtypes: bool = False):
+    """(class key, shape, where): Note [Dynamic shapes]. The walk order is ``_with_symbols``'s."""
+    values: list[int] = []
+    where: list = []
+
+    def walk(x):
+        t = type(x)
+        if t is int:
+            values.append(x)
+            where.append(None)
+            return _HOLE
+        if t is list or t is tuple:
+            return (t, tuple(walk(v) for v in x))
+        if t is dict:
+            return (dict, tuple((k, walk(v)) for k, v in x.items()))
+        if t is _Ref:
+            return ("%", x.uid)
+        if t is _In:
+            return ("in", x.slot)
+        if t is _Lifted:
+            return ("lifted", x.index)
+        if erase_dtypes and t is torch.dtype:
+            return "dtype"
+        return x
+
+    ops = tuple((func, walk(args), walk(kwargs), tuple(None if o is None else (o[0], o[1], walk(o[2])) for o in outs))
+                for func, args, kwargs, outs in program.ops)
+    inputs = []
+    for slot, (shape, stride, dtype, device) in enumerate(program.inputs):
+        for d, n in enumerate(shape):
+            values.append(n)
+            where.append(("size", slot, d))
+        for d, n in enumerate(stride):
+            values.append(n)
+            where.append(("stride", slot, d))
+        inputs.append((len(shape), "dtype" if erase_dtypes else dtype, device))
+    key = (ops, tuple(inputs), tuple(program.live), tuple(program.mutated), tuple(program.lifted))
+    return key, tuple(values), where
+
+
+def _classify(entry: _Entry) -> None:
+    """File the structure's shape under its class (at first sight of an exact key only)."""
+    try:
+        key, shape, where = _shape_key(entry.program)
+        cls = _CLASSES.get(key)
+    except TypeError:  # an unhashable argument: no class, per-shape as before
+        STATS.not_dynamic["unhashable_argument"] += 1
+        return
+    if cls is None:
+        cls = _CLASSES[key] = _ShapeClass(where, None)
+        if len(_CLASSES) > SHAPE_CLASSES_MAX:
+            _CLASSES.popitem(last=False)
+    entry.shape_class = cls
+    entry.shape = shape
+    if shape not in cls.shapes and len(cls.shapes) < MAX_SHAPES:
+        cls.shapes.append(shape)
+        if cls.pattern is not None and cls.sym is None:
+            cls.pattern = None  # not compiled yet: plan again with the new shape
+
+
+def _static_cause(entry: _Entry) -> str | None:
+    """Why a static compile of ``entry`` is a recompile: its class compiled another shape
+    ("new_shape"), or the same program with other dtypes compiled ("new_dtype")."""
+    cls = entry.shape_class
+    if cls is None:
+        return None
+    cls.compiled += 1
+    if cls.compiled > 1 or cls.sym is not None:
+        return "new_shape"
+    if cls.family is None and entry.program is not None:
+        try:
+            cls.family = _shape_key(entry.program, erase_dtypes=True)[0]
+            first = _FAMILIES.setdefault(cls.family, cls)
+        except TypeError:
+            return None
+        if first is not cls:
+            return "new_dtype"
+    return None
+
+
+def _contiguous(shape) -> tuple:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
+
+
+def _plan(cls: _ShapeClass) -> str | None:
+    """Explain the positions that vary between the class's shapes by symbols; the reason not, or None."""
+    columns = list(zip(*cls.shapes))
+    varying = [i for i, col in enumerate(columns) if len(set(col)) > 1]
+    pattern: list = [None] * len(columns)
+    symbols: dict[tuple, int] = {}
+    reps, dims = [], []
+    for i in varying:
+        w = cls.where[i]
+        if w is not None and w[0] == "size":
+            k = symbols.get(columns[i])
+            if k is None:
+                k = symbols[columns[i]] = len(reps)
+                reps.append((w[1], w[2]))
+            dims.append((w[1], w[2], k))
+            pattern[i] = (k, 1)
+    if not reps:
+        return "no_varying_input_size"
+    dyn_slots = {slot for slot, _, _ in dims}
+    for i, w in enumerate(cls.where):
+        if w is not None and w[0] == "stride" and w[1] in dyn_slots:
+            pattern[i] = "contiguous"
+    for i in varying:
+        w = cls.where[i]
+        if w is not None:
+            if w[0] == "stride" and w[1] not in dyn_slots:
+                return "varying_stride"
+            continue
+        col = columns[i]
+        for column, k in symbols.items():
+            if column[0] and col[0] % column[0] == 0:
+                factor = col[0] // column[0]
+                if factor >= 1 and all(a == factor * b for a, b in zip(col, column)):
+                    pattern[i] = (k, factor)
+                    break
+        else:
+            return "derived_size"
+    for shape in cls.shapes:
+        for slot in dyn_slots:
+            sizes = [shape[i] for i, w in enumerate(cls.where) if w is not None and w[0] == "size" and w[1] == slot]
+            strides = [shape[i] for i, w in enumerate(cls.where) if w is not None and w[0] == "stride" and w[1] == slot]
+            if tuple(strides) != _contiguous(sizes):
+                return "non_contiguous_input"
+    cls.pattern, cls.reps, cls.dims, cls.dyn_slots, cls.base = pattern, reps, dims, dyn_slots, cls.shapes[0]
+    return None
+
+
+def _fits(cls: _ShapeClass, shape: tuple) -> str | None:
+    """Whether the symbolic region of ``cls`` computes ``shape`` (its guards aside); else why not."""
+    pattern, where = cls.pattern, cls.where
+    values = []
+    for slot, d in cls.reps:
+        i = where.index(("size", slot, d))
+        values.append(shape[i])
+    if min(values) < 2:
+        return "size_0_or_1"
+    base = cls.base
+    for i, p in enumerate(pattern):
+        if p is None:
+            if shape[i] != base[i]:
+                return "other_fixed_size"
+        elif p != "contiguous" and shape[i] != p[1] * values[p[0]]:
+            return "other_size_relation"
+    for slot in cls.dyn_slots:
+        sizes = [shape[i] for i, w in enumerate(where) if w is not None and w[0] == "size" and w[1] == slot]
+        strides = [shape[i] for i, w in enumerate(where) if w is not None and w[0] == "stride" and w[1] == slot]
+        if tuple(strides) != _contiguous(sizes):
+            return "non_contiguous_input"
+    return None
+
+
+def _with_symbols(program: Program, cls: _ShapeClass) -> Program:
+    """``program`` with the class's symbolic ints as ``_Sym`` arguments and its dims symbolic."""
+    pattern = iter(cls.pattern)
+
+    def walk(x):
+        t = type(x)
+        if t is int:
+            p = next(pattern)
+            return _Sym(*p) if type(p) is tuple else x
+        if t is list:
+            return [walk(v) for v in x]
+        if t is tuple:
+            return tuple(walk(v) for v in x)
+        if t is dict:
+            return {k: walk(v) for k, v in x.items()}
+        return x
+
+    ops = [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
+           for func, args, kwargs, outs in program.ops]
+    return Program(ops, program.inputs, program.live, program.mutated, program.lifted, program.scalars,
+                   cls.reps, cls.dims)
+
+
+def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, options, wait: bool):
+    """Run ``window`` with its class's symbolic region (compiling it when due); None: per-shape."""
+    cls = entry.shape_class
+    sym = cls.sym
+    if sym is None:
+        if len(cls.shapes) < 2 or entry.program is None:
+            return None
+        if cls.pattern is None:
+            why = _plan(cls)
+            if why is not None:
+                STATS.not_dynamic[why] += 1
+                cls.dynamic_ok = False
+                return None
+        if _fits(cls, entry.shape) is not None:
+            return None  # not a window to take the hints from (a size of 1): per-shape meanwhile
+        sym = cls.sym = _Entry()
+        sym.dynamic = True
+        sym.program = _with_symbols(entry.program, cls)
+        sym.pkey = sym.program.digest(backend.fingerprint())
+        sym.region = sym.pkey[:8]
+        sym.n_live, sym.mutated, sym.counts = entry.n_live, entry.mutated, entry.counts
+    outcome = "compiled"
+    if sym.future is not None and (wait or sym.future.done()):
+        _collect(sym)
+    if sym.run is None and not sym.blacklisted and sym.future is None:
+        store = _store(options)
+        if sym.other_process:
+            poll_jobs()
+        data = store.get(sym.pkey, fingerprint=backend.fingerprint())
+        if data is not None:
+            sym.other_process = False
+            sym.future = _submit(_load, data, backend)
+            if wait:
+                _collect(sym)
+                outcome = "loaded"
+        elif not sym.other_process:
+            if not store.claim(sym.pkey):
+                sym.other_process = True
+                STATS.waited_for_other_process += 1
+            else:
+                _recompile("dynamic", sym.region)
+                if wait:
+                    _compile_here(sym, backend, store)
+                else:
+                    _submit_job(sym, backend, store, options)
+    if sym.blacklisted:
+        entry.shape = None
+        return None
+    if sym.run is None:
+        return _replay(window, "compiling")
+    why = _fits(cls, entry.shape) or _guards_fail(sym.run, window)
+    if why is not None:
+        STATS.not_dynamic[why] += 1
+        entry.shape = None  # this exact key goes per-shape
+        return None
+    window.region = sym.region
+    try:
+        launched = _run_checked(sym, entry, window, live)
+    except _Mismatch as e:
+        STATS.not_dynamic["output_mismatch"] += 1
+        log.info("adaptive_eager: region %s does not fit a shape it was routed: %s", sym.region, e)
+        entry.shape = None
+        return _replay(window)
+    except Exception as e:  # noqa: BLE001 - never the program's problem: the class goes per-shape
+        _blacklist(sym, f"run failed: {type(e).__name__}: {e}")
+        entry.shape = None
+        return _replay(window)
+    # registered (``_run_checked`` set ``entry.run``): this exact key's next window is a plain hit
+    entry.lifted_inputs, entry.region = sym.lifted_inputs, sym.region
+    window.outcome = outcome
+    return (launched, *entry.counts)
+
+
+def _guards_fail(run, window: Window) -> str | None:
+    code = getattr(run, "guards", None)
+    if code is None:
+        return None
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    try:
+        ok = eval(code, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(window.real_inputs)}})
+    except Exception:  # noqa: BLE001 - a guard it cannot evaluate: do not use the region
+        return "guard_error"
+    return None if ok else "guards"
+
+
+class _Mismatch(Exception):
+    """A symbolic region's output is not what the recorded placeholder says (Note [Dynamic shapes])."""
+
+
+def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) -> int:
+    """``_run_compiled`` for the first window of an exact key on a symbolic region: every output's
+    metadata is checked against the program's placeholders before anything is written."""
+    inputs = list(window.real_inputs)
+    if sym.lifted_inputs:
+        inputs += [torch.tensor(window.scalars[i], dtype=dt) for i, dt in sym.lifted_inputs]
+    with as_recorded():
+        outs = sym.run(inputs)
+        if len(outs) != entry.n_live + len(entry.mutated):
+            raise _Mismatch(f"{len(outs)} outputs for {entry.n_live + len(entry.mutated)}")
+        real = window.real_inputs
+        restride = []
+        for i, (o, r) in enumerate(zip(live, outs)):
+            p = o.tensor
+            if r.shape != p.shape or r.dtype != p.dtype:
+                raise _Mismatch(f"output {tuple(r.shape)} {r.dtype} for placeholder {tuple(p.shape)} {p.dtype}")
+            if r.stride() != p.stride():
+                restride.append((i, tuple(p.shape), tuple(p.stride())))
+        for slot, r in zip(entry.mutated, outs[entry.n_live:]):
+            if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
+                raise _Mismatch(f"written input {slot}: {tuple(r.shape)} for {tuple(real[slot].shape)}")
+        if restride:
+            # Inductor does not always keep eager's layout for symbolic outputs (a transposed
+            # result comes back contiguous): this exact key's callable copies those outputs into
+            # eager's layout, so the program sees eager strides.
+            STATS.not_dynamic["restrided_output"] += 1
+            sym_run = _restrided(sym.run, restride)
+            outs = sym_run.fix(outs)
+        else:
+            sym_run = sym.run
+        copies = 0
+        for o, r in zip(live, outs):
+            copies += _bind(o, r)
+        for slot, r in zip(entry.mutated, outs[entry.n_live:]):
+            real[slot].copy_(r)
+    STATS.compiled_runs += 1
+    entry.run = sym_run
+    return 1 + copies + len(entry.mutated) + len(restride)
+
+
+def _restrided(run, restride: list[tuple]):
+    empty_strided = torch.empty_strided
+
+    def fix(outs):
+        outs = list(outs)
+        for i, shape, stride in restride:
+            r = outs[i]
+            outs[i] = empty_strided(shape, stride, dtype=r.dtype, device=r.device).copy_(r)
+        return outs
+
+    def restrided(inputs):
+        return fix(run(inputs))
+
+    restrided.fix = fix
+    return restrided
 
 
 # Note [Background compiles]
@@ -302,8 +745,7 @@ def _submit_job(entry: _Entry, backend, store, options) -> None:
         )
     except Exception as e:  # noqa: BLE001 - an unserializable argument: compile synchronously instead
         log.info("adaptive_eager: compiling in this process: %s", e)
-        entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
-        _collect(entry)
+        _compile_here(entry, backend, store)
         return
     entry.other_process = True  # picked up from the store at a later sight
     _PENDING[entry.pkey] = entry
@@ -318,6 +760,7 @@ def poll_jobs() -> None:
             entry = _PENDING.pop(result.key, None)
             if result.ok:
                 STATS.regions_compiled += 1
+                log.info("adaptive_eager: compiled region %s in a worker process (key %s)", result.key[:8], result.key)
             else:
                 STATS.compile_failures += 1
                 if entry is not None:
@@ -325,7 +768,8 @@ def poll_jobs() -> None:
                     _blacklist(entry, f"background compile failed: {result.error}")
 
 
-def _replay(window: Window) -> tuple[int, int, int]:
+def _replay(window: Window, outcome: str = "replayed") -> tuple[int, int, int]:
+    window.outcome = outcome
     STATS.replayed_regions += 1
     dead = mark_needed(window)
     launched = replay_window(window)
@@ -334,6 +778,9 @@ def _replay(window: Window) -> tuple[int, int, int]:
 
 def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> tuple[int, int, int]:
     try:
+        if _profiler._is_profiler_enabled:
+            with _record_function(f"adaptive_eager.region[{entry.region}]"):
+                return (_run_compiled(entry, window, live), *entry.counts)
         return (_run_compiled(entry, window, live), *entry.counts)
     except Exception as e:  # never the program's problem: blacklist and replay
         _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
@@ -410,6 +857,20 @@ class _Lifted:
         return f"scalar{self.index}"
 
 
+class _Sym:
+    """An int argument that follows a dynamic size: ``factor`` times symbol ``k`` (Note [Dynamic
+    shapes]); symbol ``k`` is the size of the input dimension ``Program.dynamic[k]``."""
+
+    __slots__ = ("k", "factor")
+
+    def __init__(self, k: int, factor: int = 1):
+        self.k = k
+        self.factor = factor
+
+    def __repr__(self) -> str:
+        return f"sym{self.k}" if self.factor == 1 else f"{self.factor}*sym{self.k}"
+
+
 def _sentinel(k: int) -> float:
     # a quiet NaN with a payload: anything a decomposition derives from it is a NaN without the
     # payload, so a lifted float that was transformed (not just passed along) is detected
@@ -434,13 +895,18 @@ class Program:
     """A window as plain data: no reference to the program's tensors, so it can be compiled later,
     in another thread or process, after the window itself is gone."""
 
-    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=()):
+    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=()):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
         self.inputs = inputs  # [(shape, stride, dtype, device)] by slot
         self.live = live  # uids of the outputs, in order
         self.mutated = mutated  # slots whose final values follow the live outputs
         self.lifted = lifted  # Window.scalars indices that are runtime inputs
         self.scalars = scalars  # their values in the window compiled from (example inputs)
+        # Note [Dynamic shapes]: symbol k is the size of input dimension ``dynamic[k]`` (slot, dim);
+        # ``dims`` are all the input dimensions that are symbolic, as (slot, dim, k). Inputs with a
+        # symbolic dimension are contiguous; ``inputs`` holds the sizes of one window (the hints).
+        self.dynamic = tuple(dynamic)
+        self.dims = tuple(dims)
 
     @classmethod
     def from_window(cls, window: Window, live: list[Out], mutated: tuple[int, ...], lifted=()) -> Program:
@@ -489,6 +955,7 @@ class Program:
                        for shape, stride, dtype, device in self.inputs],
             "live": list(self.live), "mutated": list(self.mutated), "lifted": list(self.lifted),
             "scalars": list(self.scalars),
+            "dynamic": [list(d) for d in self.dynamic], "dims": [list(d) for d in self.dims],
         }
         return json.dumps(doc).encode()
 
@@ -500,13 +967,22 @@ class Program:
         ops = [(_op(name), _dec(args), _dec(kwargs), [None if o is None else (o[0], o[1], _dec(o[2])) for o in outs])
                for name, args, kwargs, outs in doc["ops"]]
         inputs = [(tuple(shape), tuple(stride), getattr(torch, dtype), device) for shape, stride, dtype, device in doc["inputs"]]
-        return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]))
+        return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]),
+                   [tuple(d) for d in doc.get("dynamic", ())], [tuple(d) for d in doc.get("dims", ())])
 
     def digest(self, fingerprint: str) -> str:
         """The persistent region key: xxh3_128 of the program's structure (ops, arguments, input
         metadata, outputs, lifted floats) and the backend fingerprint. Never tensor data; the
         same in every process (Note [Region key])."""
-        text = repr((FORMAT, fingerprint, self.ops, self.inputs, self.live, self.mutated, self.lifted))
+        if not self.dims:
+            text = repr((FORMAT, fingerprint, self.ops, self.inputs, self.live, self.mutated, self.lifted))
+            return xxhash.xxh3_128_hexdigest(text.encode())
+        # symbolic: the sizes of the window it was made from are only hints, so not part of the key
+        symbolic = {(slot, d): f"s{k}" for slot, d, k in self.dims}
+        inputs = [(tuple(symbolic.get((slot, d), n) for d, n in enumerate(shape)),
+                   "contiguous" if any((slot, d) in symbolic for d in range(len(shape))) else stride, dtype, device)
+                  for slot, (shape, stride, dtype, device) in enumerate(self.inputs)]
+        text = repr((FORMAT, fingerprint, self.ops, inputs, self.live, self.mutated, self.lifted, self.dims))
         return xxhash.xxh3_128_hexdigest(text.encode())
 
     def example_inputs(self) -> list[torch.Tensor]:
@@ -529,6 +1005,9 @@ class Program:
                     return inputs[a.slot]
                 if type(a) is _Lifted:
                     return _sentinel(a.index)
+                if type(a) is _Sym:
+                    slot, d = self.dynamic[a.k]
+                    return inputs[slot].shape[d] * a.factor
                 if type(a) is list:
                     return [value(x) for x in a]
                 return a
@@ -549,12 +1028,16 @@ class Program:
             from torch._decomp import core_aten_decompositions
 
             decompositions = core_aten_decompositions()
+        examples = self.example_inputs()
+        mode = None
+        if self.dims:
+            examples, mode = self._symbolic_inputs(examples)
         with torch.no_grad():
             gm = make_fx(
                 functionalize(program, remove="mutations_and_views"),
                 decomposition_table=decompositions,
-                tracing_mode="fake",
-            )(*self.example_inputs())
+                tracing_mode="symbolic" if self.dims else "fake",
+            )(*examples)
         # functionalize writes mutated inputs back with trailing copy_ nodes; the fuser does
         # write-back itself (backends take functional graphs) and those values are outputs already.
         for n in list(gm.graph.nodes):
@@ -563,8 +1046,28 @@ class Program:
                     gm.graph.erase_node(n)
         gm.graph.eliminate_dead_code()
         self.lifted_inputs = self._lift(gm) if self.lifted else []
+        if mode is not None:
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            for ph, (_, dtype) in zip(placeholders[len(self.inputs):], self.lifted_inputs):
+                ph.meta["val"] = mode.from_tensor(torch.tensor(0.0, dtype=dtype))
+            # standalone_compile(dynamic_shapes="from_graph") finds the ShapeEnv through these
+            for out in next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]:
+                out.meta["example_value"] = out.meta.get("val")
         gm.recompile()
         return gm
+
+    def _symbolic_inputs(self, examples: list[torch.Tensor]):
+        """Fake inputs whose ``dims`` are symbols (sizes >= 2, the hints being this program's)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        symbolic = {(slot, d) for slot, d, _ in self.dims}
+        fakes = []
+        for slot, t in enumerate(examples):
+            sizes = [DimDynamic.DYNAMIC if (slot, d) in symbolic else DimDynamic.STATIC for d in range(t.dim())]
+            fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
+        return fakes, mode
 
     def _lift(self, gm: torch.fx.GraphModule) -> list[tuple[int, torch.dtype]]:
         """Replace the sentinel floats by new placeholders; return (scalar index, dtype) per new
@@ -643,6 +1146,8 @@ def _enc(x):
         return {"$in": x.slot}
     if type(x) is _Lifted:
         return {"$lifted": x.index}
+    if type(x) is _Sym:
+        return {"$sym": [x.k, x.factor]}
     if isinstance(x, torch.dtype):
         return {"$dtype": str(x).removeprefix("torch.")}
     if isinstance(x, torch.device):
@@ -672,6 +1177,8 @@ def _dec(x):
         return _In(v)
     if tag == "$lifted":
         return _Lifted(v)
+    if tag == "$sym":
+        return _Sym(*v)
     if tag == "$device":
         return torch.device(v)
     if tag == "$complex":
@@ -802,7 +1309,8 @@ def _collect(entry: _Entry) -> None:
         return
     STATS.compile_seconds += seconds
     STATS.regions_compiled += 1
-    log.info("adaptive_eager: compiled a region in %.2fs", seconds)
+    log.info("adaptive_eager: compiled region %s%s in %.2fs (key %s)", entry.region,
+             " with dynamic shapes" if entry.dynamic else "", seconds, entry.pkey)
 
 
 __all__ = ["run", "Program", "compile_program", "CACHE", "STATS", "ReplayError", "VIEW"]

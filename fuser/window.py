@@ -89,7 +89,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "outs", "fresh", "viewed")
+                 "outs", "fresh", "viewed", "outcome", "region")
 
     def __init__(self):
         self.nodes: list[Node] = []
@@ -107,6 +107,11 @@ class Window:
         self.outs: list[Out] = []  # every Out, so a flush touches values, not nodes
         self.fresh: list[Out] = []  # the FRESH ones (placeholders whose liveness decides outputs)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
+        # left by the fuser for the flush log line: how the window ran ("compiled", "replayed",
+        # "loaded" from disk, "compiling" (replayed while its compile is in flight), "dead") and a
+        # short stable hex id of its region
+        self.outcome: str | None = None
+        self.region: str | None = None
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

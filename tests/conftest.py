@@ -16,3 +16,14 @@ def _fresh_metrics():
     ae.reset_metrics()
     yield
     ae.disable()
+
+
+@pytest.fixture
+def fresh_regions():
+    """No in-memory region, shape class or scalar group of an earlier test answers for this one
+    (tests that count compiles or replays need a cold process's view)."""
+    import fuser.compiled as fc
+
+    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS):
+        table.clear()
+    yield

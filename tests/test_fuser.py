@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -270,3 +271,81 @@ def test_background_compile_never_blocks_the_program(tmp_path):
     # while the worker compiled (seconds), no step waited for it
     assert max(step_times[:-1]) < 1.0, max(step_times)
     torch.testing.assert_close(y, ((x * 1.5).cos() - 0.25).tanh())
+
+
+def test_window_outcome_and_region_for_the_flush_log(monkeypatch):
+    seen = []
+    real_run = fuser.compiled.run
+
+    def spy(window, backend, options):
+        result = real_run(window, backend, options)
+        seen.append((window.outcome, window.region))
+        return result
+
+    monkeypatch.setattr(fuser.compiled, "run", spy)
+    x = torch.randn(32)
+    cache_dir = str(_fresh_dir())
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=cache_dir):
+        for _ in range(3):
+            y = (x + 2).sin() * 3
+            ae.sync()
+        (x * 5).cos()  # nothing observable: every op is dead
+        ae.sync()
+    assert [o for o, _ in seen] == ["replayed", "compiled", "compiled", "dead"], seen
+    (region,) = {r for _, r in seen[:3]}
+    assert isinstance(region, str) and len(region) == 8 and int(region, 16) >= 0
+    fuser.compiled.CACHE.clear()  # a new process: the region comes from the store
+    seen.clear()
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=cache_dir):
+        y = (x + 2).sin() * 3
+        ae.sync()
+    assert seen == [("loaded", region)], seen
+    torch.testing.assert_close(y, (x + 2).sin() * 3)
+
+
+def test_replay_backend_leaves_an_outcome(monkeypatch):
+    import fuser
+
+    seen = []
+    real = fuser.run_window
+
+    def spy(window, options):
+        result = real(window, options)
+        seen.append(window.outcome)
+        return result
+
+    monkeypatch.setattr(fuser, "run_window", spy)
+    x = torch.randn(8)
+    with adaptive_eager(backend="replay"):
+        y = x.exp() + 1
+        ae.sync()
+        x.sin()
+        ae.sync()
+    assert seen == ["replayed", "dead"], seen
+    torch.testing.assert_close(y, x.exp() + 1)
+
+
+def test_compiles_and_recompiles_are_logged_with_seconds_and_region(caplog):
+    caplog.set_level("INFO", logger="adaptive_eager.fuser")
+    x = torch.randn(16)
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=str(_fresh_dir())):
+        y = (x * 4).atan()
+        ae.sync()
+    compiled = [r for r in caplog.records if r.name == "adaptive_eager.fuser" and "compiled region" in r.message]
+    assert len(compiled) == 1 and compiled[0].levelname == "INFO"
+    assert re.search(r"compiled region [0-9a-f]{8} in \d+\.\d\ds \(key [0-9a-f]{32}\)", compiled[0].message)
+    torch.testing.assert_close(y, (x * 4).atan())
+
+
+def test_profiler_shows_compile_and_region_ranges():
+    x = torch.randn(32)
+    with torch.profiler.profile() as prof:
+        with adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=str(_fresh_dir())):
+            for _ in range(2):
+                y = (x - 3).exp() * 0.5
+                ae.sync()
+    names = {e.name for e in prof.events()}
+    assert "adaptive_eager.compile" in names
+    regions = [n for n in names if n.startswith("adaptive_eager.region[")]
+    assert len(regions) == 1 and re.fullmatch(r"adaptive_eager\.region\[[0-9a-f]{8}\]", regions[0]), regions
+    torch.testing.assert_close(y, (x - 3).exp() * 0.5)

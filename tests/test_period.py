@@ -132,7 +132,7 @@ def test_loop_with_identical_layers_and_rare_syncs_hits_compiled_regions():
 
 
 @pytest.mark.parametrize("detect", [True, False])
-def test_period_cuts_compile_one_region_where_cap_cuts_drift(detect, monkeypatch, tmp_path):
+def test_period_cuts_compile_one_region_where_cap_cuts_drift(detect, monkeypatch, tmp_path, fresh_regions):
     """The control for the tests above: with detection off, cap cuts drift through the step, so
     the loop needs many regions (and replays each one until it is hot) instead of one."""
     if not detect:

@@ -39,6 +39,11 @@ class Backend(Protocol):
     may be the same tensor object). It runs the ops as they were recorded, below autograd and
     autocast: outputs carry no autograd history, and autocast does not cast a second time. Call it
     with no ``TorchDispatchMode`` active.
+
+    A backend with ``dynamic_shapes = True`` also compiles graphs traced symbolically (placeholders'
+    ``meta["val"]`` have SymInt sizes): its callable then takes inputs of other sizes too, and has a
+    ``guards`` attribute (a code object over ``L['t0']``, ``L['t1']``, ... that must evaluate true for
+    the inputs before the call; None for static graphs). See Note [Dynamic shapes] in ``inductor``.
     """
 
     name: str

@@ -28,6 +28,10 @@ def op_name(target: object) -> str:
         return repr(target)
 
 
+# Size arithmetic in symbolically traced graphs (a view to ``2 * B`` rows): Python operators on SymInts.
+SIZE_ARITHMETIC = frozenset({operator.mul, operator.add, operator.sub, operator.floordiv, operator.mod, operator.neg})
+
+
 def check_graph(backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> None:
     """Raise ``BackendCompileError`` unless ``gm`` has the shape the ``Backend`` contract promises.
 
@@ -40,7 +44,8 @@ def check_graph(backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence
         if node.op == "placeholder":
             placeholders += 1
         elif node.op == "call_function":
-            if not (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
+            if not (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
+                    or node.target in SIZE_ARITHMETIC):
                 raise BackendCompileError(
                     f"{backend}: cannot compile {op_name(node.target)} (node {node.name}): "
                     "only ATen OpOverloads and operator.getitem are supported"

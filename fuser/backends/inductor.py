@@ -33,13 +33,19 @@ alignment the kernels were compiled to assume (``inputs_to_check``).
 
 Note [Dynamic shapes]
 ~~~~~~~~~~~~~~~~~~~~~
-Compiles are static: ``dynamic_shapes="from_example_inputs"`` specializes on the example shapes,
-and the wrapper's ``assert_size_stride`` rejects other shapes. A dynamic variant goes in
-``_run_inductor``: pass ``standalone_compile`` a ``fake_mode`` with a ``ShapeEnv`` and example
-inputs whose dynamic dims are marked (``torch._dynamo.mark_dynamic``); the compiled graph then has
-SymInt placeholders besides the tensors, which the callable from ``load`` fills from the inputs'
-sizes (``_check_calling_convention`` must allow for them), and the region key must record which
-dims are dynamic.
+A graph whose placeholders carry only concrete sizes is compiled statically
+(``dynamic_shapes="from_example_inputs"`` specializes on the example shapes; the wrapper's
+``assert_size_stride`` rejects others). A graph traced symbolically (the fuser's ``Program`` with
+dynamic dims: placeholders' ``meta["val"]`` are fake tensors with SymInt sizes, outputs carry
+``meta["example_value"]``) is compiled with ``dynamic_shapes="from_graph"``: Inductor uses that
+graph's ``ShapeEnv``, the wrapper reads the sizes off its input tensors (no SymInt inputs), and
+every assumption Inductor made about the symbols (sizes >= 2, ``s0 <= 4096`` for an accumulator
+choice, ...) lands in that ``ShapeEnv`` as a guard. The manifest keeps those guards as one Python
+expression over ``L['t0']``, ``L['t1']``, ... (the inputs in order, ``ShapeEnv.produce_guards_expression``)
+and the callable from ``load`` carries it, compiled, as ``guards`` (None for static artifacts): the
+caller must evaluate it (``eval(run.guards, SYMPY_INTERP, {"L": {...}})``) before using the
+artifact for inputs of other sizes. The calling-convention check compares output metadata at the
+example (hint) sizes; the caller verifies it for other sizes.
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ class InductorBackend:
     """Compiles with ``torch._inductor.standalone_compile``; see the module notes for the format."""
 
     name = "inductor"
+    dynamic_shapes = True  # compiles symbolically traced graphs (Note [Dynamic shapes])
 
     def __init__(self, device_type: str) -> None:
         if device_type not in _DEVICE_TYPES:
@@ -123,11 +130,19 @@ class InductorBackend:
                     f"inductor: example input {i} is on {t.device}, this backend compiles for {self.device_type}"
                 )
         expected = eager_output_meta(self.name, gm, example_inputs)
+        placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        symbolic = any(isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+                       for v in placeholders)
         start = time.perf_counter()
         with _compile_lock:
             source, cpp_kernels, triton_files, inputs_to_check = _run_inductor(
-                gm, example_inputs, expected, self.device_type
+                gm, example_inputs, expected, self.device_type, symbolic
             )
+        guards = None
+        if symbolic:
+            shape_env = next(d.node.shape_env for v in placeholders if isinstance(v, torch.Tensor)
+                             for d in v.shape if isinstance(d, torch.SymInt))
+            guards = shape_env.produce_guards_expression(placeholders, ignore_static=False) or "True"
         members: dict[str, bytes] = {"wrapper.py": source.encode()}
         kernel_members = {}
         for key, blob in cpp_kernels.items():
@@ -141,6 +156,7 @@ class InductorBackend:
             "cpp_kernels": kernel_members,
             "triton_device": _device_index(example_inputs) if triton_files else None,
             "triton_files": sorted(triton_files),
+            "guards": guards,
         }
         artifact = _pack(manifest, members)
         log.debug(
@@ -168,7 +184,10 @@ class InductorBackend:
             if manifest["triton_files"]:
                 _restore_triton(manifest["triton_device"], {name: members[name] for name in manifest["triton_files"]})
             call = _instantiate(members["wrapper.py"].decode(), bundled_kernel)
-            return below_autograd(_boxed(call, manifest["inputs_to_check"]))
+            run = below_autograd(_boxed(call, manifest["inputs_to_check"]))
+            guards = manifest.get("guards")
+            run.guards = None if guards is None else compile(guards, "<inductor guards>", "eval")
+            return run
         except BackendCompileError:
             raise
         except Exception as e:
@@ -176,7 +195,8 @@ class InductorBackend:
 
 
 def _run_inductor(
-    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], expected: list[tuple], device_type: str
+    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], expected: list[tuple], device_type: str,
+    symbolic: bool = False,
 ) -> tuple[str, dict[str, bytes], dict[str, bytes], list[int]]:
     """Compile in an Inductor cache dir of our own; return the wrapper source and the binaries it uses."""
     from torch._inductor import config, standalone_compile
@@ -198,6 +218,10 @@ def _run_inductor(
     # Detached, so AOTAutograd traces an inference graph (outputs 1:1 with ours, no backward), and
     # distinct objects, so a tensor passed for two placeholders is not deduplicated into one input.
     inputs = [t.detach() for t in example_inputs]
+    if symbolic:
+        # The graph's own fake inputs: from real examples, AOTAutograd would make its own symbols
+        # (duck-sized by value, so a batch of 4 beside 4 classes would be specialized to 4).
+        inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     if device_type == "cuda":
         # a fresh directory, so every Triton file in it belongs to this compile (_collect_triton)
         cache_dir = fresh_cache()
@@ -211,7 +235,8 @@ def _run_inductor(
     no_autograd_cache = torch._functorch.config.patch(enable_autograd_cache=False)
     with torch.no_grad(), cache_dir, no_autograd_cache, config.patch(_CONFIG):
         try:
-            standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs", options={"inner_compile": capture})
+            standalone_compile(gm, inputs, dynamic_shapes="from_graph" if symbolic else "from_example_inputs",
+                               options={"inner_compile": capture})
         except Exception as e:
             raise BackendCompileError(
                 f"inductor: cannot compile {_culprit(e, gm)}: {type(e).__name__}: {str(e)[:800]}"
@@ -261,7 +286,7 @@ def _check_calling_convention(
             f"inductor: compiled code returns {len(outputs)} outputs for the graph's {len(expected)}"
         )
     for i, (out, want) in enumerate(zip(outputs, expected)):
-        got = tensor_meta("inductor", getattr(out, "meta", {}).get("val"))
+        got = _at_hints(tensor_meta("inductor", getattr(out, "meta", {}).get("val")))
         if got != want:
             raise BackendCompileError(
                 f"inductor: compiled output {i} would be (shape, stride, offset, dtype) {got}, eager gives {want}"
@@ -269,6 +294,20 @@ def _check_calling_convention(
     for attribute in ("constants", "torchbind_constants", "mutated_inputs"):
         if getattr(compiled, attribute, None):
             raise BackendCompileError(f"inductor: compiled code has {attribute}, which artifacts cannot carry")
+
+
+def _at_hints(meta: tuple) -> tuple:
+    """Output metadata with symbolic sizes at their example values (reads hints: adds no guard)."""
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    def concrete(x: object) -> object:
+        if isinstance(x, torch.SymInt):
+            return guarding_hint_or_throw(x)
+        if isinstance(x, tuple):
+            return tuple(concrete(v) for v in x)
+        return x
+
+    return tuple(concrete(v) for v in meta)
 
 
 def _culprit(error: BaseException, gm: torch.fx.GraphModule) -> str:

@@ -1,0 +1,198 @@
+"""Dynamic shapes: a dimension that keeps changing is compiled once symbolically (Note [Dynamic
+shapes] in fuser.compiled). Eager is the oracle; compile counts come from metrics()."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+import fuser.compiled as fc
+from adaptive_eager import adaptive_eager
+
+SIZES = range(2, 12)  # ten batch sizes
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fresh_regions):
+    yield
+
+
+def _opts(tmp_path, **kw):
+    return dict(backend="inductor", hot_after=2, async_compile=False, cache_dir=str(tmp_path), **kw)
+
+
+def _chain(x):
+    return ((x * 2).sin() + 1).exp().sum(1)
+
+
+def _per_class_compiles() -> list[int]:
+    return [c.compiled + (c.sym is not None and c.sym.run is not None) for c in fc._CLASSES.values()]
+
+
+def test_elementwise_chain_over_ten_batch_sizes_compiles_once_symbolically(tmp_path):
+    xs = {b: torch.randn(b, 8) for b in SIZES}
+    got = {}
+    with adaptive_eager(**_opts(tmp_path)):
+        for _ in range(2):
+            for b in SIZES:
+                got[b] = _chain(xs[b])
+                ae.sync()
+    m = ae.metrics()
+    for b in SIZES:
+        torch.testing.assert_close(got[b], _chain(xs[b]))
+        assert got[b].shape == (b,)
+    # per shape, 10 sizes seen twice would compile 10 times; the class compiles once symbolically
+    assert m["compiles"] <= 3, m
+    assert m["recompiles"].get("dynamic") == 1, m["recompiles"]
+    assert m["compiled_runs"] >= 2 * len(SIZES) - 2, m  # only the first size's first sight replays
+    assert max(_per_class_compiles()) <= 3
+
+
+def test_mlp_training_step_over_ten_batch_sizes(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    data = {b: (torch.randn(b, 16), torch.randint(0, 4, (b,))) for b in SIZES}
+
+    def train(net, ctx):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        with ctx:
+            for _ in range(2):
+                for b in SIZES:
+                    x, y = data[b]
+                    opt.zero_grad()
+                    loss = torch.nn.functional.cross_entropy(net(x), y)
+                    loss.backward()
+                    opt.step()
+                    ae.sync()
+                    losses.append(loss.detach())
+        return torch.stack(losses)
+
+    got = train(model, adaptive_eager(**_opts(tmp_path)))
+    m = ae.metrics()
+    want = train(reference, contextlib.nullcontext())
+    torch.testing.assert_close(got, want)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(p.grad, q.grad)
+    assert m["recompiles"].get("dynamic", 0) >= 1, m["recompiles"]
+    assert max(_per_class_compiles()) <= 3
+    assert m["compiles"] <= 3 * sum(1 for n in _per_class_compiles() if n), m
+    assert m["compiled_runs"] >= len(SIZES), m  # the step ran compiled for most sizes
+
+
+def test_batch_size_one_after_symbolic_compile_is_correct(tmp_path):
+    xs = {b: torch.randn(b, 8) for b in (2, 3, 4, 1)}
+    got = []
+    with adaptive_eager(**_opts(tmp_path)):
+        for b in (2, 3, 4, 1, 1, 1):
+            got.append((b, _chain(xs[b])))
+            ae.sync()
+    for b, y in got:
+        torch.testing.assert_close(y, _chain(xs[b]))
+        assert y.shape == (b,)
+    m = ae.metrics()
+    assert m["recompiles"].get("dynamic") == 1, m["recompiles"]
+    # symbols are >= 2 (ShapeEnv specializes 0 and 1): size 1 is compiled for itself, a new shape
+    assert m["not_dynamic"].get("size_0_or_1", 0) >= 1, m["not_dynamic"]
+    assert m["recompiles"].get("new_shape") == 1, m["recompiles"]
+
+
+def _views(x):
+    b = x.shape[0]
+    y = (x * 3).view(b, 2, 4)  # a view whose arguments hold the batch size
+    z = y.reshape(b * 8)  # a multiple of it
+    w = z.view(b, 8).expand(2, b, 8).sum(0)
+    return (w + 1).mean(), y.transpose(0, 1) + 0, z
+
+
+def test_views_with_the_batch_size_in_their_arguments(tmp_path):
+    xs = {b: torch.randn(b, 8) for b in SIZES}
+    got = {}
+    with adaptive_eager(**_opts(tmp_path)):
+        for b in SIZES:
+            got[b] = _views(xs[b])
+            ae.sync()
+    m = ae.metrics()
+    for b in SIZES:
+        for g, w in zip(got[b], _views(xs[b])):
+            assert g.shape == w.shape and g.stride() == w.stride()
+            torch.testing.assert_close(g, w)
+    assert m["recompiles"].get("dynamic") == 1, m["recompiles"]
+    assert m["compiles"] == 1, m  # nothing was compiled per shape
+    assert m["compiled_runs"] == len(SIZES) - 1, (m, fc.STATS.not_dynamic)
+
+
+def test_a_size_that_is_not_a_multiple_of_a_symbol_stays_per_shape(tmp_path):
+    xs = {b: torch.randn(b, 4) for b in SIZES}
+    got = {}
+    with adaptive_eager(**_opts(tmp_path)):
+        for b in SIZES:
+            got[b] = (xs[b][: b - 1] * 2).cos()  # b - 1: not a multiple of b
+            ae.sync()
+    for b in SIZES:
+        torch.testing.assert_close(got[b], (xs[b][: b - 1] * 2).cos(), rtol=0, atol=0)
+    m = ae.metrics()
+    assert m["not_dynamic"].get("derived_size", 0) >= 1, m["not_dynamic"]
+    assert m["compiles"] == 0 and "dynamic" not in m["recompiles"], m
+
+
+def test_failing_guards_fall_back_to_per_shape(tmp_path):
+    xs = {b: torch.randn(b, 8) for b in (2, 3, 5)}
+    with adaptive_eager(**_opts(tmp_path)):
+        for b in (2, 3):
+            y = _chain(xs[b])
+            ae.sync()
+        (cls,) = fc._CLASSES.values()
+        assert cls.sym is not None and cls.sym.run is not None
+        cls.sym.run.guards = compile("False", "<test>", "eval")  # as if Inductor assumed b <= 3
+        y = _chain(xs[5])
+        ae.sync()
+    torch.testing.assert_close(y, _chain(xs[5]))
+    m = ae.metrics()
+    assert m["not_dynamic"].get("guards") == 1, m["not_dynamic"]
+    assert m["compiled_runs"] == 1, m  # size 3 only: size 5 was replayed
+
+
+def test_dtype_change_is_a_new_region_counted_new_dtype(tmp_path, caplog):
+    caplog.set_level("INFO", logger="adaptive_eager.fuser")
+    x = torch.randn(6, 8)
+    inputs = (x, x, x.double(), x.double())
+    got = []
+    with adaptive_eager(**_opts(tmp_path)):
+        for t in inputs:
+            got.append(_chain(t))
+            ae.sync()
+    for t, y in zip(inputs, got):
+        assert y.dtype == t.dtype
+        torch.testing.assert_close(y, _chain(t))
+    m = ae.metrics()
+    assert m["compiles"] == 2, m
+    assert m["recompiles"] == {"new_dtype": 1}, m["recompiles"]
+    assert any("recompiling region" in r.message and "new_dtype" in r.message for r in caplog.records)
+
+
+def test_symbolic_region_is_stored_and_loaded_by_a_new_process(tmp_path):
+    xs = {b: torch.randn(b, 8) for b in SIZES}
+    with adaptive_eager(**_opts(tmp_path)):
+        for b in (2, 3):
+            y = _chain(xs[b])
+            ae.sync()
+    torch.testing.assert_close(y, _chain(xs[3]))
+    assert ae.metrics()["recompiles"].get("dynamic") == 1
+    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS):
+        table.clear()  # what a new process knows: only the store
+    ae.reset_metrics()
+    got = {}
+    with adaptive_eager(**_opts(tmp_path)):
+        for b in (4, 5, 6):
+            got[b] = _chain(xs[b])
+            ae.sync()
+    m = ae.metrics()
+    for b in (4, 5, 6):
+        torch.testing.assert_close(got[b], _chain(xs[b]))
+    assert m["compiles"] == 0 and m["cache_hits_disk"] == 1, m
+    assert m["compiled_runs"] == 2, m  # size 4 replays (one shape: no class yet), 5 loads, 6 hits

@@ -1,0 +1,144 @@
+"""Explainable behaviour: logging (NEURON_EAGER_LOG), explain(), and torch.profiler ranges."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "_line_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+def _loop_with_reads(steps=4, **options):
+    x = torch.randn(16, 8)
+    w = torch.randn(8, 8)
+    with ae.adaptive_eager(**options):
+        for _ in range(steps):
+            y = (x @ w).tanh().sum()
+            y.item()  # MARK-item
+            x[x > 0]  # MARK-mask
+    return y
+
+
+def test_flush_log_names_reason_ops_region_outcome_and_user_line(caplog):
+    with caplog.at_level(logging.INFO, logger="adaptive_eager"):
+        _loop_with_reads(steps=3, log="info", backend="replay")
+    flushes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flush (")]
+    item = [m for m in flushes if m.startswith("flush (item)")]
+    assert len(item) == 3, flushes
+    assert f"{__file__}:{_line_of('MARK-item')}" in item[0]
+    assert "3 ops" in item[0] and "replayed" in item[0]
+    fallbacks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("eager op")]
+    assert any("aten.index.Tensor" in m and "dynamic_shape" in m and f":{_line_of('MARK-mask')}" in m
+               for m in fallbacks), fallbacks
+
+
+def test_compile_and_hit_are_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="adaptive_eager"):
+        _loop_with_reads(steps=4, log="info", async_compile=False, hot_after=2)
+    messages = [r.getMessage() for r in caplog.records]
+    compiled = [m for m in messages if "compiled region" in m]
+    assert compiled and any(" in " in m and "s (key" in m for m in compiled), messages
+    item = [m for m in messages if m.startswith("flush (item)")]
+    assert "replayed" in item[0] and any("compiled" in m for m in item[2:]), item
+
+
+def test_default_level_logs_nothing(caplog):
+    with caplog.at_level(logging.DEBUG):
+        logging.getLogger("adaptive_eager").setLevel(logging.NOTSET)
+        with ae.adaptive_eager(backend="replay"):
+            pass
+        logging.getLogger("adaptive_eager").setLevel(logging.WARNING)
+        _loop_with_reads(steps=2, backend="replay")
+    assert not [r for r in caplog.records if r.name.startswith("adaptive_eager")]
+
+
+def test_env_var_sends_log_to_stderr_without_logging_setup(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        x = torch.ones(4)
+        y = (x * 2).sum()
+        print(y.item())
+    """))
+    env = dict(os.environ, NEURON_EAGER="adaptive", NEURON_EAGER_LOG="info", NEURON_EAGER_BACKEND="replay",
+               NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "8.0"
+    assert "flush (item): " in out.stderr and " ops, region " in out.stderr, out.stderr
+    assert f"{script}:5" in out.stderr, out.stderr
+
+
+def test_explain_ranks_sites_with_lines_and_advice():
+    _loop_with_reads(steps=5, backend="replay")
+    text = ae.explain()
+    assert f"{__file__}:{_line_of('MARK-item')}" in text
+    assert f"{__file__}:{_line_of('MARK-mask')}" in text
+    assert ".item() once" in text  # the advice for host reads
+    assert "aten.index.Tensor (dynamic_shape)" in text
+    # expected flushes (leaving the block) are listed after the ones to act on
+    lines = text.splitlines()
+    sites = lines[lines.index("top flush sites (reason, count, where, what to change)") + 1:]
+    reasons = [l.split()[0] for l in sites if l.startswith("  ") and not l.startswith("      ")]
+    assert reasons[0] in ("item", "dynamic_shape") and "exit" not in reasons[:2], text
+    assert "adaptive_eager explain" in ae.report(explain=True)
+    assert "adaptive_eager explain" not in ae.report()
+
+
+def test_explain_flags_compiles_too_frequent():
+    x = torch.randn(8)
+    with ae.adaptive_eager(hot_after=1, async_compile=False):
+        for n in range(2, 26):  # a new structure every step: every window compiles
+            y = (x[:n] * 2 + 1).sum()  # MARK-varying
+            y.item()
+    text = ae.explain()
+    assert "compile too frequent" in text, text
+
+
+def test_explain_with_nothing_recorded():
+    assert "(none)" in ae.explain()
+
+
+def test_profiler_shows_record_flush_compile_and_region_ranges():
+    x = torch.randn(64, 64)
+    with ae.adaptive_eager(hot_after=1, async_compile=False):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                y = (x * 3 + 1).relu().sum()
+                y.item()
+    names = {e.name for e in prof.events()}
+    assert "adaptive_eager.record" in names
+    assert "adaptive_eager.flush" in names
+    assert "adaptive_eager.compile" in names
+    assert any(n.startswith("adaptive_eager.region[") for n in names), sorted(n for n in names if "adaptive" in n)
+
+
+def test_no_profiler_ranges_when_profiler_is_off():
+    assert torch.autograd.profiler._is_profiler_enabled is False
+    x = torch.randn(8)
+    with ae.adaptive_eager(backend="replay"):
+        (x * 2).sum().item()
+    st = ae._tracer.current_state()
+    assert st is None or st.mode is None or not st.mode.profiling
+
+
+@pytest.mark.parametrize("value", ["loud", "INFO "])
+def test_bad_log_level_is_a_clear_error_or_normalized(value, monkeypatch):
+    monkeypatch.setenv("NEURON_EAGER_LOG", value)
+    if value.strip().lower() == "info":
+        assert ae.load_options().log == "info"
+    else:
+        with pytest.raises(ae.ConfigError, match="NEURON_EAGER_LOG"):
+            ae.load_options()
