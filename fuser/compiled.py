@@ -92,7 +92,7 @@ STATS = RegionStats()
 
 
 class _Entry:
-    __slots__ = ("seen", "run", "n_live", "mutated", "blacklisted", "future", "lifted_inputs", "group",
+    __slots__ = ("seen", "run", "n_live", "mutated", "inplace", "blacklisted", "future", "lifted_inputs", "group",
                  "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic")
 
     def __init__(self):
@@ -107,6 +107,7 @@ class _Entry:
         self.run = None  # the loaded compiled callable
         self.n_live = 0
         self.mutated: tuple[int, ...] = ()
+        self.inplace = False  # the compiled region writes ``mutated`` itself (Note [In-place regions])
         self.blacklisted = False
         self.lifted_inputs: list[tuple[int, torch.dtype]] = []  # (index in Window.scalars, dtype)
         self.group = None
@@ -302,7 +303,9 @@ def _describe(entry: _Entry, window: Window, live: list[Out], mutated, lifted, b
     """What a compile needs (the Program and its persistent key), built once per structure."""
     dead = mark_needed(window)
     entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
-    entry.program = Program.from_window(window, live, mutated, lifted)
+    entry.program = Program.from_window(window, live, mutated, lifted,
+                                        inplace=getattr(backend, "writes_inputs", False))
+    entry.inplace = entry.program.inplace
     entry.pkey = entry.program.digest(backend.fingerprint())
     entry.region = entry.pkey[:8]
     entry.n_live, entry.mutated = len(live), mutated
@@ -758,9 +761,11 @@ def poll_jobs() -> None:
     for jobs in _JOBS.values():
         for result in jobs.poll():
             entry = _PENDING.pop(result.key, None)
+            STATS.compile_seconds += result.seconds
             if result.ok:
                 STATS.regions_compiled += 1
-                log.info("adaptive_eager: compiled region %s in a worker process (key %s)", result.key[:8], result.key)
+                log.info("adaptive_eager: compiled region %s in a worker process in %.2fs (key %s)", result.key[:8],
+                         result.seconds, result.key)
             else:
                 STATS.compile_failures += 1
                 if entry is not None:
@@ -814,6 +819,11 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out]) -> int:
         for o, r in zip(live, outs):
             copies += _bind(o, r)
         real = window.real_inputs
+        if entry.inplace:
+            # the kernels wrote parameters, optimizer state and buffers in place (their version
+            # counters were bumped when the in-place ops were recorded, as eager bumps them)
+            STATS.compiled_runs += 1
+            return 1 + copies
         for slot, r in zip(entry.mutated, outs[entry.n_live:]):
             real[slot].copy_(r)  # write-back of parameters, optimizer state, buffers
     STATS.compiled_runs += 1
@@ -891,11 +901,38 @@ class LiftError(Exception):
     Python number); the region is compiled with the values baked in instead."""
 
 
+# Note [In-place regions]
+# A region that writes real inputs (parameters, optimizer state, BatchNorm buffers) could return
+# their new values for the fuser to copy back: one extra launch and one extra pass over memory per
+# written tensor (600 copies for AdamW over 200 parameters). Instead, when the backend can
+# (``writes_inputs``), the graph keeps functionalization's trailing ``copy_`` into its inputs and
+# the compiled kernels store the new values in place. The price: a compiled run that fails half
+# way has already written some inputs, so replaying the window (the fallback for a failed run)
+# would apply those updates twice. So only windows that cannot fail at run time are compiled in
+# place: no op reads an integer tensor (indices, targets: the out-of-range checks) and no op exists
+# only for a check (``_linalg_check_errors``). Everything else keeps the copy-back.
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+def _may_raise(node) -> bool:
+    """Whether ``node`` can fail depending on data (Note [In-place regions])."""
+    if not node.outs:
+        return True
+    for a in (*node.args, *node.kwargs.values()):
+        for x in (a if type(a) in (list, tuple) else (a,)):
+            if type(x) is Out:
+                if x.meta is not None and x.meta[2] in _INT_DTYPES:
+                    return True
+            elif isinstance(x, torch.Tensor) and x.dtype in _INT_DTYPES:
+                return True
+    return False
+
+
 class Program:
     """A window as plain data: no reference to the program's tensors, so it can be compiled later,
     in another thread or process, after the window itself is gone."""
 
-    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=()):
+    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
         self.inputs = inputs  # [(shape, stride, dtype, device)] by slot
         self.live = live  # uids of the outputs, in order
@@ -907,9 +944,13 @@ class Program:
         # symbolic dimension are contiguous; ``inputs`` holds the sizes of one window (the hints).
         self.dynamic = tuple(dynamic)
         self.dims = tuple(dims)
+        # Note [In-place regions]: the compiled region writes the ``mutated`` inputs itself (the
+        # graph keeps functionalization's trailing copy_ nodes) instead of returning their values
+        self.inplace = bool(inplace) and not self.dims
 
     @classmethod
-    def from_window(cls, window: Window, live: list[Out], mutated: tuple[int, ...], lifted=()) -> Program:
+    def from_window(cls, window: Window, live: list[Out], mutated: tuple[int, ...], lifted=(),
+                    inplace: bool = False) -> Program:
         slots = {id(t): s for s, t in enumerate(window.real_inputs)}
         lifted_set = set(lifted)
 
@@ -941,9 +982,12 @@ class Program:
                         args[pos[0]] = list(args[pos[0]])
                         args[pos[0]][pos[1]] = _Lifted(index)
             ops.append((node.func, args, kwargs, outs))
+            if inplace and _may_raise(node):
+                inplace = False
         inputs = [(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in window.real_inputs]
         scalars = tuple(window.scalars[i] for i in lifted)
-        return cls(ops, inputs, [o.uid for o in live], mutated, tuple(lifted), scalars)
+        return cls(ops, inputs, [o.uid for o in live], mutated, tuple(lifted), scalars,
+                   inplace=inplace and bool(mutated))
 
     def to_bytes(self) -> bytes:
         """JSON (OpOverloads and torch enums do not pickle): what a compile worker process gets."""
@@ -956,6 +1000,7 @@ class Program:
             "live": list(self.live), "mutated": list(self.mutated), "lifted": list(self.lifted),
             "scalars": list(self.scalars),
             "dynamic": [list(d) for d in self.dynamic], "dims": [list(d) for d in self.dims],
+            "inplace": self.inplace,
         }
         return json.dumps(doc).encode()
 
@@ -968,14 +1013,16 @@ class Program:
                for name, args, kwargs, outs in doc["ops"]]
         inputs = [(tuple(shape), tuple(stride), getattr(torch, dtype), device) for shape, stride, dtype, device in doc["inputs"]]
         return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]),
-                   [tuple(d) for d in doc.get("dynamic", ())], [tuple(d) for d in doc.get("dims", ())])
+                   [tuple(d) for d in doc.get("dynamic", ())], [tuple(d) for d in doc.get("dims", ())],
+                   doc.get("inplace", False))
 
     def digest(self, fingerprint: str) -> str:
         """The persistent region key: xxh3_128 of the program's structure (ops, arguments, input
         metadata, outputs, lifted floats) and the backend fingerprint. Never tensor data; the
         same in every process (Note [Region key])."""
         if not self.dims:
-            text = repr((FORMAT, fingerprint, self.ops, self.inputs, self.live, self.mutated, self.lifted))
+            text = repr((FORMAT, fingerprint, self.ops, self.inputs, self.live, self.mutated, self.lifted,
+                         self.inplace))
             return xxhash.xxh3_128_hexdigest(text.encode())
         # symbolic: the sizes of the window it was made from are only hints, so not part of the key
         symbolic = {(slot, d): f"s{k}" for slot, d, k in self.dims}
@@ -1019,6 +1066,8 @@ class Program:
                     if out is not None:
                         kind, uid, alias = out
                         env[uid] = value(alias) if kind == ALIAS else r
+            if self.inplace:
+                return [env[u] for u in self.live]
             return [env[u] for u in self.live] + [inputs[s] for s in self.mutated]
 
         decompositions = None
@@ -1042,7 +1091,7 @@ class Program:
         # write-back itself (backends take functional graphs) and those values are outputs already.
         for n in list(gm.graph.nodes):
             if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and not n.users:
-                if n.args[0].op == "placeholder":
+                if n.args[0].op == "placeholder" and not self.inplace:
                     gm.graph.erase_node(n)
         gm.graph.eliminate_dead_code()
         self.lifted_inputs = self._lift(gm) if self.lifted else []

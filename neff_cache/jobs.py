@@ -57,6 +57,7 @@ class JobResult(NamedTuple):
     key: str
     ok: bool
     error: str | None
+    seconds: float = 0.0  # how long the worker compiled (0 when it died)
 
 
 @dataclasses.dataclass
@@ -260,10 +261,10 @@ class CompileJobs:
                 self.store.put(
                     job.key, result, fingerprint=job.fingerprint, backend=job.backend, compile_seconds=seconds
                 )
-                self._finish(job, None)
+                self._finish(job, None, seconds=seconds)
             else:
                 exception_line = result.strip().splitlines()[-1]
-                self._finish(job, f"{job.fn_path} raised {exception_line}\n{result}")
+                self._finish(job, f"{job.fn_path} raised {exception_line}\n{result}", seconds=seconds)
 
     def _worker_died(self, worker: _Worker) -> None:
         job, worker.job = worker.job, None
@@ -282,9 +283,9 @@ class CompileJobs:
         else:
             self._finish(job, f"compile worker died {job.attempts} times running {job.fn_path} (last: {how})")
 
-    def _finish(self, job: _Job, error: str | None, level: int = logging.WARNING) -> None:
+    def _finish(self, job: _Job, error: str | None, level: int = logging.WARNING, seconds: float = 0.0) -> None:
         self.store.release(job.key)
-        self._finished.append(JobResult(job.key, error is None, error))
+        self._finished.append(JobResult(job.key, error is None, error, seconds))
         if error is not None:
             log.log(level, "compile job for key %s failed: %s", job.key, error.splitlines()[0])
 

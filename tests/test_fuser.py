@@ -268,8 +268,10 @@ def test_background_compile_never_blocks_the_program(tmp_path):
     m = ae.metrics()
     assert m["compiled_runs"] >= 1, m  # the worker process compiled it and the program picked it up
     assert m["compiles"] == 1 and m["replayed_regions"] >= 2
-    # while the worker compiled (seconds), no step waited for it
-    assert max(step_times[:-1]) < 1.0, max(step_times)
+    assert m["compile_seconds"] > 0  # the worker's compile time is reported (not only in-process ones)
+    # while the worker compiled (seconds), no step waited for it (the first step pays one-time
+    # imports: the backend's fingerprint names the compiler's version)
+    assert max(step_times[1:-1]) < 1.0, step_times
     torch.testing.assert_close(y, ((x * 1.5).cos() - 0.25).tanh())
 
 
@@ -349,3 +351,82 @@ def test_profiler_shows_compile_and_region_ranges():
     regions = [n for n in names if n.startswith("adaptive_eager.region[")]
     assert len(regions) == 1 and re.fullmatch(r"adaptive_eager\.region\[[0-9a-f]{8}\]", regions[0]), regions
     torch.testing.assert_close(y, (x - 3).exp() * 0.5)
+
+
+# Note [In-place regions]
+
+
+def _adamw_steps(model, steps, x, lazy, **options):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
+    ctx = adaptive_eager(**options) if lazy else torch.enable_grad()
+    with ctx:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    return opt
+
+
+def test_a_region_that_writes_parameters_and_state_writes_them_in_place(fresh_regions, tmp_path):
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+    eager, lazy = base, __import__("copy").deepcopy(base)
+    eager_versions = [p._version for p in eager.parameters()]
+    _adamw_steps(eager, 12, x, lazy=False)
+    versions = [p._version for p in lazy.parameters()]
+    opt = _adamw_steps(lazy, 12, x, lazy=True, **SYNC, cache_dir=str(tmp_path))
+    for a, b in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+    entries = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None]
+    assert entries and all(e.inplace for e in entries)
+    assert any(len(e.mutated) >= 12 for e in entries)  # 4 parameters x (param, exp_avg, exp_avg_sq)
+    # the writes are visible to the optimizer's state and bump version counters as eager's do
+    for p in lazy.parameters():
+        state = opt.state[p]
+        assert state["exp_avg"].abs().sum() > 0 and state["exp_avg_sq"].abs().sum() > 0
+    # as many version bumps as eager's in-place ops made (autograd's modified-in-place checks)
+    assert [p._version - v for p, v in zip(lazy.parameters(), versions)] == \
+        [p._version - v for p, v in zip(eager.parameters(), eager_versions)]
+    # no copy-back launches: a compiled step costs its region, the binds and the host-side step counters
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 8
+
+
+def test_in_place_write_keeps_autograds_modified_by_an_inplace_operation_error(fresh_regions):
+    w = torch.randn(4, requires_grad=True)
+    p = torch.randn(4)
+
+    def program():
+        y = (w * p).sum()  # p is saved for backward
+        with torch.no_grad():
+            p.mul_(2)  # and then written in place
+        y.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        program()
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            with adaptive_eager(**SYNC):
+                program()
+
+
+def test_a_window_with_index_ops_keeps_copy_back_and_fails_like_eager(fresh_regions):
+    table = torch.randn(10, 4)
+    acc = torch.zeros(4)
+
+    def step(idx):
+        acc.add_(table[idx].sum(0))  # an integer index read and an in-place write in one window
+
+    with adaptive_eager(**SYNC):
+        for _ in range(3):
+            step(torch.tensor([1, 2]))
+    entries = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None]
+    assert entries and not any(e.inplace for e in entries)
+    before = acc.clone()
+    with pytest.raises(IndexError):
+        with adaptive_eager(**SYNC):
+            step(torch.tensor([1, 20]))  # out of range: the compiled run fails, replay raises
+    # the failed window wrote nothing (eager would have raised before the write)
+    assert torch.equal(acc, before)
+    torch.testing.assert_close(acc, table[[1, 2]].sum(0) * 3)

@@ -26,7 +26,8 @@ The callable from ``load`` is the wrapper's ``call(args)`` with no AOTAutograd r
 no guards (~2 us of Python on tiny inputs; Inductor's ``CompiledArtifact`` costs ~6-9 us). That is
 sound only when the wrapper's calling convention is the graph's: ``compile`` checks that the graph
 Inductor compiled has one input per example input and outputs whose shape, stride, storage offset
-and dtype are what eager gives, and that it holds no constants and mutates no input. Of the skipped
+and dtype are what eager gives, that it holds no constants, and that it writes exactly the inputs
+the graph writes (Note [In-place regions] in ``fuser.compiled``). Of the skipped
 wrappers' work, the backend redoes the two parts a functional inference graph needs: grad mode and
 autocast off (``below_autograd``), and on CUDA a copy of any input whose address breaks the
 alignment the kernels were compiled to assume (``inputs_to_check``).
@@ -101,6 +102,7 @@ class InductorBackend:
     """Compiles with ``torch._inductor.standalone_compile``; see the module notes for the format."""
 
     name = "inductor"
+    writes_inputs = True  # graphs may copy_ into their inputs (Note [In-place regions] in fuser.compiled)
     dynamic_shapes = True  # compiles symbolically traced graphs (Note [Dynamic shapes])
 
     def __init__(self, device_type: str) -> None:
@@ -157,6 +159,7 @@ class InductorBackend:
             "triton_device": _device_index(example_inputs) if triton_files else None,
             "triton_files": sorted(triton_files),
             "guards": guards,
+            "written": written_inputs(gm),
         }
         artifact = _pack(manifest, members)
         log.debug(
@@ -184,7 +187,7 @@ class InductorBackend:
             if manifest["triton_files"]:
                 _restore_triton(manifest["triton_device"], {name: members[name] for name in manifest["triton_files"]})
             call = _instantiate(members["wrapper.py"].decode(), bundled_kernel)
-            run = below_autograd(_boxed(call, manifest["inputs_to_check"]))
+            run = below_autograd(_boxed(call, manifest["inputs_to_check"], frozenset(manifest.get("written", ()))))
             guards = manifest.get("guards")
             run.guards = None if guards is None else compile(guards, "<inductor guards>", "eval")
             return run
@@ -192,6 +195,13 @@ class InductorBackend:
             raise
         except Exception as e:
             raise BackendCompileError(f"inductor: artifact does not load: {type(e).__name__}: {e}") from e
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """Indices of the placeholders the graph writes (``copy_`` into them; Note [In-place regions])."""
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    return sorted({index[n.args[0]] for n in gm.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in index})
 
 
 def _run_inductor(
@@ -247,7 +257,7 @@ def _run_inductor(
         source = getattr(compiled, "source_code", None)
         if not isinstance(source, str):
             raise BackendCompileError(f"inductor: compiled a {type(compiled).__name__}, which has no Python wrapper")
-        _check_calling_convention(inner_gm, compiled, expected, len(inputs))
+        _check_calling_convention(inner_gm, compiled, expected, len(inputs), written_inputs(gm))
 
         cpp_kernels: dict[str, bytes] = {}
 
@@ -271,7 +281,8 @@ def _run_inductor(
 
 
 def _check_calling_convention(
-    inner_gm: torch.fx.GraphModule, compiled: object, expected: list[tuple], n_inputs: int
+    inner_gm: torch.fx.GraphModule, compiled: object, expected: list[tuple], n_inputs: int,
+    graph_writes: list[int],
 ) -> None:
     """See Note [Calling the wrapper directly]."""
     nodes = list(inner_gm.graph.nodes)
@@ -291,9 +302,17 @@ def _check_calling_convention(
             raise BackendCompileError(
                 f"inductor: compiled output {i} would be (shape, stride, offset, dtype) {got}, eager gives {want}"
             )
-    for attribute in ("constants", "torchbind_constants", "mutated_inputs"):
+    for attribute in ("constants", "torchbind_constants"):
         if getattr(compiled, attribute, None):
             raise BackendCompileError(f"inductor: compiled code has {attribute}, which artifacts cannot carry")
+    # Note [In-place regions]: the graph may write its inputs (trailing copy_ into placeholders);
+    # the generated kernels then store into those inputs themselves. Sound only if Inductor
+    # writes exactly the inputs the graph writes (none moved to extra outputs for a wrapper to copy).
+    written = sorted(getattr(compiled, "mutated_input_idxs", ()) or ())
+    if written != graph_writes:
+        raise BackendCompileError(
+            f"inductor: compiled code writes inputs {written}, the graph writes {graph_writes}"
+        )
 
 
 def _at_hints(meta: tuple) -> tuple:
@@ -384,7 +403,7 @@ def _instantiate(source: str, cpp_kernel: Callable[[list[str], str, dict], Calla
     return call
 
 
-def _boxed(call: Callable, inputs_to_check: list[int]) -> Callable[[list[torch.Tensor]], tuple]:
+def _boxed(call: Callable, inputs_to_check: list[int], written: frozenset = frozenset()) -> Callable[[list[torch.Tensor]], tuple]:
     if not inputs_to_check:
         # the wrapper clears the list it is given, to free inputs early; the caller keeps theirs
         return lambda inputs: call(list(inputs))
@@ -392,10 +411,16 @@ def _boxed(call: Callable, inputs_to_check: list[int]) -> Callable[[list[torch.T
 
     def realigned(inputs: list[torch.Tensor]) -> tuple:
         args = list(inputs)
+        moved = []
         for i in inputs_to_check:
             if args[i].data_ptr() % ALIGNMENT:
                 args[i] = clone_preserve_strides(args[i])
-        return call(args)
+                if i in written:
+                    moved.append(i)
+        result = call(list(args))
+        for i in moved:  # an input the kernels wrote through an aligned copy (Note [In-place regions])
+            inputs[i].copy_(args[i])
+        return result
 
     return realigned
 
