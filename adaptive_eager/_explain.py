@@ -71,10 +71,14 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     if windows >= 20 and compiles > 0.2 * windows:
         findings.append(f"compile too frequent: {compiles} compiles for {windows} windows. Windows keep "
                         f"changing structure; see the recompile causes and flush sites below")
-    eq, launches = metrics.get("eager_equivalent_launches", 0), metrics.get("launches", 0)
-    if windows >= 20 and eq and launches > 0.5 * eq:
-        findings.append(f"little fusion: {launches} launches for {eq} eager ones. Frequent flushes "
-                        f"(below) keep windows short")
+    recorded = metrics.get("ops_recorded", 0)
+    if windows >= 20 and recorded < 8 * windows:
+        findings.append(f"short windows: {recorded / windows:.1f} ops per window on average, too few to fuse. "
+                        f"The flush sites below end them")
+    if windows >= 20 and metrics.get("replayed_regions", 0) > 0.5 * windows:
+        findings.append(f"mostly replayed: {metrics['replayed_regions']} of {windows} windows ran op by op. "
+                        f"Windows that never repeat are never compiled: see the flush sites and recompile "
+                        f"causes below (with async_compile, compiles finish in the background)")
     if findings:
         lines.append("")
         lines.append("findings")
@@ -82,8 +86,11 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
 
     lines.append("")
     lines.append("top flush sites (reason, count, where, what to change)")
+    # what the user can act on first, unless it is rare (AdamW reads its step counter once, in
+    # its first step); expected reasons (leaving the block, optimizer steps) after
+    rare = max(2, windows // 100)
     ranked = [(n, reason, site) for (reason, site), n in flush_sites.items()]
-    ranked.sort(key=lambda x: (_FLUSH_ADVICE.get(x[1], "") is None, -x[0]))
+    ranked.sort(key=lambda x: (_FLUSH_ADVICE.get(x[1], "") is None or x[0] < rare, -x[0]))
     if not ranked:
         lines.append("  (none)")
     for n, reason, site in ranked[:top]:

@@ -142,3 +142,25 @@ def test_bad_log_level_is_a_clear_error_or_normalized(value, monkeypatch):
     else:
         with pytest.raises(ae.ConfigError, match="NEURON_EAGER_LOG"):
             ae.load_options()
+
+
+def test_explain_flags_short_windows_and_not_a_one_off_read():
+    x = torch.randn(8)
+    with ae.adaptive_eager(hot_after=1000):  # never hot: every window replays
+        for _ in range(30):
+            (x * 2).sum().item()  # two ops per window
+    text = ae.explain()
+    assert "short windows" in text and "mostly replayed" in text, text
+    ae.reset_metrics()
+    w = torch.randn(8, 8)
+    with ae.adaptive_eager(backend="replay"):
+        (w @ w).sum().item()  # once, before the loop
+        for _ in range(250):
+            y = w
+            for _ in range(5):
+                y = (y @ w).tanh()  # ten ops per window
+            ae.sync()
+    text = ae.explain()
+    assert "short windows" not in text
+    sites = text.split("top flush sites")[1].splitlines()[1]
+    assert sites.split()[0] == "sync", text  # the one-off item is not ranked first
