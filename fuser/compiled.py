@@ -36,7 +36,7 @@ from .window import ALIAS, FRESH, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
 
-FORMAT = 1  # bump when Program's encoding or the artifact packing changes
+FORMAT = 2  # bump when Program's encoding or the artifact packing changes
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage
@@ -1083,7 +1083,7 @@ class Program:
             examples, mode = self._symbolic_inputs(examples)
         with torch.no_grad():
             gm = make_fx(
-                functionalize(program, remove="mutations_and_views"),
+                functionalize(program, remove="mutations"),
                 decomposition_table=decompositions,
                 tracing_mode="symbolic" if self.dims else "fake",
             )(*examples)
