@@ -410,12 +410,14 @@ def test_forked_child_uses_its_own_connection_and_cannot_release_the_parents_cla
 # ------------------------------------------------------------------------------------ jobs
 
 
-def finished_within(jobs: CompileJobs, seconds: float) -> list:
+def finished_within(jobs: CompileJobs, seconds: float, with_seconds: bool = False) -> list:
+    """The finished jobs as (key, ok, error), or the full JobResults with ``with_seconds``."""
     deadline = time.monotonic() + seconds
     results = []
     while jobs.pending() and time.monotonic() < deadline:
         results += jobs.poll(timeout_s=0.5)
-    return results + jobs.poll()
+    results += jobs.poll()
+    return results if with_seconds else [tuple(r[:3]) for r in results]
 
 
 def test_job_runs_in_a_worker_and_stores_the_artifact(store):
@@ -425,11 +427,13 @@ def test_job_runs_in_a_worker_and_stores_the_artifact(store):
         assert not jobs.submit(KEY_A, FN + "compile_upper", b"payload", fingerprint="fp", backend="inductor")
         assert jobs.pending() == {KEY_A}
         assert store.is_claimed(KEY_A)
-        assert finished_within(jobs, 30) == [(KEY_A, True, None)]
+        (result,) = finished_within(jobs, 30, with_seconds=True)
+        assert tuple(result[:3]) == (KEY_A, True, None)
         assert jobs.pending() == set() and not store.is_claimed(KEY_A)
         assert store.get(KEY_A, fingerprint="fp") == b"PAYLOAD"
         (entry,) = store.entries()
         assert entry["backend"] == "inductor" and entry["compile_seconds"] > 0
+        assert result.seconds == entry["compile_seconds"]  # what the fuser adds to compile_seconds
         # Stored now: a second submit is refused without running anything.
         assert not jobs.submit(KEY_A, FN + "compile_upper", b"payload", fingerprint="fp", backend="inductor")
     finally:
@@ -515,7 +519,7 @@ def test_shutdown_without_wait_cancels_and_releases_claims(store, tmp_path):
     start = time.monotonic()
     jobs.shutdown(wait=False)
     assert time.monotonic() - start < 5
-    assert sorted(key for key, ok, _ in jobs.poll() if not ok) == [KEY_A, KEY_B]
+    assert sorted(r.key for r in jobs.poll() if not r.ok) == [KEY_A, KEY_B]
     assert store.claim(KEY_A) and store.claim(KEY_B)
     assert_process_gone(int(pid_file.read_text()))
     with pytest.raises(RuntimeError, match="after shutdown"):
