@@ -214,6 +214,8 @@ def _release(window: Window) -> None:
         o.tensor = o.alias = o.value = o.root = o.node = None
     window.outs.clear()
     window.fresh.clear()
+    window.views.clear()
+    window.free_roots = None
     window.nodes.clear()
     window.real_inputs.clear()
 
@@ -779,6 +781,8 @@ def _record_view(st: TracerState, f, args, kwargs):
         vo.root = root
         v._ae = vo
         node.outs.append(vo)
+        if root is not None:
+            window.views.append(vo)
         window.outs.append(vo)
     # the view's own signature: op, input geometry (offset included: views keep it) and arguments
     key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,

@@ -23,6 +23,7 @@ import os
 import pickle
 import queue
 import struct
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -146,12 +147,79 @@ def _live_outs(window: Window) -> list[Out]:
 
     Only values are visited, never nodes, so a flush that hits a compiled region costs per output,
     not per op."""
+    free = window.free_roots = _free_roots(window) if window.views else None
     live = []
     for o in window.fresh:
-        if o.pinned or not placeholder_is_dead(o):
+        if o.pinned:
+            views = free.get(id(o)) if free else None
+            dead = views is not None and _dead_but_for_views(o, views)
+        else:
+            dead = placeholder_is_dead(o)
+        if not dead:
             o.live = True
             live.append(o)
     return live
+
+
+# Note [Dead views]
+# A view recorded on a pending value pins its root: the view's data lives in the root's
+# placeholder, so replay must write that placeholder (by copy: the view holds the old storage).
+# Most such views die within the window (``W.t()`` inside a Linear's backward, autograd's
+# ``detach``), yet the pin made every root an output bound by a copy: a dozen copies per MLP
+# training step. For a compiled run, a root whose recorded views are all dead (the window's own
+# references only, no other owner of their TensorImpl) is judged on its own liveness, discounting
+# what those views hold (a base link each, one storage reference each); after the run, the dead
+# views are dropped, so a live root adopts the result's storage instead of copying it. Replay
+# never sees this: its liveness is decided again by ``mark_needed`` with the pins intact.
+_getrefcount = sys.getrefcount
+
+
+def _free_roots(window: Window) -> dict:
+    """{id(root): [its recorded views]} for pinned roots all of whose recorded views are dead."""
+    found: dict = {}
+    alive = set()
+    for vo in window.views:
+        v = vo.tensor
+        if v is None:
+            continue
+        rid = id(vo.root)
+        if rid in alive:
+            continue
+        # references: vo.tensor, vo.value, the local ``v`` and getrefcount's argument
+        if _getrefcount(v) > 4 or vo.value is not v or v._use_count() > 1:
+            alive.add(rid)
+            found.pop(rid, None)
+            continue
+        found.setdefault(rid, []).append(vo)
+    return found
+
+
+def _dead_but_for_views(o: Out, views: list) -> bool:
+    """``placeholder_is_dead`` for a root whose only other holders are its dead views."""
+    t = o.tensor
+    if _getrefcount(t) > 3 + o.held:
+        return False
+    links = sum(1 for vo in views if vo.tensor._is_view())  # each view's link to its base
+    if t._use_count() > 1 + links:
+        return False
+    if not t.requires_grad:
+        return True
+    return _storage_use_count(_untyped_storage(t)._cdata) <= 2 + len(views)
+
+
+def _drop_dead_views(window: Window) -> None:
+    """After a compiled run: free the dead views of free roots and unpin those roots."""
+    free = window.free_roots
+    if not free:
+        return
+    for views in free.values():
+        root = views[0].root
+        for vo in views:
+            d = vo.tensor.__dict__
+            if d.get("_ae") is vo:
+                del d["_ae"]
+            vo.tensor = vo.value = None
+        root.pinned = False
 
 
 def _inputs_alias(window: Window) -> bool:
@@ -221,7 +289,7 @@ def run(window: Window, backend, options) -> tuple[int, int, int]:
     replay; return the launches made. Leaves ``window.outcome`` and ``window.region``."""
     live = _live_outs(window)
     mutated = tuple(sorted(window.mutated))
-    if not live and not mutated:
+    if not live and not mutated and not _checks(window):
         window.outcome = "dead"
         return 0, 0, len(window.nodes)  # nothing observable: every op is dead
     wait = not options.async_compile
@@ -792,9 +860,30 @@ def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> tuple[int,
         return _replay(window)
 
 
+_CHECK_OPS: dict = {}
+
+
+def _is_check(func) -> bool:
+    """An op that returns nothing and writes nothing exists only to raise (``_linalg_check_errors``)."""
+    known = _CHECK_OPS.get(func)
+    if known is None:
+        schema = func._schema
+        known = _CHECK_OPS[func] = not schema.returns and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return known
+
+
+def _checks(window: Window) -> bool:
+    """Whether the window has ops that exist only to raise."""
+    return any(_is_check(n.func) for n in window.nodes if not n.is_view)
+
+
 def _not_compilable(window: Window) -> str | None:
     if _inputs_alias(window):
         return "aliased_inputs"
+    if _checks(window):
+        # a compiler drops an op whose result nobody uses; the error it raises is eager's contract
+        return "check_op"
     return None
 
 
@@ -815,6 +904,7 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out]) -> int:
         inputs += [torch.tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
     with as_recorded():
         outs = entry.run(inputs)
+        _drop_dead_views(window)
         copies = 0
         for o, r in zip(live, outs):
             copies += _bind(o, r)

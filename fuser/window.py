@@ -89,7 +89,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "outs", "fresh", "viewed", "outcome", "region")
+                 "outs", "fresh", "viewed", "outcome", "region", "views", "free_roots")
 
     def __init__(self):
         self.nodes: list[Node] = []
@@ -107,6 +107,8 @@ class Window:
         self.outs: list[Out] = []  # every Out, so a flush touches values, not nodes
         self.fresh: list[Out] = []  # the FRESH ones (placeholders whose liveness decides outputs)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
+        self.views: list[Out] = []  # VIEW outs of pending values (they pin their roots)
+        self.free_roots = None  # set by the fuser: Note [Dead views] in fuser.compiled
         # left by the fuser for the flush log line: how the window ran ("compiled", "replayed",
         # "loaded" from disk, "compiling" (replayed while its compile is in flight), "dead") and a
         # short stable hex id of its region

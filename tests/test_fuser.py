@@ -430,3 +430,94 @@ def test_a_window_with_index_ops_keeps_copy_back_and_fails_like_eager(fresh_regi
     # the failed window wrote nothing (eager would have raised before the write)
     assert torch.equal(acc, before)
     torch.testing.assert_close(acc, table[[1, 2]].sum(0) * 3)
+
+
+# Note [Dead views]
+
+
+def _count_bind_copies(monkeypatch):
+    copies = []
+    original = fuser.compiled._bind
+
+    def spy(out, result):
+        n = original(out, result)
+        copies.append(n)
+        return n
+
+    monkeypatch.setattr(fuser.compiled, "_bind", spy)
+    return copies
+
+
+def test_roots_whose_views_died_are_bound_without_copies(monkeypatch, fresh_regions):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    eager = __import__("copy").deepcopy(model)
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+
+    def step(m, opt):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()  # W.t() views in the forward and backward die inside the window
+        opt.step()
+        return loss
+
+    opt_e, opt_l = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    want = [step(eager, opt_e).item() for _ in range(6)]
+    with adaptive_eager(**SYNC):
+        got = [step(model, opt_l) for _ in range(3)]
+        copies = _count_bind_copies(monkeypatch)
+        got += [step(model, opt_l) for _ in range(3)]
+    assert ae.metrics()["compiled_runs"] >= 4
+    assert copies and sum(copies) == 0, copies  # every output adopted its result's storage
+    torch.testing.assert_close([g.item() for g in got], want)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_a_view_the_program_keeps_still_sees_its_root_written(fresh_regions):
+    x = torch.randn(6, 4)
+    kept = []
+    with adaptive_eager(**SYNC):
+        for _ in range(3):
+            y = x * 2
+            kept.append(y.t())  # the view outlives the window; its root is dropped
+            dead_view = (x + 1).t()  # a view that dies with the window
+            del y, dead_view
+            ae.sync()
+    for v in kept:
+        torch.testing.assert_close(v, (x * 2).t())
+
+
+def test_a_view_saved_by_autograd_keeps_its_root_written(fresh_regions):
+    w = torch.randn(5, 5, requires_grad=True)
+    x = torch.randn(3, 5)
+    grads = []
+    with adaptive_eager(**SYNC):
+        for _ in range(3):
+            h = (x @ w).tanh()
+            out = (h @ h.t()).sum()  # h.t() is saved for backward, h is not kept by the program
+            del h
+            ae.sync()  # the window ends with the view alive only inside autograd
+            out.backward()
+            grads.append(w.grad.clone())
+            w.grad = None
+    w2 = w.detach().clone().requires_grad_()
+    h = (x @ w2).tanh()
+    (h @ h.t()).sum().backward()
+    for g in grads:
+        torch.testing.assert_close(g, w2.grad)
+
+
+def test_check_only_ops_are_never_compiled_away(fresh_regions):
+    """``linalg.inv`` of a singular matrix raises through ``_linalg_check_errors``, an op with no
+    outputs that a compiled graph would drop: such windows stay on replay, every time."""
+    good = torch.eye(3) * 2
+    with adaptive_eager(**SYNC):
+        for _ in range(3):
+            torch.testing.assert_close(torch.linalg.inv(good), torch.eye(3) / 2)
+        for _ in range(3):
+            with pytest.raises(torch.linalg.LinAlgError):
+                torch.linalg.inv(torch.zeros(3, 3))
+                ae.sync()
+    assert ae.metrics()["not_compiled"].get("check_op", 0) >= 1
