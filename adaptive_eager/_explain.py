@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from fuser.window import where as _where
+
 # flush reason -> what to change (None: expected, nothing to do)
 _FLUSH_ADVICE = {
     "item": "a value is read on the host (`.item()`) here: each read ends the window. Read it every N "
@@ -51,13 +53,6 @@ _RECOMPILE_ADVICE = {
                      "input: expected once per region",
     "dynamic": "a region was compiled with symbolic sizes: expected once per region",
 }
-
-
-def _where(site) -> str:
-    if site is None:
-        return "<unknown location>"
-    code, line = site
-    return f"{code.co_filename}:{line} (in {code.co_name})"
 
 
 def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: int = 5) -> str:

@@ -18,12 +18,12 @@ import torch.autograd.profiler as _profiler
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fuser
-from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window, where
 
 from . import _ops
 from ._metrics import METRICS
 from ._period import Periodicity
-from ._ops import ALLOC, BATCH_NORM, FLUSH, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
+from ._ops import ALLOC, BATCH_NORM, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
 from .config import Options
 from .errors import AdaptiveEagerError  # noqa: F401  (re-exported)
 
@@ -80,6 +80,7 @@ class TracerState:
         self.window = Window()
         self.mode: LazyMode | None = None
         self.depth = 0
+        self.periodicity: Periodicity | None = None
         self.set_options(options)
 
     def set_options(self, options: Options) -> None:
@@ -92,7 +93,7 @@ class TracerState:
         self.device_varies = options.device != "cpu"
         self.device = torch.device(options.device)
         self.max_ops = options.window
-        if getattr(self, "periodicity", None) is None or self.periodicity.cap != options.window:
+        if self.periodicity is None or self.periodicity.cap != options.window:
             self.periodicity = Periodicity(options.window)
         self.cut_at = self.periodicity.next_cut()  # Note [Period detection]
         _apply_log_level(options.log)
@@ -130,7 +131,7 @@ def flush(st: TracerState, reason: str) -> None:
     st.cut_at = per.next_cut()
     METRICS.flushes[reason] += 1
     METRICS.windows += 1
-    site = _site()
+    site = _user_source(2)  # the line that triggered the flush
     METRICS.flush_sites[(reason, site)] += 1
     try:
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
@@ -146,7 +147,7 @@ def flush(st: TracerState, reason: str) -> None:
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops, region %s %s; triggered at %s", reason, len(window.nodes),
                      getattr(window, "region", None) or "-", getattr(window, "outcome", None) or "replayed",
-                     _where(site))
+                     where(site))
         _release(window)
 
 
@@ -159,27 +160,6 @@ def _poison(window: Window) -> None:
             t = o.tensor
             if t is not None and o.value is None and t.numel():
                 t.fill_(float("nan") if (t.is_floating_point() or t.is_complex()) else 0)
-
-
-def _site():
-    """(code, line) of the user's line that is running now (the trigger of a flush or fallback)."""
-    f = _getframe(2)
-    while f is not None:
-        code = f.f_code
-        lib = _is_lib_code.get(code)
-        if lib is None:
-            lib = _is_lib_code[code] = code.co_filename.startswith(_LIB_DIRS)
-        if not lib:
-            return code, f.f_lineno
-        f = f.f_back
-    return None
-
-
-def _where(site) -> str:
-    if site is None:
-        return "<unknown location>"
-    code, line = site
-    return f"{code.co_filename}:{line} (in {code.co_name})"
 
 
 _log_configured = False
@@ -281,10 +261,10 @@ def _eager(st: TracerState, f, args, kwargs, reason: str | None):
             flush(st, reason)
         if reason not in ("item", "bool", "data_dependent", "device_copy", "collective"):
             METRICS.fallback_ops[f.name] += 1
-            site = _site()
+            site = _user_source(2)
             METRICS.fallback_sites[(f.name, reason, site)] += 1
             if log.isEnabledFor(logging.INFO):
-                log.info("eager op %s (%s) at %s", f.name, reason, _where(site))
+                log.info("eager op %s (%s) at %s", f.name, reason, where(site))
     METRICS.ops_eager += 1
     METRICS.launches += 1
     METRICS.eager_equivalent_launches += 1

@@ -207,19 +207,29 @@ def build_mlp_train(device: str) -> Workload:
     x = torch.randn(64, 1024, device=device)
     y = torch.randn(64, 1024, device=device)
 
+    return _training_workload(
+        "mlp_train", "3. MLP train step, 3x Linear(1024,1024), batch 64, SGD", base, x, y,
+        lambda params: torch.optim.SGD(params, lr=0.01),
+    )
+
+
+def _training_workload(name: str, title: str, base: nn.Module, x, target, make_opt) -> Workload:
+    """One MSE training step (zero_grad, forward, backward, optimizer step) on three copies of
+    ``base``: eager, adaptive and torch.compile."""
+
     def make(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = make_opt(model.parameters())
 
         def step():
             opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), y)
+            loss = F.mse_loss(model(x), target)
             loss.backward()
             opt.step()
             return loss
         return step
 
     return Workload(
-        "mlp_train", "3. MLP train step, 3x Linear(1024,1024), batch 64, SGD", "step",
+        name, title, "step",
         eager=make(copy.deepcopy(base)), adaptive=make(copy.deepcopy(base)),
         compile=torch.compile(make(copy.deepcopy(base))),
     )
@@ -284,21 +294,9 @@ def build_gpt(device: str) -> Workload:
     x = torch.randn(8, 128, 256, device=device)
     target = torch.randn(8, 128, 256, device=device)
 
-    def make(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), target)
-            loss.backward()
-            opt.step()
-            return loss
-        return step
-
-    return Workload(
-        "gpt", "5. GPT block train step (d256, 4 heads, seq 128, batch 8, AdamW)", "step",
-        eager=make(copy.deepcopy(base)), adaptive=make(copy.deepcopy(base)),
-        compile=torch.compile(make(copy.deepcopy(base))),
+    return _training_workload(
+        "gpt", "5. GPT block train step (d256, 4 heads, seq 128, batch 8, AdamW)", base, x, target,
+        lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
 
 

@@ -32,8 +32,9 @@ from collections import Counter, OrderedDict
 import torch
 import xxhash
 
+from .backends._common import decode_torch_value, encode_torch_value
 from .replay import ReplayError, _bind, as_recorded, mark_needed, placeholder_is_dead, replay_window
-from .window import ALIAS, FRESH, VIEW, Out, Window
+from .window import ALIAS, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
 
@@ -1266,7 +1267,6 @@ class Program:
         return [torch.tensor(values[k], dtype=dt) for k, dt in self.lifted_inputs]
 
 
-_ENUMS = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}
 
 
 def _enc(x):
@@ -1287,17 +1287,10 @@ def _enc(x):
         return {"$lifted": x.index}
     if type(x) is _Sym:
         return {"$sym": [x.k, x.factor]}
-    if isinstance(x, torch.dtype):
-        return {"$dtype": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.device):
-        return {"$device": str(x)}
-    if isinstance(x, torch.layout):
-        return {"$layout": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.memory_format):
-        return {"$memory_format": str(x).removeprefix("torch.")}
-    if type(x) is complex:
-        return {"$complex": [x.real, x.imag]}
-    raise TypeError(f"cannot send {x!r} ({type(x).__name__}) to a compile worker")
+    tagged = encode_torch_value(x)
+    if tagged is None:
+        raise TypeError(f"cannot send {x!r} ({type(x).__name__}) to a compile worker")
+    return tagged
 
 
 def _dec(x):
@@ -1318,14 +1311,7 @@ def _dec(x):
         return _Lifted(v)
     if tag == "$sym":
         return _Sym(*v)
-    if tag == "$device":
-        return torch.device(v)
-    if tag == "$complex":
-        return complex(*v)
-    value = getattr(torch, v)
-    if not isinstance(value, _ENUMS[tag]):
-        raise ValueError(f"unknown {tag} {v!r}")
-    return value
+    return decode_torch_value(tag, v)
 
 
 def _op(name: str):

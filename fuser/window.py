@@ -78,11 +78,16 @@ class Node:
         self.window = window
 
     def where(self) -> str:
-        """The user's ``file:line`` that recorded this op (or '<unknown>')."""
-        if self.source is None:
-            return "<unknown location>"
-        code, line = self.source
-        return f"{code.co_filename}:{line} (in {code.co_name})"
+        """The user's ``file:line`` that recorded this op (or '<unknown location>')."""
+        return where(self.source)
+
+
+def where(source) -> str:
+    """``file:line (in function)`` of a (code object, line) source, as errors and logs print it."""
+    if source is None:
+        return "<unknown location>"
+    code, line = source
+    return f"{code.co_filename}:{line} (in {code.co_name})"
 
 
 class Window:

@@ -139,3 +139,36 @@ def below_autograd(
             _set_grad_enabled(grad)
 
     return run
+
+
+# JSON tags for the torch values an op argument can hold besides numbers, strings and lists: the
+# replay backend's artifacts and the programs sent to compile workers share them.
+_TORCH_ENUMS = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}
+
+
+def encode_torch_value(x: object) -> dict | None:
+    """``{tag: value}`` for a dtype, device, layout, memory format or complex; None for anything else."""
+    if isinstance(x, torch.dtype):
+        return {"$dtype": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.device):
+        return {"$device": str(x)}
+    if isinstance(x, torch.layout):
+        return {"$layout": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.memory_format):
+        return {"$memory_format": str(x).removeprefix("torch.")}
+    if type(x) is complex:
+        return {"$complex": [x.real, x.imag]}
+    return None
+
+
+def decode_torch_value(tag: str, v: object) -> object:
+    """The value ``encode_torch_value`` tagged; ValueError for a tag or name this torch lacks."""
+    if tag == "$device":
+        return torch.device(v)
+    if tag == "$complex":
+        return complex(*v)
+    kind = _TORCH_ENUMS.get(tag)
+    value = getattr(torch, v, None) if kind is not None and type(v) is str else None
+    if value is None or not isinstance(value, kind):
+        raise ValueError(f"unknown value {tag} {v!r}")
+    return value

@@ -16,7 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import BackendCompileError, below_autograd, check_graph, op_name
+from ._common import (
+    BackendCompileError, below_autograd, check_graph, decode_torch_value, encode_torch_value, op_name,
+)
 
 _FORMAT = 1
 
@@ -100,20 +102,10 @@ def _encode(x: object, index: dict[torch.fx.Node, int], op: str) -> object:
         return [_encode(v, index, op) for v in x]
     if isinstance(x, tuple):
         return {"$tuple": [_encode(v, index, op) for v in x]}
-    if isinstance(x, torch.dtype):
-        return {"$dtype": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.device):
-        return {"$device": str(x)}
-    if isinstance(x, torch.layout):
-        return {"$layout": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.memory_format):
-        return {"$memory_format": str(x).removeprefix("torch.")}
-    if type(x) is complex:
-        return {"$complex": [x.real, x.imag]}
-    raise BackendCompileError(f"replay: cannot compile {op}: argument {x!r} ({type(x).__name__}) cannot be stored")
-
-
-_TORCH_ATTR = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}
+    tagged = encode_torch_value(x)
+    if tagged is None:
+        raise BackendCompileError(f"replay: cannot compile {op}: argument {x!r} ({type(x).__name__}) cannot be stored")
+    return tagged
 
 
 def _decode(x: object, values: list[torch.fx.Node]) -> object:
@@ -126,14 +118,10 @@ def _decode(x: object, values: list[torch.fx.Node]) -> object:
         return values[v]
     if tag == "$tuple":
         return tuple(_decode(e, values) for e in v)
-    if tag == "$device":
-        return torch.device(v)
-    if tag == "$complex":
-        return complex(*v)
-    attr = getattr(torch, v, None)
-    if tag not in _TORCH_ATTR or not isinstance(attr, _TORCH_ATTR[tag]):
-        raise BackendCompileError(f"replay: artifact holds an unknown value {x!r}")
-    return attr
+    try:
+        return decode_torch_value(tag, v)
+    except ValueError:
+        raise BackendCompileError(f"replay: artifact holds an unknown value {x!r}") from None
 
 
 def _resolve_op(name: str) -> object:
