@@ -1,4 +1,5 @@
 """Compiled regions: a window becomes one functional FX graph, compiled once, reused by key.
+Nodes that must not be compiled run alone between compiled pieces of it (``fuser.partition``).
 
 Tiers (DESIGN.md "Adaptivity"): a window structure seen for the first time runs by replay; once
 its key has been seen ``hot_after`` times it is compiled and every later window with the same key
@@ -32,13 +33,15 @@ from collections import Counter, OrderedDict
 import torch
 import xxhash
 
+from . import partition
 from .backends._common import decode_torch_value, encode_torch_value
+from .partition import is_check
 from .replay import ReplayError, _bind, as_recorded, mark_needed, placeholder_is_dead, replay_window
 from .window import ALIAS, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
 
-FORMAT = 2  # bump when Program's encoding or the artifact packing changes
+FORMAT = 3  # bump when Program's encoding or the artifact packing changes
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage
@@ -69,6 +72,7 @@ class RegionStats:
         self.recompiles: Counter[str] = Counter()
         self.not_compiled: Counter[str] = Counter()  # why a window stayed on replay
         self.not_dynamic: Counter[str] = Counter()  # why a varying shape stayed per-shape
+        self.run_alone: Counter[str] = Counter()  # nodes of compiled regions run outside compiled code
 
     def as_dict(self) -> dict:
         return {
@@ -87,6 +91,7 @@ class RegionStats:
             "waited_for_other_process": self.waited_for_other_process,
             "not_compiled": dict(self.not_compiled),
             "not_dynamic": dict(self.not_dynamic),
+            "run_alone": dict(self.run_alone),
         }
 
 
@@ -856,35 +861,23 @@ def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> tuple[int,
             with _record_function(f"adaptive_eager.region[{entry.region}]"):
                 return (_run_compiled(entry, window, live), *entry.counts)
         return (_run_compiled(entry, window, live), *entry.counts)
-    except Exception as e:  # never the program's problem: blacklist and replay
+    except Exception as e:  # never the program's problem: replay
+        # Replay raises eager's own error when the data is at fault (an index out of range, a
+        # singular matrix's check): the region is sound and stays. If replay succeeds, the
+        # compiled code was wrong for this window: blacklist it.
+        done = _replay(window)
         _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
-        return _replay(window)
-
-
-_CHECK_OPS: dict = {}
-
-
-def _is_check(func) -> bool:
-    """An op that returns nothing and writes nothing exists only to raise (``_linalg_check_errors``)."""
-    known = _CHECK_OPS.get(func)
-    if known is None:
-        schema = func._schema
-        known = _CHECK_OPS[func] = not schema.returns and not any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-    return known
+        return done
 
 
 def _checks(window: Window) -> bool:
-    """Whether the window has ops that exist only to raise."""
-    return any(_is_check(n.func) for n in window.nodes if not n.is_view)
+    """Whether the window has ops that exist only to raise (Note [Partitions])."""
+    return any(is_check(n.func) for n in window.nodes if not n.is_view)
 
 
 def _not_compilable(window: Window) -> str | None:
     if _inputs_alias(window):
         return "aliased_inputs"
-    if _checks(window):
-        # a compiler drops an op whose result nobody uses; the error it raises is eager's contract
-        return "check_op"
     return None
 
 
@@ -1184,7 +1177,7 @@ class Program:
             if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and not n.users:
                 if n.args[0].op == "placeholder" and not self.inplace:
                     gm.graph.erase_node(n)
-        gm.graph.eliminate_dead_code()
+        gm.graph.eliminate_dead_code(is_impure_node=partition.keep_checks)  # Note [Partitions]
         self.lifted_inputs = self._lift(gm) if self.lifted else []
         if mode is not None:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -1333,12 +1326,23 @@ def compile_job(payload: bytes) -> bytes:
     return _pack(*compile_program(program, backend))
 
 
-def compile_program(program: Program, backend) -> tuple[bytes, list]:
-    """Compile ``program`` with ``backend``: the artifact ``backend.load`` takes, and the lifted
-    float inputs it expects after the real inputs ((Window.scalars index, dtype) each)."""
+def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
+    """Compile ``program`` with ``backend``: the artifact, the lifted float inputs it expects after
+    the real inputs ((Window.scalars index, dtype) each), and how to run it: ``alone``, the nodes
+    that run outside compiled code by reason (Note [Partitions]; none: the artifact is
+    ``backend.load``'s, else ``partition.load``'s), and ``inplace``, whether it writes the mutated
+    inputs itself (a split region never does: Note [Partitions])."""
     gm = program.graph()
-    artifact = backend.compile(gm, program.example_inputs() + program.lifted_examples())
-    return artifact, program.lifted_inputs
+    examples = program.example_inputs() + program.lifted_examples()
+    alone = partition.alone(gm, backend)
+    if not alone:
+        return backend.compile(gm, examples), program.lifted_inputs, {"alone": {}, "inplace": program.inplace}
+    if program.inplace:
+        program.inplace = False
+        gm = program.graph()
+        alone = partition.alone(gm, backend)
+    artifact = partition.split(gm, examples, alone, backend)
+    return artifact, program.lifted_inputs, {"alone": partition.counts(alone), "inplace": False}
 
 
 # Note [Compile thread]
@@ -1369,30 +1373,36 @@ def _submit(fn, *args) -> Future:
     return future
 
 
-def _pack(artifact: bytes, lifted_inputs) -> bytes:
-    return pickle.dumps({"artifact": artifact, "lifted": [(i, str(dt).removeprefix("torch.")) for i, dt in lifted_inputs]})
+def _pack(artifact: bytes, lifted_inputs, how: dict) -> bytes:
+    return pickle.dumps({"artifact": artifact, "lifted": [(i, str(dt).removeprefix("torch.")) for i, dt in lifted_inputs],
+                         **how})
 
 
 def _unpack(data: bytes):
     doc = pickle.loads(data)
-    return doc["artifact"], [(i, getattr(torch, dt)) for i, dt in doc["lifted"]]
+    return doc["artifact"], [(i, getattr(torch, dt)) for i, dt in doc["lifted"]], {
+        "alone": doc["alone"], "inplace": doc["inplace"]}
+
+
+def _load_artifact(artifact: bytes, how: dict, backend):
+    return partition.load(artifact, backend) if how["alone"] else backend.load(artifact)
 
 
 def _load(data: bytes, backend):
-    artifact, lifted_inputs = _unpack(data)
-    return backend.load(artifact), lifted_inputs, None  # no compile seconds: it came from disk
+    artifact, lifted_inputs, how = _unpack(data)
+    return _load_artifact(artifact, how, backend), lifted_inputs, None, how  # None: from disk, no compile
 
 
 def _compile_and_store(program: Program, backend, store, pkey: str):
     t0 = time.perf_counter()
     try:
-        artifact, lifted_inputs = compile_program(program, backend)
+        artifact, lifted_inputs, how = compile_program(program, backend)
         seconds = time.perf_counter() - t0
-        store.put(pkey, _pack(artifact, lifted_inputs), fingerprint=backend.fingerprint(), backend=backend.name,
+        store.put(pkey, _pack(artifact, lifted_inputs, how), fingerprint=backend.fingerprint(), backend=backend.name,
                   compile_seconds=seconds)
     finally:
         store.release(pkey)
-    return backend.load(artifact), lifted_inputs, seconds
+    return _load_artifact(artifact, how, backend), lifted_inputs, seconds, how
 
 
 _STORES: dict = {}
@@ -1413,7 +1423,7 @@ def _collect(entry: _Entry) -> None:
     """Take a finished compile's (or load's) result, blocking if it is still running."""
     future, entry.future = entry.future, None
     try:
-        entry.run, lifted_inputs, seconds = future.result()
+        entry.run, lifted_inputs, seconds, how = future.result()
     except LiftError as e:
         # The floats cannot be graph inputs: from now on windows of this structure are keyed by
         # their values (each value compiles once it is hot) instead.
@@ -1429,6 +1439,8 @@ def _collect(entry: _Entry) -> None:
         _blacklist(entry, f"compile failed: {type(e).__name__}: {e}")
         return
     entry.lifted_inputs = lifted_inputs
+    entry.inplace = how["inplace"]  # the compile's answer (Note [Partitions]), also for artifacts from disk
+    STATS.run_alone.update(how["alone"])
     if seconds is None:
         STATS.cache_hits_disk += 1
         return

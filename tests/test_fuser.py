@@ -511,7 +511,8 @@ def test_a_view_saved_by_autograd_keeps_its_root_written(fresh_regions):
 
 def test_check_only_ops_are_never_compiled_away(fresh_regions):
     """``linalg.inv`` of a singular matrix raises through ``_linalg_check_errors``, an op with no
-    outputs that a compiled graph would drop: such windows stay on replay, every time."""
+    outputs that a compiled graph would drop: it runs alone between compiled pieces (Note
+    [Partitions]), and raises every time."""
     good = torch.eye(3) * 2
     with adaptive_eager(**SYNC):
         for _ in range(3):
@@ -520,4 +521,30 @@ def test_check_only_ops_are_never_compiled_away(fresh_regions):
             with pytest.raises(torch.linalg.LinAlgError):
                 torch.linalg.inv(torch.zeros(3, 3))
                 ae.sync()
-    assert ae.metrics()["not_compiled"].get("check_op", 0) >= 1
+    m = ae.metrics()
+    assert m["run_alone"].get("check_op", 0) >= 1 and m["compiled_runs"] >= 2 and m["blacklisted"] == 0
+
+
+def test_a_region_whose_run_fails_but_replay_succeeds_is_blacklisted(fresh_regions, caplog):
+    """A compiled run that raises where replay does not is the compiled code's fault: blacklisted.
+    (A run that fails because of the data raises in replay too and keeps its region:
+    tests/test_partition.py.)"""
+    x = torch.randn(16)
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        y = (x * 3).exp()
+        ae.sync()
+        (entry,) = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None]
+
+        def broken(inputs):
+            raise RuntimeError("bad kernel")
+
+        entry.run = broken
+        y = (x * 3).exp()
+        ae.sync()
+        y2 = (x * 3).exp()
+        ae.sync()
+    torch.testing.assert_close(y, (x * 3).exp(), rtol=0, atol=0)
+    torch.testing.assert_close(y2, (x * 3).exp(), rtol=0, atol=0)
+    m = ae.metrics()
+    assert m["blacklisted"] == 1 and m["compiled_runs"] == 1 and m["replayed_regions"] == 2
+    assert "bad kernel" in caplog.text

@@ -44,6 +44,11 @@ class Backend(Protocol):
     ``meta["val"]`` have SymInt sizes): its callable then takes inputs of other sizes too, and has a
     ``guards`` attribute (a code object over ``L['t0']``, ``L['t1']``, ... that must evaluate true for
     the inputs before the call; None for static graphs). See Note [Dynamic shapes] in ``inductor``.
+
+    A backend that cannot compile some ops defines ``unsupported(node) -> str | None``: for an FX
+    ``call_function`` node of a region's graph, the reason it cannot compile it ("not_lowerable"),
+    or None. The fuser then hands ``compile`` only the pieces of the graph without such nodes and
+    runs those nodes eagerly between the pieces (Note [Partitions] in ``fuser.partition``).
     """
 
     name: str
