@@ -66,7 +66,7 @@ _COLLECTIVE_NON_WRITERS = frozenset({"wait_tensor"})
 class OpFacts:
     __slots__ = (
         "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes", "liftable", "scalarlist_pos", "pointwise",
-        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast",
+        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
     )
 
     def __repr__(self) -> str:
@@ -186,6 +186,13 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
     f.fast = (
         f.kind == RECORD and not f.list_pos and not f.tensor_kw and not f.mutates and f.nrets == 1
         and not f.returns_list and f.alias_ret == (None,) and not f.factory and not f.scalarlist_pos
+    )
+    # the in-place fast path: writes and returns its first argument (``mul_``, ``addcdiv_``); other
+    # arguments are positional tensors, numbers and non-tensor keywords (``alpha=``, ``value=``)
+    f.fast_inplace = (
+        f.kind == RECORD and not f.list_pos and not f.tensor_kw and f.write_pos == frozenset({0}) and f.nrets == 1
+        and not f.returns_list and f.alias_ret == (0,) and not f.factory and not f.scalarlist_pos
+        and f.tensor_pos[:1] == (0,) and not f.has_device_kw
     )
     return f
 

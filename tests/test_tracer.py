@@ -578,3 +578,68 @@ def test_batch_norm_outputs_and_running_stats():
     assert_eager(got, want)
     assert_eager(lrm, erm)
     assert_eager(lrv, erv)
+
+
+def _window_facts(program, make):
+    """What recording ``program(*make())`` leaves in the window (sigs, float scalars, written
+    slots), and its results after the flush."""
+    from adaptive_eager import _tracer
+
+    args = make()  # real tensors: made before the mode
+    with adaptive_eager(backend="replay", window=10_000):
+        out = program(*args)
+        w = _tracer.current_state().window
+        facts = ([s for s in w.sigs], list(w.scalars), sorted(w.mutated), len(w.written),
+                 [(n.func, n.mutates, [o.kind for o in n.outs if o is not None]) for n in w.nodes])
+    return facts, out
+
+
+@pytest.mark.parametrize("inplace_first", [False, True])
+def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inplace_first):
+    """Note [Record fast path]: the fast paths are an optimization only: the window they leave
+    (op signatures, dataflow, lifted floats, written inputs) and the values equal the general
+    path's, whichever path saw a signature first."""
+    from adaptive_eager import _tracer
+
+    torch.manual_seed(0)
+    params = [torch.randn(6, 5) for _ in range(3)]
+    grads = [torch.randn(6, 5) for _ in range(3)]
+    state = [torch.zeros(6, 5) for _ in range(3)]
+
+    def make():
+        return [p.clone() for p in params], [m.clone() for m in state]
+
+    def program(ps, ms):
+        outs = []
+        for p, g, m in zip(ps, grads, ms):
+            p.mul_(1 - 0.01 * 0.1)  # real tensor, float scalar
+            m.lerp_(g, 0.1)
+            d = (m * m).sqrt().add_(1e-8)  # in place on a pending value
+            p.addcdiv_(m, d, value=-0.01)  # float keyword
+            p.add_(g, alpha=2)  # int keyword
+            d[1:3].mul_(3.0)  # in place on a view of a pending value
+            outs.append(d)
+        return ps, ms, outs
+
+    real_fast, real_inplace = _tracer._record_fast, _tracer._record_inplace
+    general = lambda *a: _tracer._DECLINED  # noqa: E731
+    if inplace_first:
+        _window_facts(program, make)  # the fast paths see the signatures first (after a warm-up)
+    monkeypatch.setattr(_tracer, "_record_fast", general)
+    monkeypatch.setattr(_tracer, "_record_inplace", general)
+    want, want_out = _window_facts(program, make)
+    monkeypatch.setattr(_tracer, "_record_fast", real_fast)
+    monkeypatch.setattr(_tracer, "_record_inplace", real_inplace)
+    calls = []
+
+    def counting(*a):
+        res = real_inplace(*a)
+        calls.append(res is not _tracer._DECLINED)
+        return res
+
+    monkeypatch.setattr(_tracer, "_record_inplace", counting)
+    got, got_out = _window_facts(program, make)
+    assert any(calls)  # the in-place fast path recorded ops
+    assert got == want
+    for g, w in zip(torch.utils._pytree.tree_leaves(got_out), torch.utils._pytree.tree_leaves(want_out)):
+        assert torch.equal(g, w)
