@@ -15,6 +15,9 @@ class Metrics:
     def reset(self) -> None:
         self.ops_recorded = 0
         self.ops_eager = 0  # ops on the target device that ran immediately (fallbacks, RNG draws)
+        # of those, ops on real 0-dim CPU tensors on a CPU target (AdamW's ``step += 1`` and
+        # ``step.item()``): on an accelerator these tensors stay on the host, not device launches
+        self.host_scalar_ops = 0
         self.launches = 0
         self.eager_equivalent_launches = 0  # besides ops_recorded: ops that ran eagerly
         self.ops_materialized = 0
@@ -30,6 +33,7 @@ class Metrics:
         return {
             "ops_recorded": self.ops_recorded,
             "ops_eager": self.ops_eager,
+            "host_scalar_ops": self.host_scalar_ops,
             "launches": self.launches,
             "eager_equivalent_launches": self.ops_recorded + self.eager_equivalent_launches,
             "ops_materialized": self.ops_materialized,

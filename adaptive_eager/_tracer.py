@@ -257,8 +257,12 @@ def _eager(st: TracerState, f, args, kwargs, reason: str | None):
     the old value (write-after-read).
     """
     if reason is not None:
-        if st.window.nodes and (f.mutates or _reads_pending(st, args, kwargs)):
+        pending = st.window.nodes and (f.mutates or _reads_pending(st, args, kwargs))
+        if pending:
             flush(st, reason)
+        elif reason == "item" and st.scalar_fast_path and args[0].dim() == 0:
+            # ``step.item()``: a read of a real 0-dim CPU tensor, nothing computed for it
+            METRICS.host_scalar_ops += 1
         if reason not in ("item", "bool", "data_dependent", "device_copy", "collective"):
             METRICS.fallback_ops[f.name] += 1
             site = _user_source(2)
@@ -914,6 +918,7 @@ def _random_fill(st: TracerState, f, args, kwargs):
 def _record_or_run(st: TracerState, f, args, kwargs):
     res = _record(st, f, args, kwargs)
     if res is _SCALAR:
+        METRICS.host_scalar_ops += 1
         return _eager(st, f, args, kwargs, None)
     if res is not _DECLINED:
         return res

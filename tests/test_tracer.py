@@ -643,3 +643,18 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
     assert got == want
     for g, w in zip(torch.utils._pytree.tree_leaves(got_out), torch.utils._pytree.tree_leaves(want_out)):
         assert torch.equal(g, w)
+
+
+def test_host_scalar_ops_are_counted_apart():
+    """AdamW's 0-dim CPU step counters (``step += 1``, ``step.item()``) run at once on a CPU
+    target and are counted in ``host_scalar_ops``; ``.item()`` of a pending value is not one."""
+    ps = [torch.randn(10, requires_grad=True) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn(10)
+    opt = torch.optim.AdamW(ps, foreach=False)
+    opt.step()  # the step counters exist (real tensors) before the mode
+    with adaptive_eager(backend="replay"):
+        opt.step()
+        assert ae.metrics()["host_scalar_ops"] == 6  # per parameter: step += 1 and step.item()
+        (ps[0] * 2).sum().item()
+    assert ae.metrics()["host_scalar_ops"] == 6
