@@ -49,7 +49,7 @@ METRICS = Metrics()
 
 def format_report(m: dict) -> str:
     lines = ["adaptive_eager report", "=" * 40]
-    for k in ("ops_recorded", "ops_eager", "windows", "ops_materialized", "ops_eliminated", "launches",
+    for k in ("ops_recorded", "ops_eager", "host_scalar_ops", "windows", "ops_materialized", "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted"):
         if k in m:
@@ -58,7 +58,8 @@ def format_report(m: dict) -> str:
     if eq:
         lines.append(f"{'launches / eager':<28}{m['launches'] / eq:>12.3f}")
     for title, key in (("flushes by reason", "flushes"), ("fallback ops", "fallback_ops"),
-                       ("recompiles by cause", "recompiles"), ("windows not compiled", "not_compiled")):
+                       ("recompiles by cause", "recompiles"), ("windows not compiled", "not_compiled"),
+                       ("nodes run alone in compiled regions", "run_alone")):
         if key not in m:
             continue
         lines.append("")
