@@ -654,6 +654,11 @@ def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, option
     if sym is None:
         if len(cls.shapes) < 2 or entry.program is None:
             return None
+        if any(is_check(op[0]) for op in entry.program.ops):
+            # a split region compiles per shape (Note [Partitions])
+            STATS.not_dynamic["run_alone"] += 1
+            cls.dynamic_ok = False
+            return None
         if cls.pattern is None:
             why = _plan(cls)
             if why is not None:

@@ -148,3 +148,15 @@ def test_plan_runs_multi_output_pieces_and_ops_with_kwargs(no_sin):
     for g, e in zip(got, want):
         assert g.dtype == e.dtype and g.stride() == e.stride()
         torch.testing.assert_close(g, e)
+
+
+def test_varying_shapes_with_a_check_op_compile_per_shape(fresh_regions, caplog):
+    """A split region is compiled per shape: no symbolic attempt, no blacklisting."""
+    with adaptive_eager(**_options()):
+        for n in (3, 4, 5, 3, 4, 5):
+            inv = torch.linalg.inv(torch.eye(n) * 2)
+            ae.sync()
+            torch.testing.assert_close(inv, torch.eye(n) / 2)
+    m = ae.metrics()
+    assert m["blacklisted"] == 0 and m["not_dynamic"].get("run_alone", 0) >= 1
+    assert "blacklisted" not in caplog.text
