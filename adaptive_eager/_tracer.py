@@ -91,6 +91,8 @@ class TracerState:
         self.scalar_fast_path = options.device == "cpu"
         # one device object for the whole window unless the type has several devices (cuda:0/1)
         self.device_varies = options.device != "cpu"
+        # ``_record`` keys its meta cache by device too, except on a CPU target (one device)
+        self.device_in_key = self.target_attr is None or options.device != "cpu"
         self.device = torch.device(options.device)
         self.max_ops = options.window
         if self.periodicity is None or self.periodicity.cap != options.window:
@@ -398,7 +400,7 @@ def _record_fast(st: TracerState, f, args):
     attr = st.target_attr
     scalar_fast_path = st.scalar_fast_path
     device = st.device
-    have_tensor = False
+    first = None
     for i in f.tensor_pos:
         if i >= n:
             break
@@ -416,7 +418,8 @@ def _record_fast(st: TracerState, f, args):
             continue
         if attr is None or not getattr(a, attr):
             return _DECLINED
-        have_tensor = True
+        if first is None:
+            first = a
         o = getattr(a, "_ae", None)
         if o is not None and o.node.window is window:
             if nargs is None:
@@ -431,10 +434,13 @@ def _record_fast(st: TracerState, f, args):
         slot = window.slots.get(id(a))
         refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
         sig[i] = (a.shape, a.stride(), a.dtype)
-    if not have_tensor:
+    if first is None:
         return _DECLINED
+    ksig = ()
     if st.device_varies:
-        return _DECLINED  # several devices of the target type: the general path picks one
+        device = first.device  # several devices of the target type (cuda:0, cuda:1): ``_record``'s choice
+    if st.device_in_key:
+        ksig = ((), device)
     for i in f.scalar_pos:
         if i < n:
             v = args[i]
@@ -448,7 +454,7 @@ def _record_fast(st: TracerState, f, args):
     for i in f.seq_pos:
         if i < n and type(args[i]) is list:
             sig[i] = tuple(args[i])
-    entry = _META_CACHE.get((f, tuple(sig), ()))
+    entry = _META_CACHE.get((f, tuple(sig), ksig))
     if entry is None or entry is _FAILED:
         return _DECLINED
     specs, nbytes, _, eid = entry
@@ -481,8 +487,7 @@ def _record_fast(st: TracerState, f, args):
 
 def _record_inplace(st: TracerState, f, args, kwargs):
     """``_record`` for an in-place op that writes and returns its first argument (optimizer
-    updates: ``mul_``, ``lerp_``, ``addcdiv_(value=)``) on a single-device target: Note [Record
-    fast path]. The same signature, meta-cache key, ALIAS out and write marks as ``_record``."""
+    updates: ``mul_``, ``lerp_``, ``addcdiv_(value=)``): Note [Record fast path]. The same signature, meta-cache key, ALIAS out and write marks as ``_record``."""
     window = st.window
     n = len(args)
     sig = list(args)
@@ -547,6 +552,8 @@ def _record_inplace(st: TracerState, f, args, kwargs):
             else:
                 ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
         ksig = tuple(ksig)
+    if st.device_in_key:
+        ksig = (ksig, args[0].device if st.device_varies else st.device)
     try:
         entry = _META_CACHE.get((f, tuple(sig), ksig))
     except TypeError:
@@ -742,7 +749,7 @@ def _record(st: TracerState, f, args, kwargs):
         if device.type != st.target:
             return _DECLINED
         ksig = (ksig, torch.get_default_dtype(), "default-device")
-    elif st.target_attr is None or st.target != "cpu":
+    elif st.device_in_key:
         ksig = (ksig, device)
     key = (f, tuple(sig), ksig)
     try:
@@ -963,7 +970,7 @@ class LazyMode(TorchDispatchMode):
                     res = _record_fast(st, f, args)
                     if res is not _DECLINED:
                         return res
-            elif f.fast_inplace and not st.device_varies:
+            elif f.fast_inplace:
                 res = _record_inplace(st, f, args, kwargs)
                 if res is not _DECLINED:
                     return res

@@ -580,13 +580,15 @@ def test_batch_norm_outputs_and_running_stats():
     assert_eager(lrv, erv)
 
 
-def _window_facts(program, make):
+def _window_facts(program, make, varies=False):
     """What recording ``program(*make())`` leaves in the window (sigs, float scalars, written
-    slots), and its results after the flush."""
+    slots), and its results after the flush. ``varies``: record as on a target type with several
+    devices (cuda), where each op's device comes from its tensors."""
     from adaptive_eager import _tracer
 
     args = make()  # real tensors: made before the mode
     with adaptive_eager(backend="replay", window=10_000):
+        _tracer.current_state().device_varies = varies
         out = program(*args)
         w = _tracer.current_state().window
         facts = ([s for s in w.sigs], list(w.scalars), sorted(w.mutated), len(w.written),
@@ -594,8 +596,9 @@ def _window_facts(program, make):
     return facts, out
 
 
+@pytest.mark.parametrize("varies", [False, True])
 @pytest.mark.parametrize("inplace_first", [False, True])
-def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inplace_first):
+def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inplace_first, varies):
     """Note [Record fast path]: the fast paths are an optimization only: the window they leave
     (op signatures, dataflow, lifted floats, written inputs) and the values equal the general
     path's, whichever path saw a signature first."""
@@ -624,22 +627,25 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
     real_fast, real_inplace = _tracer._record_fast, _tracer._record_inplace
     general = lambda *a: _tracer._DECLINED  # noqa: E731
     if inplace_first:
-        _window_facts(program, make)  # the fast paths see the signatures first (after a warm-up)
+        _window_facts(program, make, varies)  # the fast paths see the signatures first (after a warm-up)
     monkeypatch.setattr(_tracer, "_record_fast", general)
     monkeypatch.setattr(_tracer, "_record_inplace", general)
-    want, want_out = _window_facts(program, make)
+    want, want_out = _window_facts(program, make, varies)
     monkeypatch.setattr(_tracer, "_record_fast", real_fast)
     monkeypatch.setattr(_tracer, "_record_inplace", real_inplace)
-    calls = []
+    calls = {"fast": [], "inplace": []}
 
-    def counting(*a):
-        res = real_inplace(*a)
-        calls.append(res is not _tracer._DECLINED)
-        return res
+    def counting(name, fn):
+        def record(*a):
+            res = fn(*a)
+            calls[name].append(res is not _tracer._DECLINED)
+            return res
+        return record
 
-    monkeypatch.setattr(_tracer, "_record_inplace", counting)
-    got, got_out = _window_facts(program, make)
-    assert any(calls)  # the in-place fast path recorded ops
+    monkeypatch.setattr(_tracer, "_record_fast", counting("fast", real_fast))
+    monkeypatch.setattr(_tracer, "_record_inplace", counting("inplace", real_inplace))
+    got, got_out = _window_facts(program, make, varies)
+    assert any(calls["fast"]) and any(calls["inplace"])  # both fast paths recorded ops
     assert got == want
     for g, w in zip(torch.utils._pytree.tree_leaves(got_out), torch.utils._pytree.tree_leaves(want_out)):
         assert torch.equal(g, w)
