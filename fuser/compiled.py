@@ -130,6 +130,7 @@ class RegionCache:
     def __init__(self, max_entries: int = 1024):
         self.entries: OrderedDict = OrderedDict()
         self.max_entries = max_entries
+        self._last: _Entry | None = None  # the entry the last get returned: the most recent one
 
     def get(self, key) -> _Entry:
         e = self.entries.get(key)
@@ -137,12 +138,17 @@ class RegionCache:
             e = self.entries[key] = _Entry()
             if len(self.entries) > self.max_entries:
                 self.entries.popitem(last=False)
-        else:
+        elif e is not self._last:
+            # move_to_end hashes and compares the key again (a whole window's signature); a loop
+            # that hits one region every flush finds it last already. Only get inserts or moves
+            # entries, each a distinct object, so an entry found that is ``_last`` is the last one.
             self.entries.move_to_end(key)
+        self._last = e
         return e
 
     def clear(self) -> None:
         self.entries.clear()
+        self._last = None
 
 
 CACHE = RegionCache()
