@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from . import partition
-from .backends._common import decode_torch_value, encode_torch_value
+from .backends._common import BackendCompileError, decode_torch_value, encode_torch_value
 from .partition import is_check
 from .replay import ReplayError, _bind, as_recorded, mark_needed, placeholder_is_dead, replay_window
 from .window import ALIAS, VIEW, Out, Window
@@ -1345,15 +1345,28 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     inputs itself (a split region never does: Note [Partitions])."""
     gm = program.graph()
     examples = program.example_inputs() + program.lifted_examples()
-    alone = partition.alone(gm, backend)
-    if not alone:
-        return backend.compile(gm, examples), program.lifted_inputs, {"alone": {}, "inplace": program.inplace}
-    if program.inplace:
-        program.inplace = False
-        gm = program.graph()
-        alone = partition.alone(gm, backend)
-    artifact = partition.split(gm, examples, alone, backend)
-    return artifact, program.lifted_inputs, {"alone": partition.counts(alone), "inplace": False}
+    failed: set = set()  # ops the backend failed on: retried alone (Note [Partitions])
+    while True:
+        alone = partition.alone(gm, backend, failed)
+        try:
+            if not alone:
+                return backend.compile(gm, examples), program.lifted_inputs, {"alone": {}, "inplace": program.inplace}
+            if program.inplace:
+                program.inplace = False
+                gm = program.graph()
+                alone = partition.alone(gm, backend, failed)
+            artifact = partition.split(gm, examples, alone, backend)
+            return artifact, program.lifted_inputs, {"alone": partition.counts(alone), "inplace": False}
+        except BackendCompileError as e:
+            target = e.target
+            if (not isinstance(target, torch._ops.OpOverload) or target in failed
+                    or len(failed) >= _MAX_FAILED_OPS):
+                raise
+            log.info("adaptive_eager: %s; compiling the rest with it run alone", e)
+            failed.add(target)
+
+
+_MAX_FAILED_OPS = 4  # ops retried alone after a failed compile before the region is given up
 
 
 # Note [Compile thread]

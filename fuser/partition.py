@@ -7,7 +7,10 @@ A window becomes one graph (``Program.graph``). Some of its nodes must not be co
   nothing; they exist only to raise eager's error, so a compiler would drop them as dead code;
 - nodes the backend declares it cannot compile (``Backend.unsupported(node)`` returns a reason: a
   neuron backend names the ops neuronx-cc has no lowering for). Inductor lowers every ATen op or
-  calls it as an extern kernel, so it declares none.
+  calls it as an extern kernel, so it declares none;
+- ops the backend failed on: a compile that fails with a ``BackendCompileError`` naming an op of
+  the graph (``target``) is retried with that op run alone ("compile_failed"), a few times, so
+  one op a compiler cannot handle no longer sends the whole window to replay.
 
 Random ops and data-dependent ops never reach a graph: random draws run at record time (Note [RNG]
 in ``adaptive_eager._ops``) and ops that need data flush the window first.
@@ -49,14 +52,20 @@ def is_check(func) -> bool:
     return known
 
 
-def alone(gm: torch.fx.GraphModule, backend) -> dict:
-    """{node: reason} for the nodes of ``gm`` that must run outside compiled code."""
+def alone(gm: torch.fx.GraphModule, backend, failed=frozenset()) -> dict:
+    """{node: reason} for the nodes of ``gm`` that must run outside compiled code; ``failed``: ops
+    the backend failed to compile in this graph before."""
     unsupported = getattr(backend, "unsupported", None)
     found = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        why = "check_op" if is_check(node.target) else (unsupported(node) if unsupported is not None else None)
+        if is_check(node.target):
+            why = "check_op"
+        elif node.target in failed:
+            why = "compile_failed"
+        else:
+            why = unsupported(node) if unsupported is not None else None
         if why:
             found[node] = why
     return found
@@ -82,9 +91,16 @@ _PART, _GET, _OP = 0, 1, 2
 
 
 def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, backend) -> bytes:
-    """Compile the pieces of ``gm`` around the ``alone`` nodes; the artifact ``load`` takes."""
+    """Compile the pieces of ``gm`` around the ``alone`` nodes; the artifact ``load`` takes.
+    ``gm`` is not changed (the pieces are cut from a copy)."""
+    import copy
+
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+    names = {n.name: why for n, why in alone.items()}
+    gm = copy.deepcopy(gm)
+    alone = {n: names[n.name] for n in gm.graph.nodes if n.name in names}
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":

@@ -230,8 +230,10 @@ def test_inductor_error_is_attributed_to_the_op_it_names():
     inner = RuntimeError("LoweringException: boom\n  target: aten.lerp.Scalar\n  args[0]: ...")
     outer = RuntimeError("compile failed")
     outer.__cause__ = inner
-    assert _culprit(outer, gm).startswith("aten.lerp.Scalar")
-    assert _culprit(RuntimeError("no op here"), gm).startswith("the graph")
+    name, target = _culprit(outer, gm)
+    assert name.startswith("aten.lerp.Scalar") and target is torch.ops.aten.lerp.Scalar
+    name, target = _culprit(RuntimeError("no op here"), gm)
+    assert name.startswith("the graph") and target is None
 
 
 def _rewrite_inductor_manifest(artifact: bytes, **changes) -> bytes:

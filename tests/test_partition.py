@@ -160,3 +160,57 @@ def test_varying_shapes_with_a_check_op_compile_per_shape(fresh_regions, caplog)
     m = ae.metrics()
     assert m["blacklisted"] == 0 and m["not_dynamic"].get("run_alone", 0) >= 1
     assert "blacklisted" not in caplog.text
+
+
+def test_an_op_the_compiler_fails_on_runs_alone_and_the_rest_compiles(monkeypatch, fresh_regions, caplog):
+    """A compile that fails naming an op of the graph is retried with that op run alone."""
+    from fuser.backends import BackendCompileError
+
+    backend = get_backend("inductor", "cpu")
+    real_compile = backend.compile
+    seen = []
+
+    def compile(gm, examples):
+        targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        seen.append(targets)
+        for bad in (torch.ops.aten.sin.default, torch.ops.aten.cos.default):
+            if bad in targets:
+                error = BackendCompileError(f"cannot lower {bad}")
+                error.target = bad
+                raise error
+        return real_compile(gm, examples)
+
+    monkeypatch.setattr(backend, "compile", compile)
+    x = torch.randn(40)
+
+    def program(x):
+        return ((x * 2).sin() + 1).cos().exp() * 3
+
+    with adaptive_eager(**_options()):
+        for _ in range(4):
+            y = program(x)
+            ae.sync()
+    torch.testing.assert_close(y, program(x))
+    m = ae.metrics()
+    assert m["run_alone"] == {"compile_failed": 2} and m["compiled_runs"] == 3
+    assert m["blacklisted"] == 0 and m["compile_failures"] == 0
+    assert any(torch.ops.aten.exp.default in t and torch.ops.aten.sin.default not in t for t in seen)
+
+
+def test_a_compile_failure_that_names_no_op_still_blacklists(monkeypatch, fresh_regions):
+    from fuser.backends import BackendCompileError
+
+    backend = get_backend("inductor", "cpu")
+
+    def compile(gm, examples):
+        raise BackendCompileError("out of memory")
+
+    monkeypatch.setattr(backend, "compile", compile)
+    x = torch.randn(40)
+    with adaptive_eager(**_options()):
+        for _ in range(3):
+            y = (x * 2).sin()
+            ae.sync()
+    torch.testing.assert_close(y, (x * 2).sin())
+    m = ae.metrics()
+    assert m["blacklisted"] == 1 and m["compile_failures"] == 1 and m["compiled_runs"] == 0

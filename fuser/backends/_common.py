@@ -13,7 +13,11 @@ class BackendCompileError(RuntimeError):
     """A graph a backend cannot compile, or an artifact it cannot load.
 
     Never fatal to the program: the fuser counts the reason and runs the region by replay.
+    ``target``: the op the backend blames, when it can tell (the fuser then runs that op alone
+    and compiles the rest: Note [Partitions] in ``fuser.partition``).
     """
+
+    target = None
 
 
 def op_name(target: object) -> str:

@@ -248,9 +248,10 @@ def _run_inductor(
             standalone_compile(gm, inputs, dynamic_shapes="from_graph" if symbolic else "from_example_inputs",
                                options={"inner_compile": capture})
         except Exception as e:
-            raise BackendCompileError(
-                f"inductor: cannot compile {_culprit(e, gm)}: {type(e).__name__}: {str(e)[:800]}"
-            ) from e
+            name, target = _culprit(e, gm)
+            error = BackendCompileError(f"inductor: cannot compile {name}: {type(e).__name__}: {str(e)[:800]}")
+            error.target = target
+            raise error from e
         if len(captured) != 1:
             raise BackendCompileError(f"inductor: expected one compiled graph, Inductor produced {len(captured)}")
         inner_gm, compiled = captured[0]
@@ -329,8 +330,9 @@ def _at_hints(meta: tuple) -> tuple:
     return tuple(concrete(v) for v in meta)
 
 
-def _culprit(error: BaseException, gm: torch.fx.GraphModule) -> str:
-    """The first op of ``gm`` that Inductor's error names (its lowering errors print the target)."""
+def _culprit(error: BaseException, gm: torch.fx.GraphModule) -> tuple[str, object]:
+    """The first op of ``gm`` that Inductor's error names (its lowering errors print the target):
+    how to name it, and the target (None when the error names no op of the graph)."""
     texts = []
     seen: set[int] = set()
     pending: list[BaseException | None] = [error]
@@ -344,8 +346,8 @@ def _culprit(error: BaseException, gm: torch.fx.GraphModule) -> str:
     text = "\n".join(texts)
     for node in gm.graph.nodes:
         if node.op == "call_function" and op_name(node.target) in text:
-            return f"{op_name(node.target)} (node {node.name})"
-    return "the graph (the error names none of its ops)"
+            return f"{op_name(node.target)} (node {node.name})", node.target
+    return "the graph (the error names none of its ops)", None
 
 
 class _Kernels:
