@@ -1,10 +1,12 @@
 """Cost per recorded op: a loop of tiny ops, plain eager vs an empty TorchDispatchMode vs recording.
 
-    python benchmarks/record_overhead.py [--ops 2000] [--repeats 15]
+    python benchmarks/record_overhead.py [--ops 2000] [--repeats 15] [--inplace]
 
 All variants run in one process, interleaved, and the median of the repeats is reported, since
 absolute times drift on a shared machine. "record" is the time to record the ops (the window is
 flushed outside the timed region); "record+replay" includes running the window op by op.
+``--inplace`` times optimizer-style in-place updates instead (``mul_``, ``add_(alpha=)``,
+``addcmul_(value=)``, ``lerp_``), which take the in-place fast path.
 """
 
 from __future__ import annotations
@@ -40,24 +42,39 @@ def tiny_ops(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     return y
 
 
-def measure(ops: int, repeats: int) -> dict[str, float]:
+def inplace_ops(p: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n // 4):  # 4 in-place updates per iteration, as an optimizer step makes
+        p.mul_(0.999)
+        p.add_(g, alpha=-0.01)
+        p.addcmul_(g, g, value=0.001)
+        p.lerp_(g, 0.1)
+    return p
+
+
+def measure(ops: int, repeats: int, inplace: bool = False) -> dict[str, float]:
     x, w = torch.randn(16), torch.randn(16)
+    run = tiny_ops
+    if inplace:
+        def run(x, w, n):
+            return inplace_ops(x, w, n)
+
+        x, w = torch.randn(16) * 0.01, torch.randn(16) * 0.01
     samples: dict[str, list[float]] = {"eager": [], "empty mode": [], "record": [], "record+replay": []}
     with ae.adaptive_eager(window=ops + 10):  # warm the metadata cache once
-        tiny_ops(x, w, ops)
+        run(x, w, ops)
     for _ in range(repeats):
         t0 = time.perf_counter()
-        tiny_ops(x, w, ops)
+        run(x, w, ops)
         samples["eager"].append(time.perf_counter() - t0)
 
         with EmptyMode():
             t0 = time.perf_counter()
-            tiny_ops(x, w, ops)
+            run(x, w, ops)
             samples["empty mode"].append(time.perf_counter() - t0)
 
         with ae.adaptive_eager(window=ops + 10):
             t0 = time.perf_counter()
-            y = tiny_ops(x, w, ops)
+            y = run(x, w, ops)
             t1 = time.perf_counter()
             ae.sync()
             t2 = time.perf_counter()
@@ -71,9 +88,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--inplace", action="store_true", help="optimizer-style in-place updates")
     args = parser.parse_args()
-    us = measure(args.ops, args.repeats)
-    print(f"torch {torch.__version__}, {args.ops} ops x {args.repeats} repeats, median us per op")
+    us = measure(args.ops, args.repeats, args.inplace)
+    kind = "in-place updates" if args.inplace else "tiny ops"
+    print(f"torch {torch.__version__}, {args.ops} {kind} x {args.repeats} repeats, median us per op")
     print("| variant | us / op | x eager | x empty mode |")
     print("| --- | ---: | ---: | ---: |")
     for k, v in us.items():
