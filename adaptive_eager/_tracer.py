@@ -389,8 +389,25 @@ _META_CACHE: dict = {}
 # tests/test_tracer.py checks that the window either path leaves is the same.
 
 
+def _unslot(window: Window, n0: int) -> None:
+    """Forget the real inputs registered by an op that was not recorded after all: a window
+    must hold (and its region key count) only the real tensors its nodes use."""
+    real = window.real_inputs
+    slots = window.slots
+    for t in real[n0:]:
+        del slots[id(t)]
+    del real[n0:]
+
+
+def _decline(window: Window, n0: int):
+    if len(window.real_inputs) != n0:
+        _unslot(window, n0)
+    return _DECLINED
+
+
 def _record_fast(st: TracerState, f, args):
     window = st.window
+    n0 = len(window.real_inputs)
     n = len(args)
     sig = list(args)
     nargs = None
@@ -417,7 +434,7 @@ def _record_fast(st: TracerState, f, args):
                 sig[i] = (a.__class__, a)
             continue
         if attr is None or not getattr(a, attr):
-            return _DECLINED
+            return _decline(window, n0)
         if first is None:
             first = a
         o = getattr(a, "_ae", None)
@@ -430,12 +447,12 @@ def _record_fast(st: TracerState, f, args):
             sig[i] = o.meta
             continue
         if scalar_fast_path and a.numel() == 1:
-            return _DECLINED  # snapshots and the scalar fast path: the general path
+            return _decline(window, n0)  # snapshots and the scalar fast path: the general path
         slot = window.slots.get(id(a))
         refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
         sig[i] = (a.shape, a.stride(), a.dtype)
     if first is None:
-        return _DECLINED
+        return _decline(window, n0)
     ksig = ()
     if st.device_varies:
         device = first.device  # several devices of the target type (cuda:0, cuda:1): ``_record``'s choice
@@ -456,7 +473,7 @@ def _record_fast(st: TracerState, f, args):
             sig[i] = tuple(args[i])
     entry = _META_CACHE.get((f, tuple(sig), ksig))
     if entry is None or entry is _FAILED:
-        return _DECLINED
+        return _decline(window, n0)
     specs, nbytes, _, eid = entry
     if nargs is None:
         nargs = list(args)
@@ -489,6 +506,7 @@ def _record_inplace(st: TracerState, f, args, kwargs):
     """``_record`` for an in-place op that writes and returns its first argument (optimizer
     updates: ``mul_``, ``lerp_``, ``addcdiv_(value=)``): Note [Record fast path]. The same signature, meta-cache key, ALIAS out and write marks as ``_record``."""
     window = st.window
+    n0 = len(window.real_inputs)
     n = len(args)
     sig = list(args)
     nargs = None
@@ -512,7 +530,7 @@ def _record_inplace(st: TracerState, f, args, kwargs):
                 sig[i] = (a.__class__, a)
             continue
         if attr is None or not getattr(a, attr):
-            return _DECLINED
+            return _decline(window, n0)
         o = getattr(a, "_ae", None)
         if o is not None and o.node.window is window:
             if nargs is None:
@@ -523,7 +541,7 @@ def _record_inplace(st: TracerState, f, args, kwargs):
             sig[i] = o.meta
             continue
         if a.numel() == 1:
-            return _DECLINED  # snapshots and the scalar fast path: the general path
+            return _decline(window, n0)  # snapshots and the scalar fast path: the general path
         slot = window.slots.get(id(a))
         refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
         sig[i] = (a.shape, a.stride(), a.dtype)
@@ -557,9 +575,9 @@ def _record_inplace(st: TracerState, f, args, kwargs):
     try:
         entry = _META_CACHE.get((f, tuple(sig), ksig))
     except TypeError:
-        return _DECLINED
+        return _decline(window, n0)
     if entry is None or entry is _FAILED:
-        return _DECLINED
+        return _decline(window, n0)
     nbytes, eid = entry[1], entry[3]
     if nargs is None:
         nargs = list(args)
@@ -923,7 +941,11 @@ def _random_fill(st: TracerState, f, args, kwargs):
 
 
 def _record_or_run(st: TracerState, f, args, kwargs):
+    window = st.window
+    n0 = len(window.real_inputs)
     res = _record(st, f, args, kwargs)
+    if (res is _SCALAR or res is _DECLINED) and len(window.real_inputs) != n0:
+        _unslot(window, n0)
     if res is _SCALAR:
         METRICS.host_scalar_ops += 1
         return _eager(st, f, args, kwargs, None)

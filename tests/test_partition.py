@@ -42,7 +42,7 @@ def test_check_op_runs_alone_and_the_rest_is_compiled(fresh_regions):
     for inv in invs:
         torch.testing.assert_close(inv, torch.eye(3) / 2)
     m = ae.metrics()
-    assert m["compiled_runs"] == 3 and m["run_alone"] == {"check_op": 1}
+    assert m["compiled_runs"] == 3 and m["run_alone"] == {"check_op": 1}, str(m)
     assert m["blacklisted"] == 0
 
 

@@ -664,3 +664,26 @@ def test_host_scalar_ops_are_counted_apart():
         assert ae.metrics()["host_scalar_ops"] == 6  # per parameter: step += 1 and step.item()
         (ps[0] * 2).sum().item()
     assert ae.metrics()["host_scalar_ops"] == 6
+
+
+def test_ops_that_are_not_recorded_leave_no_inputs_in_the_window():
+    """An op that runs at once (a host-scalar op, an eager fallback) or that a fast path hands
+    to the general path must not leave its tensors among the window's inputs: the window would
+    hold them alive and its region key would depend on what ran before it."""
+    from adaptive_eager import _tracer
+
+    step = torch.tensor(0.0)
+    x = torch.randn(8)
+    other = torch.randn(3, dtype=torch.float64)
+    with adaptive_eager(backend="replay"):
+        w = _tracer.current_state().window
+        step += 1  # host-scalar op: runs now
+        step.item()
+        torch.ops.aten.cumsum.default(other, 0)  # a first sight: a meta-cache miss on the fast path
+        assert [t is other for t in w.real_inputs] == [True]  # the cumsum was recorded; step is not there
+        ae.sync()
+        w = _tracer.current_state().window
+        step += 1
+        y = x * 2
+        assert [t is x for t in w.real_inputs] == [True]
+    assert torch.equal(y, x * 2) and step.item() == 2
