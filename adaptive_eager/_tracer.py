@@ -382,11 +382,12 @@ _META_CACHE: dict = {}
 # same signature, meta-cache key and window entries as ``_record``, in about half the Python
 # work. Anything it does not handle (a tensor on another device, a one-element real tensor that
 # the scalar fast path must snapshot, a meta-cache miss) makes it return ``_DECLINED`` before it
-# has changed anything, and the op takes the general path. ``_record_inplace`` does the same for
-# in-place ops that write and return their first argument (``OpFacts.fast_inplace``: optimizer
-# updates such as ``mul_``, ``lerp_``, ``addcdiv_(value=)``), which leave an ALIAS out and the
-# write marks. Measured on AdamW (200 parameters, foreach=False): 63 vs 91 ms per step recorded.
-# tests/test_tracer.py checks that the window either path leaves is the same.
+# has changed anything (registered real inputs are forgotten again), and the op takes the general
+# path. It also records in-place ops that write and return their first argument
+# (``OpFacts.fast_inplace``: optimizer updates such as ``mul_``, ``lerp_``, ``addcdiv_(value=)``),
+# which leave an ALIAS out and the write marks instead of a fresh placeholder. Measured on AdamW
+# (200 parameters, foreach=False): 63 vs 91 ms per step recorded with and without the in-place
+# case. tests/test_tracer.py checks that the window either path leaves is the same.
 
 
 def _unslot(window: Window, n0: int) -> None:
@@ -405,7 +406,9 @@ def _decline(window: Window, n0: int):
     return _DECLINED
 
 
-def _record_fast(st: TracerState, f, args):
+def _record_fast(st: TracerState, f, args, kwargs):
+    """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
+    write and return their first argument): Note [Record fast path]."""
     window = st.window
     n0 = len(window.real_inputs)
     n = len(args)
@@ -416,7 +419,6 @@ def _record_fast(st: TracerState, f, args):
     floats = None
     attr = st.target_attr
     scalar_fast_path = st.scalar_fast_path
-    device = st.device
     first = None
     for i in f.tensor_pos:
         if i >= n:
@@ -453,98 +455,6 @@ def _record_fast(st: TracerState, f, args):
         sig[i] = (a.shape, a.stride(), a.dtype)
     if first is None:
         return _decline(window, n0)
-    ksig = ()
-    if st.device_varies:
-        device = first.device  # several devices of the target type (cuda:0, cuda:1): ``_record``'s choice
-    if st.device_in_key:
-        ksig = ((), device)
-    for i in f.scalar_pos:
-        if i < n:
-            v = args[i]
-            if v.__class__ is float and f.liftable:
-                sig[i] = float
-                if floats is None:
-                    floats = []
-                floats.append(i)
-            else:
-                sig[i] = (v.__class__, v)
-    for i in f.seq_pos:
-        if i < n and type(args[i]) is list:
-            sig[i] = tuple(args[i])
-    entry = _META_CACHE.get((f, tuple(sig), ksig))
-    if entry is None or entry is _FAILED:
-        return _decline(window, n0)
-    specs, nbytes, _, eid = entry
-    if nargs is None:
-        nargs = list(args)
-    node = Node(f.func, nargs, {}, inputs, _user_source(2), window)
-    uid = (node.index + 1) * OUTS_PER_NODE
-    spec = specs[0]
-    p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-    o = Out(node, FRESH, p, None, uid)
-    o.meta = spec
-    p._ae = o
-    node.outs.append(o)
-    window.outs.append(o)
-    window.fresh.append(o)
-    window.sigs.append((eid, tuple(refs)))
-    if floats is not None:
-        node.fbase = len(window.scalars)
-        node.fpos = floats
-        window.scalars.extend([args[i] for i in floats])
-    window.nodes.append(node)
-    window.pending_bytes += nbytes
-    METRICS.ops_recorded += 1
-    if len(window.nodes) >= st.cut_at:
-        flush(st, "period" if st.periodicity.period else "window_cap")
-    elif window.pending_bytes >= st.max_bytes:
-        flush(st, "bytes_cap")
-    return p
-
-
-def _record_inplace(st: TracerState, f, args, kwargs):
-    """``_record`` for an in-place op that writes and returns its first argument (optimizer
-    updates: ``mul_``, ``lerp_``, ``addcdiv_(value=)``): Note [Record fast path]. The same signature, meta-cache key, ALIAS out and write marks as ``_record``."""
-    window = st.window
-    n0 = len(window.real_inputs)
-    n = len(args)
-    sig = list(args)
-    nargs = None
-    inputs = []
-    refs = []
-    floats = None
-    attr = st.target_attr
-    for i in f.tensor_pos:
-        if i >= n:
-            break
-        a = args[i]
-        if a is None:
-            continue
-        if not isinstance(a, _Tensor):
-            if a.__class__ is float and f.liftable:
-                sig[i] = float
-                if floats is None:
-                    floats = []
-                floats.append(i)
-            else:
-                sig[i] = (a.__class__, a)
-            continue
-        if attr is None or not getattr(a, attr):
-            return _decline(window, n0)
-        o = getattr(a, "_ae", None)
-        if o is not None and o.node.window is window:
-            if nargs is None:
-                nargs = list(args)
-            nargs[i] = o
-            inputs.append(o)
-            refs.append(o.uid)
-            sig[i] = o.meta
-            continue
-        if a.numel() == 1:
-            return _decline(window, n0)  # snapshots and the scalar fast path: the general path
-        slot = window.slots.get(id(a))
-        refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
-        sig[i] = (a.shape, a.stride(), a.dtype)
     for i in f.scalar_pos:
         if i < n:
             v = args[i]
@@ -559,7 +469,7 @@ def _record_inplace(st: TracerState, f, args, kwargs):
         if i < n and type(args[i]) is list:
             sig[i] = tuple(args[i])
     ksig = ()
-    if kwargs:
+    if kwargs:  # fast_inplace only: numbers and flags (``alpha=``, ``value=``)
         ksig = []
         for k, v in kwargs.items():
             if v.__class__ is float and f.liftable:
@@ -570,38 +480,48 @@ def _record_inplace(st: TracerState, f, args, kwargs):
             else:
                 ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
         ksig = tuple(ksig)
+    # several devices of the target type (cuda:0, cuda:1): the first tensor's, as ``_record`` picks
+    device = first.device if st.device_varies else st.device
     if st.device_in_key:
-        ksig = (ksig, args[0].device if st.device_varies else st.device)
+        ksig = (ksig, device)
     try:
         entry = _META_CACHE.get((f, tuple(sig), ksig))
-    except TypeError:
+    except TypeError:  # an unhashable keyword value: the general path runs it eagerly
         return _decline(window, n0)
     if entry is None or entry is _FAILED:
         return _decline(window, n0)
-    nbytes, eid = entry[1], entry[3]
+    specs, nbytes, _, eid = entry
     if nargs is None:
         nargs = list(args)
     node = Node(f.func, nargs, kwargs, inputs, _user_source(2), window)
-    node.mutates = True
-    t = args[0]
-    src = nargs[0]
-    o = Out(node, ALIAS, alias=src, uid=(node.index + 1) * OUTS_PER_NODE)
-    o.tensor = t
-    if type(src) is Out:
-        o.meta = src.meta
-        o.slot = slot = src.slot
-        root = src.root
-        if root is not None and root.tensor is t:
-            root.held += 1  # o.tensor is one more strong reference to that placeholder
+    uid = (node.index + 1) * OUTS_PER_NODE
+    if f.fast_inplace:
+        node.mutates = True
+        res = args[0]
+        src = nargs[0]
+        o = Out(node, ALIAS, alias=src, uid=uid)
+        o.tensor = res
+        if type(src) is Out:
+            o.meta = src.meta
+            o.slot = slot = src.slot
+            root = src.root
+            if root is not None and root.tensor is res:
+                root.held += 1  # o.tensor is one more strong reference to that placeholder
+        else:
+            o.meta = (res.shape, res.stride(), res.dtype)
+            o.slot = slot = window.slot_of(res)
+        window.written.add(_untyped_storage(res)._cdata)
+        if slot >= 0:
+            window.mutated.add(slot)
     else:
-        o.meta = (t.shape, t.stride(), t.dtype)
-        o.slot = slot = window.slot_of(t)
-    t._ae = o
+        spec = specs[0]
+        res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
+        o = Out(node, FRESH, res, None, uid)
+        o.meta = spec
+        window.fresh.append(o)
+    res._ae = o
     node.outs.append(o)
     window.outs.append(o)
-    window.written.add(_untyped_storage(t)._cdata)
-    if slot >= 0:
-        window.mutated.add(slot)
     window.sigs.append((eid, tuple(refs)))
     if floats is not None:
         node.fbase = len(window.scalars)
@@ -614,8 +534,7 @@ def _record_inplace(st: TracerState, f, args, kwargs):
         flush(st, "period" if st.periodicity.period else "window_cap")
     elif window.pending_bytes >= st.max_bytes:
         flush(st, "bytes_cap")
-    return t
-
+    return res
 
 
 def _record(st: TracerState, f, args, kwargs):
@@ -987,13 +906,8 @@ class LazyMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         if kind == RECORD:
-            if f.fast:
-                if not kwargs:
-                    res = _record_fast(st, f, args)
-                    if res is not _DECLINED:
-                        return res
-            elif f.fast_inplace:
-                res = _record_inplace(st, f, args, kwargs)
+            if (f.fast and not kwargs) or f.fast_inplace:
+                res = _record_fast(st, f, args, kwargs)
                 if res is not _DECLINED:
                     return res
             return _record_or_run(st, f, args, kwargs)

@@ -62,13 +62,15 @@ def test_runtime_error_in_compiled_region_is_eager_error_via_replay():
             x[idx].sum().item()
 
 
-def test_a_region_that_fails_to_compile_is_blacklisted_and_replayed(monkeypatch, caplog):
-    from fuser.backends import get_backend
+@pytest.mark.parametrize("error", ["RuntimeError", "BackendCompileError"])
+def test_a_region_that_fails_to_compile_is_blacklisted_and_replayed(monkeypatch, caplog, error, fresh_regions):
+    """A compiler crash, or a compile error that names no op to run alone (Note [Partitions])."""
+    from fuser.backends import BackendCompileError, get_backend
 
     backend = get_backend("inductor", "cpu")
 
     def broken(gm, example_inputs):
-        raise RuntimeError("compiler crashed")
+        raise {"RuntimeError": RuntimeError, "BackendCompileError": BackendCompileError}[error]("compiler crashed")
 
     monkeypatch.setattr(backend, "compile", broken)
     x = torch.randn(16)

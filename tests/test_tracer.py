@@ -624,28 +624,21 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
             outs.append(d)
         return ps, ms, outs
 
-    real_fast, real_inplace = _tracer._record_fast, _tracer._record_inplace
-    general = lambda *a: _tracer._DECLINED  # noqa: E731
+    real_fast = _tracer._record_fast
     if inplace_first:
-        _window_facts(program, make, varies)  # the fast paths see the signatures first (after a warm-up)
-    monkeypatch.setattr(_tracer, "_record_fast", general)
-    monkeypatch.setattr(_tracer, "_record_inplace", general)
+        _window_facts(program, make, varies)  # the fast path sees the signatures first (after a warm-up)
+    monkeypatch.setattr(_tracer, "_record_fast", lambda *a: _tracer._DECLINED)
     want, want_out = _window_facts(program, make, varies)
-    monkeypatch.setattr(_tracer, "_record_fast", real_fast)
-    monkeypatch.setattr(_tracer, "_record_inplace", real_inplace)
-    calls = {"fast": [], "inplace": []}
+    calls = {False: [], True: []}  # by OpFacts.fast_inplace: whether the fast path recorded the op
 
-    def counting(name, fn):
-        def record(*a):
-            res = fn(*a)
-            calls[name].append(res is not _tracer._DECLINED)
-            return res
-        return record
+    def counting(st, f, args, kwargs):
+        res = real_fast(st, f, args, kwargs)
+        calls[f.fast_inplace].append(res is not _tracer._DECLINED)
+        return res
 
-    monkeypatch.setattr(_tracer, "_record_fast", counting("fast", real_fast))
-    monkeypatch.setattr(_tracer, "_record_inplace", counting("inplace", real_inplace))
+    monkeypatch.setattr(_tracer, "_record_fast", counting)
     got, got_out = _window_facts(program, make, varies)
-    assert any(calls["fast"]) and any(calls["inplace"])  # both fast paths recorded ops
+    assert any(calls[False]) and any(calls[True])  # fresh-output and in-place ops took the fast path
     assert got == want
     for g, w in zip(torch.utils._pytree.tree_leaves(got_out), torch.utils._pytree.tree_leaves(want_out)):
         assert torch.equal(g, w)
