@@ -796,6 +796,17 @@ def targets(results: list[Result]) -> list[tuple[str, bool | None, str]]:
     """(target, passed (None: could not be measured), evidence)."""
     by = {r.key: r for r in results}
     out = []
+    if "chain" in by:
+        r = by["chain"]
+        e, a, c = r.median("eager"), r.median("adaptive"), r.median("torch.compile")
+        ok = None if None in (e, a, c) else (a <= 1.25 * c and e >= 2 * a)
+        out.append(("chain: adaptive <= 1.25x torch.compile's time and >= 2x faster than eager", ok,
+                    f"{_x(a, c)} torch.compile's time; {_x(e, a)} eager's speed"))
+    if "mlp_train" in by:
+        r = by["mlp_train"]
+        e, a = r.median("eager"), r.median("adaptive")
+        ok = None if e is None or a is None else a <= e
+        out.append(("MLP train step: adaptive no slower than eager", ok, f"{_ms(a)} ms vs {_ms(e)} ms ({_x(e, a)})"))
     if "adamw" in by:
         r = by["adamw"]
         a, ref = r.median("adaptive"), r.median("eager foreach=True")
