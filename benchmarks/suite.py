@@ -25,8 +25,9 @@ functions, counted with ``sys.setprofile``); for adaptive only what runs inside 
 ops the tracer ran eagerly (``ops_eager``).
 
 ``--write`` puts the tables, the targets with PASS/FAIL, the command and the machine into
-``benchmarks/RESULTS.md`` between ``<!-- suite:begin -->`` and ``<!-- suite:end -->`` (other
-sections of that file are kept) and saves ``benchmarks/results.png``.
+``benchmarks/RESULTS.md`` between ``<!-- suite:begin -->`` and ``<!-- suite:end -->`` (cuda:
+``suite-cuda``; other sections of that file are kept) and saves ``benchmarks/results.png``
+(``results_cuda.png``).
 ``--profile KEY`` runs one workload's adaptive variant in steady state under cProfile instead.
 """
 
@@ -61,8 +62,16 @@ import adaptive_eager as ae
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
-RESULTS_PNG = os.path.join(HERE, "results.png")
-BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
+
+
+def _png(device: str) -> str:
+    return "results.png" if device == "cpu" else f"results_{device}.png"
+
+
+def _markers(device: str) -> tuple[str, str]:
+    """Each device's table has its own section of RESULTS.md (a cuda run keeps the cpu one)."""
+    name = "suite" if device == "cpu" else f"suite-{device}"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 ADAPTIVE_OPTIONS = dict(backend="inductor", hot_after=2, async_compile=False)
 SAMPLE_SECONDS = {"cpu": 0.3, "cuda": 0.1}  # calibrated length of one timed sample
@@ -940,7 +949,8 @@ def plot(results: list[Result], path: str, device: str) -> None:
     plt.close(fig)
 
 
-def write_results(section: str) -> None:
+def write_results(section: str, device: str) -> None:
+    BEGIN, END = _markers(device)
     text = ""
     if os.path.exists(RESULTS_MD):
         with open(RESULTS_MD) as f:
@@ -1000,7 +1010,7 @@ What the profiled kernels are (per iteration, most frequent first):
 
 {kernel_breakdown(results)}
 {chr(10) + "Errors:" + chr(10) + chr(10) + errs + chr(10) if errs else ""}
-![speedups and launches](results.png)
+![speedups and launches]({_png(info["device"])})
 """
 
 
@@ -1070,12 +1080,13 @@ def main() -> None:
         print("\nErrors:\n" + errs)
     print(f"\n{command}: {wall / 60:.1f} min; {', '.join(f'{k} {v}' for k, v in info.items())}")
     if args.write:
-        write_results(section_md(results, command, info, wall, repeats))
+        write_results(section_md(results, command, info, wall, repeats), args.device)
+        png = os.path.join(HERE, _png(args.device))
         try:
-            plot(results, RESULTS_PNG, args.device)
+            plot(results, png, args.device)
         except Exception as e:  # noqa: BLE001 - the markdown is written either way
             log(f"plot failed ({_err(e)}); install the bench extra: pip install matplotlib")
-        log(f"wrote {RESULTS_MD} and {RESULTS_PNG}")
+        log(f"wrote {RESULTS_MD} and {png}")
 
 
 if __name__ == "__main__":
