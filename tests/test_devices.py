@@ -1,0 +1,143 @@
+"""The same small programs on every device this machine has: cpu always, cuda when present.
+
+CI has no GPU, so there the cuda cases are skipped; ``benchmarks/device_check.sh`` runs this
+file on a GPU machine (with the cuda suite). Each program runs eagerly and under adaptive eager
+with compiled regions, and must give eager's values, strides and devices.
+"""
+
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+from adaptive_eager import adaptive_eager
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _options(device):
+    return dict(device=device, backend="inductor", hot_after=2, async_compile=False,
+                cache_dir=tempfile.mkdtemp(prefix="ae_devices_"))
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, fresh_regions):
+    return request.param
+
+
+def _same(got, want):
+    assert got.device == want.device and got.shape == want.shape and got.stride() == want.stride()
+    torch.testing.assert_close(got, want)
+
+
+def test_elementwise_chain_compiles_on_the_device(device):
+    x = torch.randn(1000, 33, device=device)
+
+    def chain(x):
+        return ((x * 1.5 + 0.5).sin() * x.cos()).relu().t() / 3
+
+    with adaptive_eager(**_options(device)):
+        outs = []
+        for _ in range(4):
+            outs.append(chain(x))
+            ae.sync()
+    for y in outs:
+        _same(y, chain(x))
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 2 and m["blacklisted"] == 0
+
+
+def test_training_steps_match_eager_on_the_device(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 8)).to(device)
+    twin = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                               torch.nn.Linear(64, 8)).to(device)
+    twin.load_state_dict(model.state_dict())
+    x, y = torch.randn(16, 32, device=device), torch.randn(16, 8, device=device)
+
+    def train(m, steps):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    want = train(twin, 6)
+    with adaptive_eager(**_options(device)):
+        got = train(model, 6)
+    for g, w in zip(got, want):
+        _same(g, w)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        _same(p, q)
+        _same(p.grad, q.grad)
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 2 and m["blacklisted"] == 0
+
+
+def test_views_and_in_place_writes_on_the_device(device):
+    base = torch.randn(6, 4, device=device)
+    p = torch.randn(6, 4, device=device)
+
+    def program(base, p):
+        y = base * 2
+        row = y[1]
+        row.add_(1)  # through a view of a pending value
+        p.mul_(0.5).add_(y, alpha=0.1)  # a real tensor, in place
+        return y, row
+
+    want_p = p.clone()
+    want_y, want_row = program(base, want_p)
+    with adaptive_eager(**_options(device)):
+        for _ in range(3):
+            q = p.clone()
+            y, row = program(base, q)
+            ae.sync()
+    _same(y, want_y)
+    _same(row, want_row)
+    _same(q, want_p)
+    assert row._base is y
+
+
+def test_a_check_runs_alone_and_raises_on_the_device(device):
+    good = torch.eye(4, device=device) * 2
+    with adaptive_eager(**_options(device)):
+        invs = []
+        for _ in range(3):
+            invs.append(torch.linalg.inv(good))
+            ae.sync()
+        with pytest.raises(torch.linalg.LinAlgError):
+            torch.linalg.inv(torch.zeros(4, 4, device=device))
+            ae.sync()
+    for inv in invs:
+        _same(inv, torch.linalg.inv(good))  # LAPACK's column-major strides, as eager gives
+    assert ae.metrics()["run_alone"].get("check_op", 0) >= 1
+
+
+def test_ops_take_the_record_fast_path_on_the_device(device, monkeypatch):
+    """Note [Record fast path]: on a target with several devices (cuda) too."""
+    from adaptive_eager import _tracer
+
+    real = _tracer._record_fast
+    recorded = []
+
+    def counting(*a):
+        res = real(*a)
+        recorded.append(res is not _tracer._DECLINED)
+        return res
+
+    monkeypatch.setattr(_tracer, "_record_fast", counting)
+    x, p = torch.randn(64, device=device), torch.randn(64, device=device)
+    with adaptive_eager(**_options(device)):
+        for _ in range(3):  # the first sight of each signature fills the meta cache
+            y = (x * 2).sin() + x
+            p.mul_(0.9).add_(y, alpha=0.1)
+            ae.sync()
+    assert sum(recorded) >= 8, recorded
+    assert y.device == x.device
