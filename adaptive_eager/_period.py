@@ -46,9 +46,9 @@ class Periodicity:
             return self.cap  # a period longer than the cap: cut it into the same chunks each time
         return first + (self.cap - first) // p * p
 
-    def on_flush(self, sigs: list, by_cut: bool) -> None:
-        """A window of ``len(sigs)`` ops was flushed; ``by_cut``: it ended at ``next_cut()``."""
-        n = len(sigs)
+    def on_flush(self, n: int, sigs: list, by_cut: bool, op_ids) -> None:
+        """A window of ``n`` ops with signature ``sigs`` was flushed; ``by_cut``: it ended at
+        ``next_cut()``; ``op_ids(sigs)``: its ops' signature ids, one per op."""
         if self.period:
             if by_cut and (self.pos - self.ref) % self.period == 0:
                 if self.last is not None and sigs != self.last:
@@ -60,7 +60,7 @@ class Periodicity:
                     self.misses = 0
                 self.last = sigs
         elif by_cut:
-            self.history.extend(s[0] for s in sigs)
+            self.history.extend(op_ids(sigs))
             self._search(self.pos + n)
         else:
             self.history = []

@@ -129,7 +129,7 @@ def flush(st: TracerState, reason: str) -> None:
     st.window = Window()  # first: anything the run triggers must not see the old window
     window.closed = True
     per = st.periodicity
-    per.on_flush(window.sigs, reason in _CUTS)
+    per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
     st.cut_at = per.next_cut()
     METRICS.flushes[reason] += 1
     METRICS.windows += 1
@@ -522,7 +522,9 @@ def _record_fast(st: TracerState, f, args, kwargs):
     res._ae = o
     node.outs.append(o)
     window.outs.append(o)
-    window.sigs.append((eid, tuple(refs)))
+    sigs = window.sigs  # Note [Window signature] in fuser.window
+    sigs.append(eid)
+    sigs.extend(refs)
     if floats is not None:
         node.fbase = len(window.scalars)
         node.fpos = floats
@@ -699,6 +701,8 @@ def _record(st: TracerState, f, args, kwargs):
         except Exception as e:
             log.debug("cannot record %s: meta execution failed: %s", f.name, e)
             entry = _FAILED
+        else:
+            _ARITY[entry[3]] = len(refs)  # Note [Window signature] in fuser.window
         _META_CACHE[key] = entry
     if entry is _FAILED:
         return _DECLINED
@@ -760,7 +764,9 @@ def _record(st: TracerState, f, args, kwargs):
                     slot = o.slot if live else window.slot_of(t)
                     if slot >= 0:
                         window.mutated.add(slot)
-    window.sigs.append((eid, tuple(refs)))
+    sigs = window.sigs
+    sigs.append(eid)
+    sigs.extend(refs)
     if floats:
         node.fbase = len(window.scalars)
         node.fpos = floats
@@ -835,12 +841,28 @@ def _record_view(st: TracerState, f, args, kwargs):
     eid = _VIEW_IDS.get(key)
     if eid is None:
         eid = _VIEW_IDS[key] = -1 - len(_VIEW_IDS)
-    window.sigs.append((eid, (ref,)))
+        _ARITY[eid] = 1
+    sigs = window.sigs
+    sigs.append(eid)
+    sigs.append(ref)
     window.nodes.append(node)
     return res
 
 
 _VIEW_IDS: dict = {}
+_ARITY: dict = {}  # op signature id -> how many dataflow refs follow it in ``Window.sigs``
+
+
+def _op_ids(sigs: list) -> list[int]:
+    """The op signature ids of a window, one per node, out of its flat ``sigs``."""
+    ids = []
+    i, n = 0, len(sigs)
+    arity = _ARITY
+    while i < n:
+        eid = sigs[i]
+        ids.append(eid)
+        i += 1 + arity[eid]
+    return ids
 
 
 def _random_fill(st: TracerState, f, args, kwargs):

@@ -101,10 +101,13 @@ class Window:
         self.pending_bytes = 0
         self.closed = False
         self.written: set[int] = set()  # storages (``_cdata``) that pending in-place ops write
-        # Note [Window signature]: one (op signature id, dataflow refs) pair per node, appended at
-        # record time, so the structural key of a window costs nothing to build at flush. A ref is
-        # an Out's ``uid`` (> 0) or ``-(slot + 1)`` for a real (non-pending) input tensor.
-        self.sigs: list[tuple] = []
+        # Note [Window signature]: per node, its op signature id followed by its dataflow refs,
+        # appended at record time into one flat list of ints, so the structural key of a window
+        # costs nothing to build at flush and little to hash and free (no tuples per node). A
+        # ref is an Out's ``uid`` (> 0) or ``-(slot + 1)`` for a real (non-pending) input tensor.
+        # The list reads back unambiguously: a signature id fixes how many refs follow it (the
+        # op's tensor arguments are part of what the id stands for; ``_tracer._ARITY``).
+        self.sigs: list[int] = []
         self.slots: dict[int, int] = {}  # id(real tensor) -> slot
         self.real_inputs: list = []  # the real tensors the window reads or writes, by slot
         self.mutated: set[int] = set()  # slots of real inputs written by pending in-place ops

@@ -13,7 +13,7 @@ def _feed(per: Periodicity, stream: list[int], reasons=None) -> list[int]:
     while i < len(stream):
         n = min(per.next_cut(), len(stream) - i)
         by_cut = n == per.next_cut()
-        per.on_flush([(e, ()) for e in stream[i:i + n]], by_cut)
+        per.on_flush(n, stream[i:i + n], by_cut, list)
         lengths.append(n)
         i += n
     return lengths
@@ -40,7 +40,7 @@ def test_every_period_window_has_the_same_signature():
         by_cut = n == per.next_cut()
         if per.period and by_cut:
             seen.append(tuple(window))
-        per.on_flush([(e, ()) for e in window], by_cut)
+        per.on_flush(n, window, by_cut, list)
         i += n
     assert len(seen) > 10 and len(set(seen[:-1])) == 1  # the last one may be cut short
 
@@ -80,7 +80,7 @@ def test_a_sync_off_the_grid_is_followed_by_a_cut_back_on_it():
     per = Periodicity(cap=100)
     _feed(per, list(range(30)) * 30)
     assert per.period == 30
-    per.on_flush([(0, ())] * 7, by_cut=False)  # an .item() in the middle of a step
+    per.on_flush(7, [0] * 7, False, list)  # an .item() in the middle of a step
     assert (per.pos + per.next_cut() - per.ref) % 30 == 0
 
 
