@@ -74,6 +74,14 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         findings.append(f"mostly replayed: {metrics['replayed_regions']} of {windows} windows ran op by op. "
                         f"Windows that never repeat are never compiled: see the flush sites and recompile "
                         f"causes below (with async_compile, compiles finish in the background)")
+    failed = metrics.get("run_alone", {}).get("compile_failed", 0)
+    if failed:
+        findings.append(f"compiler failures worked around: {failed} ops run outside compiled code because "
+                        f"the compiler failed on them (NEURON_EAGER_LOG=info names them); the rest of "
+                        f"their regions is compiled")
+    if metrics.get("blacklisted", 0):
+        findings.append(f"blacklisted: {metrics['blacklisted']} regions run op by op after a compile or run "
+                        f"failure (the warnings say why)")
     if findings:
         lines.append("")
         lines.append("findings")

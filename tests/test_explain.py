@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 
 import pytest
 import torch
@@ -164,3 +165,12 @@ def test_explain_flags_short_windows_and_not_a_one_off_read():
     assert "short windows" not in text
     sites = text.split("top flush sites")[1].splitlines()[1]
     assert sites.split()[0] == "sync", text  # the one-off item is not ranked first
+
+
+def test_explain_names_compiler_failures_worked_around_and_blacklisted_regions():
+    from adaptive_eager._explain import explain
+
+    metrics = {"windows": 3, "compiles": 1, "compiled_runs": 2, "run_alone": {"compile_failed": 2}, "blacklisted": 1}
+    text = explain(metrics, Counter(), Counter())
+    assert "compiler failures worked around: 2 ops" in text and "blacklisted: 1 regions" in text
+    assert "compiler failures" not in explain({"windows": 3}, Counter(), Counter())
