@@ -29,6 +29,7 @@ can fail part way, after a piece has run.
 
 from __future__ import annotations
 
+import copy
 import json
 import operator
 import pickle
@@ -93,8 +94,6 @@ _PART, _GET, _OP = 0, 1, 2
 def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, backend) -> bytes:
     """Compile the pieces of ``gm`` around the ``alone`` nodes; the artifact ``load`` takes.
     ``gm`` is not changed (the pieces are cut from a copy)."""
-    import copy
-
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
