@@ -182,18 +182,32 @@ def _apply_log_level(level: str) -> None:
         root.addHandler(handler)
 
 
+class _Released:
+    """What a released Out's ``node`` points to: a node of no window. The record path reads
+    ``o.node.window`` of a tensor's mark without a None check; another thread may release a
+    window between that thread reading a mark and reading its node."""
+
+    __slots__ = ()
+    window = None
+
+
+_RELEASED = _Released()
+
+
 def _release(window: Window) -> None:
     """Drop every reference the window holds and unmark the tensors (no leaks, no stale marks).
 
     Clearing each Out's references breaks the tensor -> Out -> tensor and Out <-> Node cycles, and
     clearing the node list the Node -> Window one, so everything is freed by reference counting."""
+    released = _RELEASED
     for o in window.outs:
         t = o.tensor
         if t is not None:
             d = t.__dict__
             if d.get("_ae") is o:
                 del d["_ae"]
-        o.tensor = o.alias = o.value = o.root = o.node = None
+        o.tensor = o.alias = o.value = o.root = None
+        o.node = released
     window.outs.clear()
     window.fresh.clear()
     window.views.clear()

@@ -680,3 +680,18 @@ def test_ops_that_are_not_recorded_leave_no_inputs_in_the_window():
         y = x * 2
         assert [t is x for t in w.real_inputs] == [True]
     assert torch.equal(y, x * 2) and step.item() == 2
+
+
+def test_a_released_mark_reads_as_a_real_tensor():
+    """Another thread may release a window between this thread reading a tensor's mark and its
+    node: the mark must then read as "not pending", never crash (``_tracer._RELEASED``)."""
+    x = torch.randn(4)
+    with adaptive_eager(backend="replay"):
+        y = x * 2
+        mark = y._ae
+        ae.sync()
+        assert not hasattr(y, "_ae")
+        y._ae = mark  # what the other thread saw: a mark of a window already released
+        z = y + 1
+        w = (y * 3).sum()
+    assert torch.equal(z, x * 2 + 1) and torch.equal(w, (x * 6).sum())
