@@ -41,7 +41,7 @@ from .window import ALIAS, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
 
-FORMAT = 3  # bump when Program's encoding or the artifact packing changes
+FORMAT = 4  # bump when Program's encoding or the artifact packing changes
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage

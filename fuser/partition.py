@@ -17,10 +17,11 @@ in ``adaptive_eager._ops``) and ops that need data flush the window first.
 
 ``split`` cuts such a graph with torch.fx's ``CapabilityBasedPartitioner`` into maximal pieces
 that contain no such node and compiles each piece with the backend as a graph of its own. What is
-left is a plan, in program order: call a piece, take an item of its result, or run one op alone
-(eagerly, as the window's replay would). The artifact is the plan (JSON) and the pieces' artifacts;
-``load`` turns it into one callable with the backend's calling convention, so the fuser runs a
-split region like any other. A graph with no such node is not split: the backend gets it whole.
+left is a plan, the outer graph in program order: call a piece, take an item of its result, or
+run one op alone (eagerly, as the window's replay would). It is stored in the replay backend's
+JSON (``encode_arg``); the artifact is the plan and the pieces' artifacts. ``load`` rebuilds the
+plan as an FX graph calling the loaded pieces: one callable with the backend's calling
+convention, so the fuser runs a split region like any other. A graph with no such node is not split: the backend gets it whole.
 
 Nodes that run alone are counted by reason per region compiled or loaded (``metrics()["run_alone"]``).
 A split region is never compiled in place (Note [In-place regions] in ``fuser.compiled``): a check
@@ -31,14 +32,13 @@ from __future__ import annotations
 
 import copy
 import json
-import operator
 import pickle
 from collections import Counter
 
 import torch
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from .backends._common import BackendCompileError, below_autograd, decode_torch_value, encode_torch_value, op_name
+from .backends._common import BackendCompileError, below_autograd, decode_arg, encode_arg, op_name, resolve_op
 
 _CHECK_OPS: dict = {}
 
@@ -87,13 +87,10 @@ class _Compilable(OperatorSupportBase):
         return node.op == "call_function" and node not in self.alone
 
 
-# plan steps: each appends one value to the run's environment (inputs first)
-_PART, _GET, _OP = 0, 1, 2
-
-
 def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, backend) -> bytes:
     """Compile the pieces of ``gm`` around the ``alone`` nodes; the artifact ``load`` takes.
-    ``gm`` is not changed (the pieces are cut from a copy)."""
+    ``gm`` is not changed (the pieces are cut from a copy). The plan is the outer graph in the
+    replay backend's JSON (``encode_arg``), a piece's call as ``{"piece": k, "args": [...]}``."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
@@ -111,46 +108,26 @@ def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, b
     outer = fuse_by_partitions(gm, [dict.fromkeys(p.nodes) for p in pieces], prefix="piece_",
                                always_return_tuple=True)
     index: dict = {}
-    steps, parts = [], []
-
-    def ref(a):
-        if isinstance(a, torch.fx.Node):
-            return {"$v": index[a]}
-        if type(a) in (list, tuple):
-            return [ref(x) for x in a] if type(a) is list else {"$tuple": [ref(x) for x in a]}
-        if type(a) is dict:
-            return {"$dict": {k: ref(v) for k, v in a.items()}}
-        if a is None or type(a) in (bool, int, float, str):
-            return a
-        tagged = encode_torch_value(a)
-        if tagged is None:
-            raise BackendCompileError(f"cannot store argument {a!r} of an op that runs alone")
-        return tagged
-
-    outputs = None
+    nodes, parts, outputs = [], [], []
     for node in outer.graph.nodes:
         if node.op == "placeholder":
             index[node] = len(index)
-            continue
-        if node.op == "output":
-            outputs = [index[a] for a in node.args[0]]
-            continue
-        if node.op == "call_module":
+        elif node.op == "output":
+            outputs = [encode_arg(n, index, "split", "output") for n in node.args[0]]
+        elif node.op == "call_module":
             sub = getattr(outer, node.target)
             sub_examples = [_example(n.meta["val"]) for n in sub.graph.nodes if n.op == "placeholder"]
             parts.append(backend.compile(sub, sub_examples))
-            steps.append([_PART, len(parts) - 1, [index[a] for a in node.args]])
-        elif node.target is operator.getitem:
-            steps.append([_GET, index[node.args[0]], node.args[1]])
-        elif isinstance(node.target, torch._ops.OpOverload):
-            steps.append([_OP, op_name(node.target), ref(list(node.args)), ref(dict(node.kwargs))])
+            nodes.append({"piece": len(parts) - 1, "args": encode_arg(list(node.args), index, "split", node.target)})
+            index[node] = len(index)
         else:
-            raise BackendCompileError(f"cannot run {op_name(node.target)} alone (node {node.name})")
-        index[node] = len(index)
-    n_inputs = sum(1 for n in outer.graph.nodes if n.op == "placeholder")
-    if n_inputs != len(examples):
-        raise BackendCompileError(f"split graph takes {n_inputs} inputs for {len(examples)} examples")
-    plan = {"inputs": n_inputs, "steps": steps, "outputs": outputs}
+            op = op_name(node.target)
+            nodes.append({"op": op, "args": encode_arg(node.args, index, "split", op),
+                          "kwargs": {k: encode_arg(v, index, "split", op) for k, v in node.kwargs.items()}})
+            index[node] = len(index)
+    if len(examples) != sum(1 for n in outer.graph.nodes if n.op == "placeholder"):
+        raise BackendCompileError(f"split graph does not take the region's {len(examples)} inputs")
+    plan = {"inputs": len(examples), "nodes": nodes, "outputs": outputs}
     return pickle.dumps({"plan": json.dumps(plan), "parts": parts})
 
 
@@ -164,100 +141,22 @@ def _example(val) -> torch.Tensor:
 
 def load(artifact: bytes, backend):
     """The callable of a split artifact: the backend's calling convention (a list of tensors in, a
-    tuple out, below autograd and autocast)."""
+    tuple out, below autograd and autocast). The plan becomes an FX graph calling the loaded
+    pieces and the ops that run alone, so its generated code frees each value after its last use."""
     doc = pickle.loads(artifact)
     plan = json.loads(doc["plan"])
     parts = [backend.load(a) for a in doc["parts"]]
-    n_inputs, outputs = plan["inputs"], plan["outputs"]
-    steps = []
-    last: dict[int, int] = {}  # value index -> the last step that reads it
-    for s, step in enumerate(plan["steps"]):
-        kind = step[0]
-        if kind == _PART:
-            steps.append((_PART, parts[step[1]], step[2]))
-            reads = step[2]
-        elif kind == _GET:
-            steps.append((_GET, step[1], step[2]))
-            reads = [step[1]]
+    graph = torch.fx.Graph()
+    values = [graph.placeholder(f"in{i}") for i in range(plan["inputs"])]
+    for node in plan["nodes"]:
+        if "piece" in node:
+            values.append(graph.call_function(parts[node["piece"]], (decode_arg(node["args"], values, "split"),)))
         else:
-            namespace, packet, overload = step[1].split(".")
-            func = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-            args, kwargs = _resolve_plan(step[2]), _resolve_plan(step[3])
-            steps.append((_OP, func, (args, kwargs)))
-            reads = _refs(step[2]) + _refs(step[3])
-        for i in reads:
-            last[i] = s
-    keep = set(outputs)
-    drop = [[] for _ in steps]  # values no later step reads: freed as the run goes
-    for i, s in last.items():
-        if i not in keep:
-            drop[s].append(i)
-
-    def run(inputs: list[torch.Tensor]) -> tuple:
-        env = list(inputs)
-        inputs.clear()  # the backends' convention: the callable owns the list
-        for (kind, a, b), dead in zip(steps, drop):
-            if kind == _PART:
-                env.append(a([env[i] for i in b]))
-            elif kind == _GET:
-                env.append(env[a][b])
-            else:
-                args, kwargs = b
-                r = a(*_bind(args, env), **_bind(kwargs, env))
-                env.append(r)
-            for i in dead:
-                env[i] = None
-        return tuple(env[i] for i in outputs)
-
-    run = below_autograd(run)
+            kwargs = {k: decode_arg(v, values, "split") for k, v in node["kwargs"].items()}
+            values.append(graph.call_function(resolve_op(node["op"], "split"), decode_arg(node["args"], values, "split"),
+                                              kwargs))
+    graph.output(tuple(decode_arg(o, values, "split") for o in plan["outputs"]))
+    forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
+    run = below_autograd(lambda inputs: forward(*inputs))
     run.guards = None
     return run
-
-
-class _V:
-    """A value of the plan's environment."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int):
-        self.i = i
-
-
-def _resolve_plan(x):
-    if type(x) is list:
-        return [_resolve_plan(v) for v in x]
-    if type(x) is dict:
-        ((tag, v),) = x.items()
-        if tag == "$v":
-            return _V(v)
-        if tag == "$tuple":
-            return tuple(_resolve_plan(e) for e in v)
-        if tag == "$dict":
-            return {k: _resolve_plan(e) for k, e in v.items()}
-        return decode_torch_value(tag, v)
-    return x
-
-
-def _refs(x) -> list[int]:
-    if type(x) is list:
-        return [i for v in x for i in _refs(v)]
-    if type(x) is dict:
-        ((tag, v),) = x.items()
-        if tag == "$v":
-            return [v]
-        if tag in ("$tuple", "$dict"):
-            return _refs(list(v) if tag == "$tuple" else list(v.values()))
-    return []
-
-
-def _bind(x, env):
-    t = type(x)
-    if t is _V:
-        return env[x.i]
-    if t is list:
-        return [_bind(v, env) for v in x]
-    if t is tuple:
-        return tuple(_bind(v, env) for v in x)
-    if t is dict:
-        return {k: _bind(v, env) for k, v in x.items()}
-    return x

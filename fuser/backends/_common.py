@@ -165,6 +165,51 @@ def encode_torch_value(x: object) -> dict | None:
     return None
 
 
+def encode_arg(x: object, index: dict, backend: str, op: str) -> object:
+    """An FX node argument as JSON: nodes as ``{"$n": position in index}``; JSON keeps 1, 1.0 and
+    True apart, so scalar types survive; torch values are tagged (``encode_torch_value``)."""
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    if isinstance(x, torch.fx.Node):
+        return {"$n": index[x]}
+    if isinstance(x, list):  # FX stores lists as immutable_list
+        return [encode_arg(v, index, backend, op) for v in x]
+    if isinstance(x, tuple):
+        return {"$tuple": [encode_arg(v, index, backend, op) for v in x]}
+    tagged = encode_torch_value(x)
+    if tagged is None:
+        raise BackendCompileError(f"{backend}: cannot compile {op}: argument {x!r} ({type(x).__name__}) cannot be stored")
+    return tagged
+
+
+def decode_arg(x: object, values: list, backend: str) -> object:
+    """``encode_arg``'s argument back, with ``{"$n": i}`` as ``values[i]``."""
+    if type(x) is list:
+        return [decode_arg(v, values, backend) for v in x]
+    if type(x) is not dict:
+        return x
+    ((tag, v),) = x.items()
+    if tag == "$n":
+        return values[v]
+    if tag == "$tuple":
+        return tuple(decode_arg(e, values, backend) for e in v)
+    try:
+        return decode_torch_value(tag, v)
+    except ValueError:
+        raise BackendCompileError(f"{backend}: artifact holds an unknown value {x!r}") from None
+
+
+def resolve_op(name: str, backend: str) -> object:
+    """The target ``op_name`` named."""
+    if name == "operator.getitem":
+        return operator.getitem
+    try:
+        namespace, packet, overload = name.split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (ValueError, AttributeError, RuntimeError) as e:
+        raise BackendCompileError(f"{backend}: cannot load {name}: no such op in this process ({e})") from e
+
+
 def decode_torch_value(tag: str, v: object) -> object:
     """The value ``encode_torch_value`` tagged; ValueError for a tag or name this torch lacks."""
     if tag == "$device":

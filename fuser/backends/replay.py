@@ -11,14 +11,11 @@ fails at compile time with the op named instead of at load time in another proce
 from __future__ import annotations
 
 import json
-import operator
 from collections.abc import Callable
 
 import torch
 
-from ._common import (
-    BackendCompileError, below_autograd, check_graph, decode_torch_value, encode_torch_value, op_name,
-)
+from ._common import BackendCompileError, below_autograd, check_graph, decode_arg, encode_arg, op_name, resolve_op
 
 _FORMAT = 1
 
@@ -50,13 +47,13 @@ class ReplayBackend:
                 nodes.append(
                     {
                         "op": op,
-                        "args": _encode(node.args, index, op),
-                        "kwargs": {k: _encode(v, index, op) for k, v in node.kwargs.items()},
+                        "args": encode_arg(node.args, index, self.name, op),
+                        "kwargs": {k: encode_arg(v, index, self.name, op) for k, v in node.kwargs.items()},
                     }
                 )
                 index[node] = len(index)
             elif node.op == "output":
-                outputs = [_encode(n, index, "output") for n in node.args[0]]
+                outputs = [encode_arg(n, index, self.name, "output") for n in node.args[0]]
         doc = {
             "format": _FORMAT,
             "fingerprint": self._fingerprint,
@@ -81,54 +78,12 @@ class ReplayBackend:
         try:
             values: list[torch.fx.Node] = [graph.placeholder(f"in{i}") for i in range(doc["inputs"])]
             for node in doc["nodes"]:
-                target = _resolve_op(node["op"])
-                args = _decode(node["args"], values)
-                kwargs = {k: _decode(v, values) for k, v in node["kwargs"].items()}
+                target = resolve_op(node["op"], self.name)
+                args = decode_arg(node["args"], values, self.name)
+                kwargs = {k: decode_arg(v, values, self.name) for k, v in node["kwargs"].items()}
                 values.append(graph.call_function(target, args, kwargs))
-            graph.output(tuple(_decode(o, values) for o in doc["outputs"]))
+            graph.output(tuple(decode_arg(o, values, self.name) for o in doc["outputs"]))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise BackendCompileError(f"replay: artifact is malformed: {type(e).__name__}: {e}") from e
         forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
         return below_autograd(lambda inputs: forward(*inputs))
-
-
-def _encode(x: object, index: dict[torch.fx.Node, int], op: str) -> object:
-    # JSON keeps 1, 1.0 and True apart, so scalar types survive; everything else is tagged.
-    if x is None or type(x) in (bool, int, float, str):
-        return x
-    if isinstance(x, torch.fx.Node):
-        return {"$n": index[x]}
-    if isinstance(x, list):  # FX stores lists as immutable_list
-        return [_encode(v, index, op) for v in x]
-    if isinstance(x, tuple):
-        return {"$tuple": [_encode(v, index, op) for v in x]}
-    tagged = encode_torch_value(x)
-    if tagged is None:
-        raise BackendCompileError(f"replay: cannot compile {op}: argument {x!r} ({type(x).__name__}) cannot be stored")
-    return tagged
-
-
-def _decode(x: object, values: list[torch.fx.Node]) -> object:
-    if type(x) is list:
-        return [_decode(v, values) for v in x]
-    if type(x) is not dict:
-        return x
-    ((tag, v),) = x.items()
-    if tag == "$n":
-        return values[v]
-    if tag == "$tuple":
-        return tuple(_decode(e, values) for e in v)
-    try:
-        return decode_torch_value(tag, v)
-    except ValueError:
-        raise BackendCompileError(f"replay: artifact holds an unknown value {x!r}") from None
-
-
-def _resolve_op(name: str) -> object:
-    if name == "operator.getitem":
-        return operator.getitem
-    try:
-        namespace, packet, overload = name.split(".")
-        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-    except (ValueError, AttributeError, RuntimeError) as e:
-        raise BackendCompileError(f"replay: cannot load {name}: no such op in this process ({e})") from e
