@@ -246,7 +246,7 @@ def needs_flush(st: TracerState, t: torch.Tensor) -> bool:
     if not window.nodes:
         return False
     o = getattr(t, "_ae", None)
-    if o is not None and o.node is not None and o.node.window is window:
+    if o is not None and o.node.window is window:
         return True
     return bool(window.written) and _untyped_storage(t)._cdata in window.written
 
@@ -420,6 +420,24 @@ def _decline(window: Window, n0: int):
     return _DECLINED
 
 
+def _alias_out(window: Window, node: Node, t, src, uid: int) -> Out:
+    """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
+    (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
+    o = Out(node, ALIAS, alias=src, uid=uid)
+    o.tensor = t
+    if type(src) is Out:
+        o.meta = src.meta
+        o.slot = src.slot
+        root = src.root
+        if root is not None and root.tensor is t:
+            root.held += 1  # o.tensor is one more strong reference to that placeholder
+    else:
+        o.meta = (t.shape, t.stride(), t.dtype)
+        o.slot = window.slot_of(t)
+    t._ae = o
+    return o
+
+
 def _record_fast(st: TracerState, f, args, kwargs):
     """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
     write and return their first argument): Note [Record fast path]."""
@@ -512,28 +530,17 @@ def _record_fast(st: TracerState, f, args, kwargs):
     if f.fast_inplace:
         node.mutates = True
         res = args[0]
-        src = nargs[0]
-        o = Out(node, ALIAS, alias=src, uid=uid)
-        o.tensor = res
-        if type(src) is Out:
-            o.meta = src.meta
-            o.slot = slot = src.slot
-            root = src.root
-            if root is not None and root.tensor is res:
-                root.held += 1  # o.tensor is one more strong reference to that placeholder
-        else:
-            o.meta = (res.shape, res.stride(), res.dtype)
-            o.slot = slot = window.slot_of(res)
+        o = _alias_out(window, node, res, nargs[0], uid)
         window.written.add(_untyped_storage(res)._cdata)
-        if slot >= 0:
-            window.mutated.add(slot)
+        if o.slot >= 0:
+            window.mutated.add(o.slot)
     else:
         spec = specs[0]
         res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
         o = Out(node, FRESH, res, None, uid)
         o.meta = spec
+        res._ae = o
         window.fresh.append(o)
-    res._ae = o
     node.outs.append(o)
     window.outs.append(o)
     sigs = window.sigs  # Note [Window signature] in fuser.window
@@ -746,13 +753,7 @@ def _record(st: TracerState, f, args, kwargs):
                 continue
             t = args[target] if type(target) is int else kwargs[target]
             src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
-            o = Out(node, ALIAS, alias=src, uid=uid + j)
-            o.tensor = t
-            o.meta = src.meta if type(src) is Out else (t.shape, t.stride(), t.dtype)
-            o.slot = src.slot if type(src) is Out else window.slot_of(t)
-            if type(src) is Out and src.root is not None and src.root.tensor is t:
-                src.root.held += 1  # o.tensor is one more strong reference to that placeholder
-            t._ae = o
+            o = _alias_out(window, node, t, src, uid + j)
             outs.append(o)
             window.outs.append(o)
             results.append(t)
@@ -774,7 +775,7 @@ def _record(st: TracerState, f, args, kwargs):
                 if isinstance(t, _Tensor):
                     window.written.add(_untyped_storage(t)._cdata)
                     o = getattr(t, "_ae", None)
-                    live = o is not None and o.node is not None and o.node.window is window
+                    live = o is not None and o.node.window is window
                     slot = o.slot if live else window.slot_of(t)
                     if slot >= 0:
                         window.mutated.add(slot)
@@ -816,7 +817,7 @@ def _record_view(st: TracerState, f, args, kwargs):
     # input inside the graph, instead of taking an alias of an input it may also write (Note
     # [Out kinds]); ``W.t()`` in a forward pass and ``W.add_()`` in the optimizer step.
     o = getattr(a, "_ae", None)
-    if o is not None and (o.node is None or o.node.window is not window):
+    if o is not None and o.node.window is not window:
         o = None
     nargs = list(args)
     if o is not None:
