@@ -1337,6 +1337,9 @@ def compile_job(payload: bytes) -> bytes:
     return _pack(*compile_program(program, backend))
 
 
+_MAX_FAILED_OPS = 4  # ops retried alone after a failed compile before the region is given up
+
+
 def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     """Compile ``program`` with ``backend``: the artifact, the lifted float inputs it expects after
     the real inputs ((Window.scalars index, dtype) each), and how to run it: ``alone``, the nodes
@@ -1348,13 +1351,13 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     failed: set = set()  # ops the backend failed on: retried alone (Note [Partitions])
     while True:
         alone = partition.alone(gm, backend, failed)
+        if alone and program.inplace:
+            program.inplace = False  # a split region writes back instead (Note [Partitions])
+            gm = program.graph()
+            continue
         try:
             if not alone:
                 return backend.compile(gm, examples), program.lifted_inputs, {"alone": {}, "inplace": program.inplace}
-            if program.inplace:
-                program.inplace = False
-                gm = program.graph()
-                alone = partition.alone(gm, backend, failed)
             artifact = partition.split(gm, examples, alone, backend)
             return artifact, program.lifted_inputs, {"alone": partition.counts(alone), "inplace": False}
         except BackendCompileError as e:
@@ -1364,9 +1367,6 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
                 raise
             log.info("adaptive_eager: %s; compiling the rest with it run alone", e)
             failed.add(target)
-
-
-_MAX_FAILED_OPS = 4  # ops retried alone after a failed compile before the region is given up
 
 
 # Note [Compile thread]
