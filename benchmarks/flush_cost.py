@@ -3,7 +3,7 @@
     python benchmarks/flush_cost.py [--flushes 300]
 
 The suite times a flush over few iterations per sample; this script times each of ``--flushes``
-flushes (a timer around ``adaptive_eager._tracer.flush``, garbage collection off, the loop's
+flushes (the suite's timer around the tracer's flush, garbage collection off, the loop's
 window compiled and warm) and prints the median, which is steadier on a shared machine. The time
 includes freeing the window (placeholders, nodes) and running the compiled region.
 """
@@ -15,15 +15,13 @@ import gc
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
-from adaptive_eager import _tracer  # noqa: E402
-from suite import _tiny_loop  # noqa: E402
+from suite import FLUSH, _tiny_loop  # noqa: E402
 
 
 def main() -> None:
@@ -31,30 +29,22 @@ def main() -> None:
     parser.add_argument("--flushes", type=int, default=300)
     args = parser.parse_args()
     x, w = torch.randn(16), torch.randn(16)
-    flush = _tracer.flush
+    FLUSH.install()  # the suite's timer around the tracer's flush
     times: list[float] = []
-
-    def timed(st, reason):
-        t0 = time.perf_counter()
-        try:
-            flush(st, reason)
-        finally:
-            times.append(time.perf_counter() - t0)
-
     with ae.adaptive_eager(backend="inductor", async_compile=False):
         for _ in range(5):  # replay, compile (or load), then compiled hits
             y = _tiny_loop(x, w)  # kept: a result nobody holds is dead code, nothing would run
             ae.sync()
         hits = ae.metrics()["compiled_runs"]
-        _tracer.flush = timed
         gc.disable()
         try:
             for _ in range(args.flushes):
                 y = _tiny_loop(x, w)
-                ae.sync()
+                before = FLUSH.seconds
+                ae.sync()  # one flush
+                times.append(FLUSH.seconds - before)
         finally:
             gc.enable()
-            _tracer.flush = flush
         hits = ae.metrics()["compiled_runs"] - hits
     torch.testing.assert_close(y, _tiny_loop(x, w))
     print(f"1000-op window, flush hitting a compiled region: median {statistics.median(times) * 1e3:.3f} ms "
