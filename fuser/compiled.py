@@ -721,10 +721,13 @@ def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, option
         log.info("adaptive_eager: region %s does not fit a shape it was routed: %s", sym.region, e)
         entry.shape = None
         return _replay(window)
-    except Exception as e:  # noqa: BLE001 - never the program's problem: the class goes per-shape
+    except Exception as e:  # noqa: BLE001 - never the program's problem: replay
+        # as in _run_or_replay: a replay that raises too means the data is at fault (eager's
+        # error, the symbolic region stays); one that succeeds means the region was wrong here
+        done = _replay(window)
         _blacklist(sym, f"run failed: {type(e).__name__}: {e}")
-        entry.shape = None
-        return _replay(window)
+        entry.shape = None  # the class goes per-shape
+        return done
     # registered (``_run_checked`` set ``entry.run``): this exact key's next window is a plain hit
     entry.lifted_inputs, entry.region = sym.lifted_inputs, sym.region
     window.outcome = outcome

@@ -196,3 +196,32 @@ def test_symbolic_region_is_stored_and_loaded_by_a_new_process(tmp_path):
         torch.testing.assert_close(got[b], _chain(xs[b]))
     assert m["compiles"] == 0 and m["cache_hits_disk"] == 1, m
     assert m["compiled_runs"] == 2, m  # size 4 replays (one shape: no class yet), 5 loads, 6 hits
+
+
+def test_a_data_error_in_a_symbolic_region_keeps_the_region(tmp_path):
+    """An out-of-range index fails the symbolic region's run; replay raises eager's error, and the
+    region stays for the next batches (as for static regions: Note [Partitions])."""
+
+    def gather(x, idx):
+        return (x * 2)[idx].sum(1)
+
+    xs = {b: torch.randn(b, 8) for b in [*SIZES, 13]}
+    idxs = {b: torch.arange(b) for b in [*SIZES, 13]}
+    bad = torch.arange(13) + 100  # made before the mode: the same window structure as the good ones
+    with adaptive_eager(**_opts(tmp_path)):
+        for b in SIZES:
+            y = gather(xs[b], idxs[b])
+            ae.sync()
+        with pytest.raises(IndexError):  # a size not seen yet: routed to the symbolic region
+            y = gather(xs[13], bad)
+            ae.sync()
+        before = ae.metrics()["compiled_runs"]
+        got = {}
+        for b in [*SIZES, 13]:
+            got[b] = gather(xs[b], idxs[b])
+            ae.sync()
+    for b in got:
+        torch.testing.assert_close(got[b], gather(xs[b], idxs[b]))
+    m = ae.metrics()
+    assert m["blacklisted"] == 0, m
+    assert m["compiled_runs"] - before == len(SIZES) + 1
