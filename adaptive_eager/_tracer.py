@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import fuser
 from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window, where
 
-from . import _ops
+from . import _gc, _ops
 from ._metrics import METRICS
 from ._period import Periodicity
 from ._ops import ALLOC, BATCH_NORM, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
@@ -100,6 +100,15 @@ class TracerState:
         self.cut_at = self.periodicity.next_cut()  # Note [Period detection]
         _apply_log_level(options.log)
         self.max_bytes = int(options.window_mb * 2**20)
+        if self.mode is not None:
+            self.sync_gc()
+
+    def sync_gc(self) -> None:
+        """Hold or drop this tracer's gc threshold request to match its options (Note [GC threshold])."""
+        if self.options.tune_gc:
+            _gc.hold(self, self.options.window)
+        else:
+            _gc.release(self)
 
 
 _tls = threading.local()
@@ -994,6 +1003,7 @@ def activate(options: Options) -> TracerState:
         st.set_options(options)
         st.mode = LazyMode(st)
         st.mode.__enter__()
+        st.sync_gc()
         from . import _patches
 
         _patches.install()
@@ -1007,6 +1017,7 @@ def deactivate(st: TracerState) -> None:
         if st.mode is not None:
             mode, st.mode = st.mode, None
             mode.__exit__(None, None, None)
+            _gc.release(st)
             from . import _patches
 
             _patches.uninstall()

@@ -40,6 +40,7 @@ class Options:
     hot_after: int = 2
     async_compile: bool = True
     log: str = "warning"
+    tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -107,6 +108,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
+    "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
+                "instead of triggering full collections (default 1; the program's thresholds come back at exit)"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning`, `info` or `debug`"),
 }
 
@@ -211,8 +214,9 @@ def _check_types(values: dict[str, Any]) -> None:
             raise ConfigError(f"option {name}={values[name]!r}: expected an integer >= 1")
     if "window_mb" in values and not (isinstance(values["window_mb"], (int, float)) and values["window_mb"] > 0):
         raise ConfigError(f"option window_mb={values['window_mb']!r}: expected a positive number")
-    if "async_compile" in values and type(values["async_compile"]) is not bool:
-        raise ConfigError(f"option async_compile={values['async_compile']!r}: expected True or False")
+    for name in ("async_compile", "tune_gc"):
+        if name in values and type(values[name]) is not bool:
+            raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> str:
