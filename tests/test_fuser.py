@@ -465,12 +465,23 @@ def test_roots_whose_views_died_are_bound_without_copies(monkeypatch, fresh_regi
 
     opt_e, opt_l = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     want = [step(eager, opt_e).item() for _ in range(6)]
+    outputs = []
+    live_outs = fuser.compiled._live_outs
+
+    def spy(window):
+        live = live_outs(window)
+        outputs.append([str(o.node.func) for o in live])
+        return live
+
+    monkeypatch.setattr(fuser.compiled, "_live_outs", spy)
     with adaptive_eager(**SYNC):
         got = [step(model, opt_l) for _ in range(3)]
         copies = _count_bind_copies(monkeypatch)
         got += [step(model, opt_l) for _ in range(3)]
     assert ae.metrics()["compiled_runs"] >= 4
     assert copies and sum(copies) == 0, copies  # every output adopted its result's storage
+    # and the roots are no outputs at all: the only value the program keeps is the loss
+    assert outputs[-3:] == [["aten.mse_loss.default"]] * 3, outputs[-3:]
     torch.testing.assert_close([g.item() for g in got], want)
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b)
