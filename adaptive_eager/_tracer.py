@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 
 import torch
 import torch.autograd.profiler as _profiler
@@ -31,6 +32,7 @@ log = logging.getLogger("adaptive_eager")
 
 _Tensor = torch.Tensor
 _empty_strided = torch.empty_strided
+_weakref = weakref.ref
 _getframe = sys._getframe
 _copy_ = torch.ops.aten.copy_.default
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -211,16 +213,17 @@ def _release(window: Window) -> None:
     released = _RELEASED
     for o in window.outs:
         t = o.tensor
+        if t is None and o.ref is not None:
+            t = o.ref()  # a VIEW the program may still hold
         if t is not None:
             d = t.__dict__
             if d.get("_ae") is o:
                 del d["_ae"]
-        o.tensor = o.alias = o.value = o.root = None
+        o.tensor = o.alias = o.value = o.root = o.ref = None
         o.node = released
     window.outs.clear()
     window.fresh.clear()
     window.views.clear()
-    window.free_roots = None
     window.nodes.clear()
     window.real_inputs.clear()
 
@@ -835,8 +838,6 @@ def _record_view(st: TracerState, f, args, kwargs):
         ref = o.uid
         slot = o.slot
         root = o.root
-        if root is not None:
-            root.pinned = True  # the view's data lives in that placeholder (Note [Out kinds])
     else:
         inputs = []
         slot = window.slot_of(a)
@@ -850,10 +851,10 @@ def _record_view(st: TracerState, f, args, kwargs):
     views = res if isinstance(res, (tuple, list)) else (res,)
     uid = (node.index + 1) * OUTS_PER_NODE
     for j, v in enumerate(views):
-        vo = Out(node, VIEW, tensor=v, uid=uid + j, slot=slot)
+        vo = Out(node, VIEW, uid=uid + j, slot=slot)
         vo.meta = (v.shape, v.stride(), v.dtype)
-        vo.value = v
-        vo.root = root
+        vo.ref = _weakref(v)  # weakly: Note [Out kinds]
+        vo.root = root  # alive at the flush, the view pins it (``fuser.replay.settle_pins``)
         v._ae = vo
         node.outs.append(vo)
         if root is not None:

@@ -24,7 +24,6 @@ import os
 import pickle
 import queue
 import struct
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -36,14 +35,13 @@ import xxhash
 from . import partition
 from .backends._common import BackendCompileError, decode_torch_value, encode_torch_value
 from .partition import is_check
-from .replay import ReplayError, _bind, as_recorded, mark_needed, placeholder_is_dead, replay_window
+from .replay import ReplayError, _bind, as_recorded, mark_needed, placeholder_is_dead, replay_window, settle_pins
 from .window import ALIAS, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
 
 FORMAT = 4  # bump when Program's encoding or the artifact packing changes
 
-_storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage
 # ``_profiler._is_profiler_enabled`` is a module flag torch.profiler sets on start and clears on stop
 # (``_run_on_profiler_start``): one attribute read, so a run pays ~nothing while no profiler records.
@@ -158,104 +156,16 @@ def _live_outs(window: Window) -> list[Out]:
     """FRESH values the program can still observe, in window order: the region's outputs.
 
     Only values are visited, never nodes, so a flush that hits a compiled region costs per output,
-    not per op."""
-    free = window.free_roots = _free_roots(window) if window.views else None
+    not per op. A root that a live view pins is an output; one whose views all died is judged on
+    its own (Note [Out kinds]: the window holds views weakly)."""
+    if window.views:
+        settle_pins(window)
     live = []
     for o in window.fresh:
-        if o.pinned:
-            views = free.get(id(o)) if free else None
-            dead = views is not None and _dead_but_for_views(o, views)
-        else:
-            dead = placeholder_is_dead(o)
-        if not dead:
+        if o.pinned or not placeholder_is_dead(o):
             o.live = True
             live.append(o)
     return live
-
-
-# Note [Dead views]
-# A view recorded on a pending value pins its root: the view's data lives in the root's
-# placeholder, so replay must write that placeholder (by copy: the view holds the old storage).
-# Most such views die within the window (``W.t()`` inside a Linear's backward, autograd's
-# ``detach``), yet the pin made every root an output bound by a copy: a dozen copies per MLP
-# training step. For a compiled run, a root whose recorded views are all dead (the window's own
-# references only, no other owner of their TensorImpl) is judged on its own liveness, discounting
-# what those views hold: a base link each, one storage reference each, and, where a shared
-# TensorImpl holds its Python object (torch 2.13), that one Python reference (``_IMPL_REF``).
-# Without that last discount every such root stayed an output (9 extra outputs per step of the
-# suite's MLP training workload: 10.9-11.4 ms per step, against 9.6-10.0 without them), which
-# kept Inductor from freeing or reusing their buffers. After the run, the dead views are
-# dropped, so a live root adopts the result's storage instead of copying it. Replay never sees
-# this: its liveness is decided again by ``mark_needed`` with the pins intact.
-_getrefcount = sys.getrefcount
-
-
-def _impl_holds_pyobject() -> int:
-    """1 if a TensorImpl with other owners holds a reference to its Python object, else 0.
-
-    Recent torch (2.13 here) keeps a tensor's Python object alive from C++ while the TensorImpl's
-    use count is above one: a view's link to its base then adds one Python reference to the base.
-    Older releases did not. Probed once rather than assumed from a version number."""
-    base = torch.empty(1)
-    alone = _getrefcount(base)
-    view = base.view(1)
-    extra = _getrefcount(base) - alone
-    del view
-    return extra
-
-
-_IMPL_REF = _impl_holds_pyobject()
-
-
-def _free_roots(window: Window) -> dict:
-    """{id(root): [its recorded views]} for pinned roots all of whose recorded views are dead."""
-    found: dict = {}
-    alive = set()
-    for vo in window.views:
-        v = vo.tensor
-        if v is None:
-            continue
-        rid = id(vo.root)
-        if rid in alive:
-            continue
-        # references: vo.tensor, vo.value, the local ``v`` and getrefcount's argument
-        if _getrefcount(v) > 4 or vo.value is not v or v._use_count() > 1:
-            alive.add(rid)
-            found.pop(rid, None)
-            continue
-        found.setdefault(rid, []).append(vo)
-    return found
-
-
-def _dead_but_for_views(o: Out, views: list) -> bool:
-    """``placeholder_is_dead`` for a root whose only other holders are its dead views."""
-    t = o.tensor
-    links = sum(1 for vo in views if vo.tensor._is_view())  # each view's link to its base
-    use = t._use_count()
-    if use > 1 + links:
-        return False
-    # references: o.tensor, the local ``t``, getrefcount's argument, the window's extra holds, and
-    # the TensorImpl's own while its views' base links keep its use count above one
-    if _getrefcount(t) > 3 + o.held + (_IMPL_REF if use > 1 else 0):
-        return False
-    if not t.requires_grad:
-        return True
-    return _storage_use_count(_untyped_storage(t)._cdata) <= 2 + len(views)
-
-
-def _drop_dead_views(window: Window) -> None:
-    """After a compiled run: free the dead views of free roots and unpin those roots."""
-    free = window.free_roots
-    if not free:
-        return
-    for views in free.values():
-        root = views[0].root
-        for vo in views:
-            d = vo.tensor.__dict__
-            if d.get("_ae") is vo:
-                del d["_ae"]
-            vo.tensor = vo.value = None
-        root.pinned = False
 
 
 def _inputs_alias(window: Window) -> bool:
@@ -936,7 +846,6 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out]) -> int:
         inputs += [torch.tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
     with as_recorded():
         outs = entry.run(inputs)
-        _drop_dead_views(window)
         copies = 0
         for o, r in zip(live, outs):
             copies += _bind(o, r)

@@ -39,12 +39,27 @@ def placeholder_is_dead(out: Out) -> bool:
     return _storage_use_count(_untyped_storage(t)._cdata) <= 2
 
 
+def settle_pins(window: Window) -> None:
+    """Pin exactly the FRESH values that a recorded view still alive shows (Note [Out kinds]).
+
+    A view the program (or autograd) still holds reads its root's placeholder, so that placeholder
+    must be written; a root whose views all died is judged on its own liveness."""
+    views = window.views
+    for vo in views:
+        vo.root.pinned = False
+    for vo in views:
+        if vo.ref() is not None:
+            vo.root.pinned = True
+
+
 def mark_needed(window: Window) -> int:
     """Mark the nodes whose results can be observed; return how many compute nodes are dead.
 
     A node is needed if it mutates something (the program sees its arguments), if one of its fresh
     values is still referenced or pinned by a view, or if a needed node reads one of its values.
     """
+    if window.views:
+        settle_pins(window)
     dead = 0
     for node in reversed(window.nodes):
         if node.is_view:
@@ -126,9 +141,40 @@ def _bind(out: Out, result: torch.Tensor) -> int:
         out.value = placeholder
         return 0
     # Views of the placeholder, or autograd's saved copy of an output, share its storage.
+    if _swap_storages(placeholder, result):
+        out.value = placeholder
+        return 0
     placeholder.copy_(result)
     out.value = placeholder
     return 1
+
+
+_swap_data_ptr = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+
+
+def _swap_storages(placeholder: torch.Tensor, result: torch.Tensor) -> bool:
+    """Give ``placeholder``'s storage the memory of ``result``'s, when that is the same as copying.
+
+    Note [Storage swap]
+    A placeholder whose storage is shared (views the program holds, autograd's saved copy of an
+    output, a gradient ``AccumulateGrad`` stole) cannot adopt the result's storage with ``set_``:
+    only its own TensorImpl would follow. Swapping the two storages' memory moves every sharer at
+    once, with no copy. That is the copy exactly when the result has the placeholder's dtype,
+    size, strides and offset, its storage is as large and nothing else uses it (after the swap it
+    holds the placeholder's unwritten memory and is dropped). Nobody can have seen the
+    placeholder's address before: ``data_ptr`` and every other raw read flushes first (Note
+    [Placeholders]). Torch releases without ``UntypedStorage._swap_data_ptr_`` copy."""
+    if _swap_data_ptr is None or result.dtype is not placeholder.dtype:
+        return False
+    if (result.size() != placeholder.size() or result.stride() != placeholder.stride()
+            or result.storage_offset() != placeholder.storage_offset()):
+        return False
+    ps, rs = _untyped_storage(placeholder), _untyped_storage(result)
+    # the result's TensorImpl and the storage object ``rs``: nothing else holds that memory
+    if ps.nbytes() != rs.nbytes() or _storage_use_count(rs._cdata) > 2 or ps.device != rs.device:
+        return False
+    _swap_data_ptr(ps, rs)
+    return True
 
 
 def _finish(out: Out, result) -> int:
@@ -151,9 +197,15 @@ def replay_window(window: Window) -> int:
 def _replay(window: Window) -> int:
     launched = 0
     for node in window.nodes:
-        if node.is_view:
-            continue  # views were created eagerly at record time (Note [Out kinds])
         if not node.needed:
+            continue
+        if node.is_view:
+            # the window holds views weakly (Note [Out kinds]): a later op reading one reads it
+            # again from its input, which is the same memory the program's view sees
+            args = [a.value if type(a) is Out else a for a in node.args]
+            res = node.func(*args, **node.kwargs)
+            for o, r in zip(node.outs, res if isinstance(res, (list, tuple)) else (res,)):
+                o.value = r
             continue
         try:
             args = [a.value if type(a) is Out else (_resolve(a) if type(a) is list else a) for a in node.args]
@@ -175,4 +227,4 @@ def _replay(window: Window) -> int:
     return launched
 
 
-__all__ = ["replay_window", "mark_needed", "placeholder_is_dead", "ReplayError", "FRESH", "ALIAS", "VIEW"]
+__all__ = ["replay_window", "mark_needed", "settle_pins", "placeholder_is_dead", "ReplayError", "FRESH", "ALIAS", "VIEW"]

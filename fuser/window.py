@@ -17,10 +17,14 @@ An ``Out`` is one value a node produces:
 - FRESH: a new tensor (``out.tensor`` is its placeholder, held strongly until the window runs);
 - ALIAS: the result of an in-place / ``out=`` op, i.e. the mutated argument itself (``out.alias``
   is that argument: a real tensor or another ``Out``);
-- VIEW: a view of a pending value, created eagerly on the placeholder at record time (views read
-  no data), so ``out.tensor`` already is the final tensor. Its root FRESH value is pinned: the
-  view's data lives in that placeholder, so the placeholder must be written even if the program
-  dropped it.
+- VIEW: a view of a pending value (or of a real tensor), created eagerly on the placeholder at
+  record time (views read no data), so the program's view already is the final tensor. The
+  window holds it only weakly (``out.ref``): a strong reference would raise its use count, and
+  autograd's ``AccumulateGrad`` then could not steal a gradient (it copies it into a new buffer
+  instead, every step, for every weight a Linear's ``W.t()`` feeds). Replay rebuilds a view's
+  value from its input when a later op reads it. While a view is alive at the flush, its root
+  FRESH value is pinned (``settle_pins``): the view's data lives in that placeholder, so the
+  placeholder must be written even if the program dropped it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
     __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held", "live", "uid", "slot",
-                 "meta")
+                 "meta", "ref")
 
     def __init__(self, node: Node, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
         self.node = node
@@ -41,14 +45,15 @@ class Out:
         self.slot = slot  # ALIAS/VIEW of a real input: that input's slot in ``Window.real_inputs``
         self.meta = None  # (shape, stride, dtype) of ``tensor``: the record path's signature of it
         self.kind = kind
-        self.tensor = tensor  # FRESH: placeholder; VIEW: the eager view; ALIAS: the mutated tensor
+        self.tensor = tensor  # FRESH: placeholder; ALIAS: the mutated tensor; VIEW: None
+        self.ref = None  # VIEW: a weak reference to the program's view
         self.alias = alias  # ALIAS: the argument it aliases (tensor or Out)
         # the FRESH Out whose placeholder owns the storage, or None for a real (non-pending) tensor
         self.root = self if kind == FRESH else None
         self.value = None  # the tensor holding the computed value once the node ran
         self.needed = False  # a needed op of the window reads it
         self.live = False  # the program can still observe its placeholder (set by mark_needed)
-        self.pinned = False
+        self.pinned = False  # FRESH: a view of it is alive (``settle_pins``)
         self.held = 0  # strong references the window holds to ``tensor`` beyond ``self.tensor``
 
 
@@ -94,7 +99,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "outs", "fresh", "viewed", "outcome", "region", "views", "free_roots")
+                 "outs", "fresh", "viewed", "outcome", "region", "views")
 
     def __init__(self):
         self.nodes: list[Node] = []
@@ -115,8 +120,7 @@ class Window:
         self.outs: list[Out] = []  # every Out, so a flush touches values, not nodes
         self.fresh: list[Out] = []  # the FRESH ones (placeholders whose liveness decides outputs)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
-        self.views: list[Out] = []  # VIEW outs of pending values (they pin their roots)
-        self.free_roots = None  # set by the fuser: Note [Dead views] in fuser.compiled
+        self.views: list[Out] = []  # VIEW outs of pending values (alive at the flush, they pin their roots)
         # left by the fuser for the flush log line: how the window ran ("compiled", "replayed",
         # "loaded" from disk, "compiling" (replayed while its compile is in flight), "dead") and a
         # short stable hex id of its region
