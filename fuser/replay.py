@@ -200,8 +200,9 @@ def _replay(window: Window) -> int:
         if not node.needed:
             continue
         if node.is_view:
-            # the window holds views weakly (Note [Out kinds]): a later op reading one reads it
-            # again from its input, which is the same memory the program's view sees
+            # the window holds views weakly (Note [Out kinds]): a later op reading one gets it
+            # made again from its input's value (a live root's value is its placeholder, so
+            # that is the memory a view the program holds sees)
             args = [a.value if type(a) is Out else a for a in node.args]
             res = node.func(*args, **node.kwargs)
             for o, r in zip(node.outs, res if isinstance(res, (list, tuple)) else (res,)):
