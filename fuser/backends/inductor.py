@@ -318,11 +318,14 @@ def _check_calling_convention(
 
 def _at_hints(meta: tuple) -> tuple:
     """Output metadata with symbolic sizes at their example values (reads hints: adds no guard)."""
-    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+    from torch.fx.experimental import symbolic_shapes
+
+    # torch 2.13 renamed ``hint_int`` (2.11) to ``guarding_hint_or_throw``
+    hint = getattr(symbolic_shapes, "guarding_hint_or_throw", None) or symbolic_shapes.hint_int
 
     def concrete(x: object) -> object:
         if isinstance(x, torch.SymInt):
-            return guarding_hint_or_throw(x)
+            return hint(x)
         if isinstance(x, tuple):
             return tuple(concrete(v) for v in x)
         return x
