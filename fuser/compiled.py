@@ -1297,6 +1297,13 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
             artifact = partition.split(gm, examples, alone, backend)
             return artifact, program.lifted_inputs, {"alone": partition.counts(alone), "inplace": False}
         except BackendCompileError as e:
+            if e.inplace and program.inplace:
+                # the compiled code would not write the inputs the graph writes (Inductor on torch
+                # 2.11 reports no written inputs for a loop of add_ into one): write back instead
+                log.info("adaptive_eager: %s; compiling with a write-back instead", e)
+                program.inplace = False
+                gm = program.graph()
+                continue
             target = e.target
             if (not isinstance(target, torch._ops.OpOverload) or target in failed
                     or len(failed) >= _MAX_FAILED_OPS):

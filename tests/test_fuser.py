@@ -488,14 +488,16 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
     want_outputs = ["aten.mse_loss.default"] + ["aten.mm.default", "aten.sum.dim_IntList"] * 2
     assert outputs[-3:] == [want_outputs] * 3, outputs[-3:]
     # ... and binding them copies nothing: the gradients share their placeholders' storage, which
-    # takes the results' memory by a swap (Note [Storage swap])
-    assert copies and sum(copies) == 0, copies
+    # takes the results' memory by a swap (Note [Storage swap]); a torch without the swap copies
+    per_step = 0 if fuser.replay._swap_data_ptr is not None else len(want_outputs) - 1
+    assert copies and sum(copies) == 3 * per_step, copies
     torch.testing.assert_close([g.item() for g in got], want)
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.skipif(not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch has no storage swap")
 def test_storage_swap_moves_every_sharer_and_declines_what_a_copy_would_not_equal():
     from fuser.replay import _swap_storages
 

@@ -14,10 +14,13 @@ class BackendCompileError(RuntimeError):
 
     Never fatal to the program: the fuser counts the reason and runs the region by replay.
     ``target``: the op the backend blames, when it can tell (the fuser then runs that op alone
-    and compiles the rest: Note [Partitions] in ``fuser.partition``).
+    and compiles the rest: Note [Partitions] in ``fuser.partition``). ``inplace``: the backend
+    cannot write the graph's inputs itself (the fuser then compiles the region again with a
+    write-back: Note [In-place regions] in ``fuser.compiled``).
     """
 
     target = None
+    inplace = False
 
 
 def op_name(target: object) -> str:

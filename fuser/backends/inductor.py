@@ -311,9 +311,11 @@ def _check_calling_convention(
     # writes exactly the inputs the graph writes (none moved to extra outputs for a wrapper to copy).
     written = sorted(getattr(compiled, "mutated_input_idxs", ()) or ())
     if written != graph_writes:
-        raise BackendCompileError(
+        error = BackendCompileError(
             f"inductor: compiled code writes inputs {written}, the graph writes {graph_writes}"
         )
+        error.inplace = True
+        raise error
 
 
 def _at_hints(meta: tuple) -> tuple:
