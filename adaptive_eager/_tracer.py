@@ -33,6 +33,7 @@ log = logging.getLogger("adaptive_eager")
 _Tensor = torch.Tensor
 _empty_strided = torch.empty_strided
 _weakref = weakref.ref
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
 _getframe = sys._getframe
 _copy_ = torch.ops.aten.copy_.default
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -170,8 +171,10 @@ def _poison(window: Window) -> None:
     or 0 for integers and bools) instead of leaving uninitialized memory."""
     with _disable_current_modes(), torch.no_grad():
         for o in window.fresh:
-            t = o.tensor
-            if t is not None and o.value is None and t.numel():
+            if o.value is not None or fuser.value_is_dead(o):
+                continue
+            t = fuser.placeholder_of(o)
+            if t.numel():
                 t.fill_(float("nan") if (t.is_floating_point() or t.is_complex()) else 0)
 
 
@@ -208,22 +211,24 @@ _RELEASED = _Released()
 def _release(window: Window) -> None:
     """Drop every reference the window holds and unmark the tensors (no leaks, no stale marks).
 
-    Clearing each Out's references breaks the tensor -> Out -> tensor and Out <-> Node cycles, and
-    clearing the node list the Node -> Window one, so everything is freed by reference counting."""
+    Clearing each Out's references breaks the Out <-> Node cycles, and clearing the node list the
+    Node -> Window one, so everything is freed by reference counting. The program's tensors were
+    never held (Note [Weak window]); those it dropped are gone already."""
     released = _RELEASED
+    free = _free_weak_ref
     for o in window.outs:
-        t = o.tensor
-        if t is None and o.ref is not None:
-            t = o.ref()  # a VIEW the program may still hold
+        ref = o.ref
+        t = ref() if ref is not None else o.tensor
         if t is not None:
             d = t.__dict__
             if d.get("_ae") is o:
                 del d["_ae"]
-        o.tensor = o.alias = o.value = o.root = o.ref = None
+        if o.storage is not None:
+            free(o.storage)
+        o.tensor = o.alias = o.value = o.ref = o.storage = None
         o.node = released
     window.outs.clear()
     window.fresh.clear()
-    window.views.clear()
     window.nodes.clear()
     window.real_inputs.clear()
 
@@ -436,14 +441,12 @@ def _alias_out(window: Window, node: Node, t, src, uid: int) -> Out:
     """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
     (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
     o = Out(node, ALIAS, alias=src, uid=uid)
-    o.tensor = t
     if type(src) is Out:
+        o.ref = _weakref(t)  # a pending value: held weakly (Note [Weak window])
         o.meta = src.meta
         o.slot = src.slot
-        root = src.root
-        if root is not None and root.tensor is t:
-            root.held += 1  # o.tensor is one more strong reference to that placeholder
     else:
+        o.tensor = t
         o.meta = (t.shape, t.stride(), t.dtype)
         o.slot = window.slot_of(t)
     t._ae = o
@@ -549,8 +552,10 @@ def _record_fast(st: TracerState, f, args, kwargs):
     else:
         spec = specs[0]
         res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(node, FRESH, res, None, uid)
+        o = Out(node, FRESH, None, None, uid)
         o.meta = spec
+        o.ref = _weakref(res)  # Note [Weak window]
+        o.storage = _untyped_storage(res)._weak_ref()
         res._ae = o
         window.fresh.append(o)
     node.outs.append(o)
@@ -771,8 +776,10 @@ def _record(st: TracerState, f, args, kwargs):
             results.append(t)
             continue
         p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(node, FRESH, tensor=p, uid=uid + j)
+        o = Out(node, FRESH, uid=uid + j)
         o.meta = spec
+        o.ref = _weakref(p)  # Note [Weak window]
+        o.storage = _untyped_storage(p)._weak_ref()
         p._ae = o
         outs.append(o)
         window.outs.append(o)
@@ -837,12 +844,10 @@ def _record_view(st: TracerState, f, args, kwargs):
         inputs = [o]
         ref = o.uid
         slot = o.slot
-        root = o.root
     else:
         inputs = []
         slot = window.slot_of(a)
         ref = -1 - slot
-        root = None
         if st.scalar_fast_path and a.numel() == 1:
             # a pending op may read this one-element tensor through the view: no fast-path writes
             window.viewed.add(_untyped_storage(a)._cdata)
@@ -853,12 +858,9 @@ def _record_view(st: TracerState, f, args, kwargs):
     for j, v in enumerate(views):
         vo = Out(node, VIEW, uid=uid + j, slot=slot)
         vo.meta = (v.shape, v.stride(), v.dtype)
-        vo.ref = _weakref(v)  # weakly: Note [Out kinds]
-        vo.root = root  # alive at the flush, the view pins it (``fuser.replay.settle_pins``)
+        vo.ref = _weakref(v)  # Note [Weak window]; alive, it keeps its root's storage alive
         v._ae = vo
         node.outs.append(vo)
-        if root is not None:
-            window.views.append(vo)
         window.outs.append(vo)
     # the view's own signature: op, input geometry (offset included: views keep it) and arguments
     key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,

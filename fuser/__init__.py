@@ -6,7 +6,7 @@ The tracer hands over a finished ``Window``; ``mark_needed`` decides what is obs
 
 from __future__ import annotations
 
-from .replay import ReplayError, mark_needed, replay_window
+from .replay import ReplayError, mark_needed, placeholder_of, replay_window, value_is_dead
 from .window import ALIAS, FRESH, VIEW, Node, Out, Window
 
 
@@ -30,4 +30,5 @@ def _computed(window: Window) -> int:
     return sum(1 for n in window.nodes if n.needed and not n.is_view)
 
 
-__all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError"]
+__all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError", "value_is_dead",
+           "placeholder_of"]

@@ -35,7 +35,7 @@ import xxhash
 from . import partition
 from .backends._common import BackendCompileError, decode_torch_value, encode_torch_value
 from .partition import is_check
-from .replay import ReplayError, _bind, as_recorded, mark_needed, placeholder_is_dead, replay_window, settle_pins
+from .replay import ReplayError, _bind, _expired, as_recorded, mark_needed, replay_window
 from .window import ALIAS, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
@@ -156,13 +156,11 @@ def _live_outs(window: Window) -> list[Out]:
     """FRESH values the program can still observe, in window order: the region's outputs.
 
     Only values are visited, never nodes, so a flush that hits a compiled region costs per output,
-    not per op. A root that a live view pins is an output; one whose views all died is judged on
-    its own (Note [Out kinds]: the window holds views weakly)."""
-    if window.views:
-        settle_pins(window)
+    not per op. A value is live while its placeholder's storage is (Note [Weak window])."""
     live = []
+    expired = _expired
     for o in window.fresh:
-        if o.pinned or not placeholder_is_dead(o):
+        if not expired(o.storage):
             o.live = True
             live.append(o)
     return live
@@ -698,11 +696,11 @@ def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) ->
         real = window.real_inputs
         restride = []
         for i, (o, r) in enumerate(zip(live, outs)):
-            p = o.tensor
-            if r.shape != p.shape or r.dtype != p.dtype:
-                raise _Mismatch(f"output {tuple(r.shape)} {r.dtype} for placeholder {tuple(p.shape)} {p.dtype}")
-            if r.stride() != p.stride():
-                restride.append((i, tuple(p.shape), tuple(p.stride())))
+            shape, stride, dtype = tuple(o.meta[0]), tuple(o.meta[1]), o.meta[2]
+            if tuple(r.shape) != shape or r.dtype != dtype:
+                raise _Mismatch(f"output {tuple(r.shape)} {r.dtype} for placeholder {shape} {dtype}")
+            if tuple(r.stride()) != stride:
+                restride.append((i, shape, stride))
         for slot, r in zip(entry.mutated, outs[entry.n_live:]):
             if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
                 raise _Mismatch(f"written input {slot}: {tuple(r.shape)} for {tuple(real[slot].shape)}")

@@ -7,7 +7,6 @@ into the placeholder the program holds (see Note [Placeholders] in ``fuser.windo
 
 from __future__ import annotations
 
-import sys
 
 import torch
 
@@ -15,51 +14,37 @@ from .window import ALIAS, FRESH, VIEW, Node, Out, Window
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched: see adaptive_eager._patches
-_getrefcount = sys.getrefcount
+_expired = torch.UntypedStorage._expired
+_from_weak = torch.UntypedStorage._new_with_weak_ptr
 
 
-def placeholder_is_dead(out: Out) -> bool:
-    """Whether nothing but this window can observe ``out``'s placeholder.
+def value_is_dead(out: Out) -> bool:
+    """Whether nothing can observe FRESH ``out`` any more: its placeholder's storage is gone.
 
-    Weak references are not enough: autograd saves an op's *output* as a new TensorImpl sharing the
-    storage (no Python object survives), so a value the backward pass needs can look unreferenced.
-    The storage use count sees those; the Python refcount sees the program's own references.
-    """
-    t = out.tensor
-    # references: out.tensor, the local ``t``, getrefcount's argument, plus windows' extra holds
-    if _getrefcount(t) > 3 + out.held:
-        return False
-    if t._use_count() > 1:  # another TensorImpl owner (a view's base link, an autograd input save)
-        return False
-    if not t.requires_grad:
-        # only autograd (saving an output) or a view shares a placeholder's storage; views made
-        # under the mode pin their root (Note [Out kinds])
-        return True
-    # one count for the placeholder's TensorImpl, one for the storage's Python object
-    return _storage_use_count(_untyped_storage(t)._cdata) <= 2
+    The window holds no strong reference to it (Note [Weak window] in ``fuser.window``), so the
+    storage lives exactly as long as something of the program's does: the placeholder, a view,
+    ``.data``, or autograd's saved copy of an output (a TensorImpl of its own, no Python object)."""
+    return _expired(out.storage)
 
 
-def settle_pins(window: Window) -> None:
-    """Pin exactly the FRESH values that a recorded view still alive shows (Note [Out kinds]).
-
-    A view the program (or autograd) still holds reads its root's placeholder, so that placeholder
-    must be written; a root whose views all died is judged on its own liveness."""
-    views = window.views
-    for vo in views:
-        vo.root.pinned = False
-    for vo in views:
-        if vo.ref() is not None:
-            vo.root.pinned = True
+def placeholder_of(out: Out, storage=None) -> torch.Tensor:
+    """The program's placeholder of FRESH ``out`` if it still holds it, else a tensor over the
+    same storage with the placeholder's shape and strides (what its sharers see)."""
+    t = out.ref()
+    if t is not None:
+        return t
+    if storage is None:
+        storage = _from_weak(out.storage)
+    shape, stride, dtype = out.meta[0], out.meta[1], out.meta[2]
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape, stride)
 
 
 def mark_needed(window: Window) -> int:
     """Mark the nodes whose results can be observed; return how many compute nodes are dead.
 
     A node is needed if it mutates something (the program sees its arguments), if one of its fresh
-    values is still referenced or pinned by a view, or if a needed node reads one of its values.
+    values can still be observed (``value_is_dead``), or if a needed node reads one of its values.
     """
-    if window.views:
-        settle_pins(window)
     dead = 0
     for node in reversed(window.nodes):
         if node.is_view:
@@ -71,7 +56,7 @@ def mark_needed(window: Window) -> int:
             for o in node.outs:
                 if o is None or o.kind != FRESH:
                     continue
-                o.live = o.pinned or not placeholder_is_dead(o)
+                o.live = not _expired(o.storage)
                 if o.live or o.needed:
                     needed = True
         node.needed = needed
@@ -126,54 +111,54 @@ class ReplayError(Exception):
 
 def _bind(out: Out, result: torch.Tensor) -> int:
     """Make ``result`` the value of ``out``'s placeholder; return the copy launches it took."""
-    placeholder = out.tensor
     if not out.live:  # only later ops of this window read it: never written to the placeholder
         out.value = result
         return 0
-    if (
-        result.dtype is placeholder.dtype
-        and not out.pinned
-        and _storage_use_count(_untyped_storage(placeholder)._cdata) <= 2
-    ):
-        # Nobody else shares the placeholder's (never written) storage: adopt the result's storage
-        # instead of copying it. Every holder of this TensorImpl sees the new storage.
-        placeholder.set_(_untyped_storage(result), result.storage_offset(), result.size(), result.stride())
-        out.value = placeholder
-        return 0
-    # Views of the placeholder, or autograd's saved copy of an output, share its storage.
-    if _swap_storages(placeholder, result):
-        out.value = placeholder
-        return 0
-    placeholder.copy_(result)
-    out.value = placeholder
+    storage = _from_weak(out.storage)  # live: the storage exists
+    placeholder = out.ref()
+    if result.dtype is out.meta[2]:
+        # the storage object ``storage`` and each TensorImpl over it count one
+        if placeholder is not None and _storage_use_count(storage._cdata) <= 2:
+            # Only the placeholder uses its (never written) storage: adopt the result's storage
+            # instead of copying it. Every holder of this TensorImpl sees the new storage.
+            placeholder.set_(_untyped_storage(result), result.storage_offset(), result.size(), result.stride())
+            out.value = placeholder
+            return 0
+        # Views of the placeholder, a stolen gradient, or autograd's saved copy of an output
+        # share its storage.
+        if _swap_storages(storage, result, out.meta):
+            out.value = placeholder if placeholder is not None else placeholder_of(out, storage)
+            return 0
+    target = placeholder if placeholder is not None else placeholder_of(out, storage)
+    target.copy_(result)
+    out.value = target
     return 1
 
 
 _swap_data_ptr = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
 
 
-def _swap_storages(placeholder: torch.Tensor, result: torch.Tensor) -> bool:
-    """Give ``placeholder``'s storage the memory of ``result``'s, when that is the same as copying.
+def _swap_storages(storage, result: torch.Tensor, meta) -> bool:
+    """Give a placeholder's ``storage`` the memory of ``result``'s, when that is the same as copying.
 
     Note [Storage swap]
     A placeholder whose storage is shared (views the program holds, autograd's saved copy of an
     output, a gradient ``AccumulateGrad`` stole) cannot adopt the result's storage with ``set_``:
     only its own TensorImpl would follow. Swapping the two storages' memory moves every sharer at
     once, with no copy. That is the copy exactly when the result has the placeholder's dtype,
-    size, strides and offset, its storage is as large and nothing else uses it (after the swap it
-    holds the placeholder's unwritten memory and is dropped). Nobody can have seen the
+    size, strides and offset (0), its storage is as large and nothing else uses it (after the
+    swap it holds the placeholder's unwritten memory and is dropped). Nobody can have seen the
     placeholder's address before: ``data_ptr`` and every other raw read flushes first (Note
-    [Placeholders]). Torch releases without ``UntypedStorage._swap_data_ptr_`` copy."""
-    if _swap_data_ptr is None or result.dtype is not placeholder.dtype:
+    [Placeholders]). Torch releases without ``UntypedStorage._swap_data_ptr_`` (2.11) copy."""
+    if _swap_data_ptr is None or result.dtype is not meta[2] or result.storage_offset() != 0:
         return False
-    if (result.size() != placeholder.size() or result.stride() != placeholder.stride()
-            or result.storage_offset() != placeholder.storage_offset()):
+    if tuple(result.size()) != tuple(meta[0]) or tuple(result.stride()) != tuple(meta[1]):
         return False
-    ps, rs = _untyped_storage(placeholder), _untyped_storage(result)
+    rs = _untyped_storage(result)
     # the result's TensorImpl and the storage object ``rs``: nothing else holds that memory
-    if ps.nbytes() != rs.nbytes() or _storage_use_count(rs._cdata) > 2 or ps.device != rs.device:
+    if storage.nbytes() != rs.nbytes() or _storage_use_count(rs._cdata) > 2 or storage.device != rs.device:
         return False
-    _swap_data_ptr(ps, rs)
+    _swap_data_ptr(storage, rs)
     return True
 
 
@@ -228,4 +213,4 @@ def _replay(window: Window) -> int:
     return launched
 
 
-__all__ = ["replay_window", "mark_needed", "settle_pins", "placeholder_is_dead", "ReplayError", "FRESH", "ALIAS", "VIEW"]
+__all__ = ["replay_window", "mark_needed", "value_is_dead", "placeholder_of", "ReplayError", "FRESH", "ALIAS", "VIEW"]

@@ -14,17 +14,27 @@ must flush first; ``adaptive_eager._patches`` does that.
 
 Note [Out kinds]
 An ``Out`` is one value a node produces:
-- FRESH: a new tensor (``out.tensor`` is its placeholder, held strongly until the window runs);
+- FRESH: a new tensor, its placeholder;
 - ALIAS: the result of an in-place / ``out=`` op, i.e. the mutated argument itself (``out.alias``
   is that argument: a real tensor or another ``Out``);
 - VIEW: a view of a pending value (or of a real tensor), created eagerly on the placeholder at
-  record time (views read no data), so the program's view already is the final tensor. The
-  window holds it only weakly (``out.ref``): a strong reference would raise its use count, and
-  autograd's ``AccumulateGrad`` then could not steal a gradient (it copies it into a new buffer
-  instead, every step, for every weight a Linear's ``W.t()`` feeds). Replay rebuilds a view's
-  value from its input when a later op reads it. While a view is alive at the flush, its root
-  FRESH value is pinned (``settle_pins``): the view's data lives in that placeholder, so the
-  placeholder must be written even if the program dropped it.
+  record time (views read no data), so the program's view already is the final tensor.
+
+Note [Weak window]
+The window holds no strong reference to anything the program made: each Out keeps a weak
+reference to its tensor (``out.ref``) and a FRESH Out a weak reference to its placeholder's
+storage (``out.storage``, a ``UntypedStorage._weak_ref`` handle). So
+- a value the program drops dies at once, as in eager: its memory is freed while the window
+  records, not at the flush, and the flush frees nothing of it;
+- autograd's ``AccumulateGrad`` can steal a gradient (a strong reference raises the use count,
+  and it then copies the gradient into a new buffer, every step, for every parameter);
+- a FRESH value is observable exactly when its storage is still alive: the placeholder itself,
+  a view of it (the program's or autograd's), ``.data``, or autograd's saved copy of an output
+  (a TensorImpl of its own over the same storage) all hold it. ``fuser.replay.value_is_dead``
+  reads that, with no reference counting of our own references.
+Real tensors the window reads or writes are held strongly (``Window.real_inputs``): they exist
+before the window and are its region's inputs. Replay rebuilds a view's value from its input
+when a later op reads it; a live value is written into its placeholder's storage at the flush.
 """
 
 from __future__ import annotations
@@ -36,25 +46,22 @@ OUTS_PER_NODE = 1 << 16  # uid = (node index + 1) * OUTS_PER_NODE + output index
 class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
-    __slots__ = ("node", "kind", "tensor", "alias", "root", "value", "needed", "pinned", "held", "live", "uid", "slot",
-                 "meta", "ref")
+    __slots__ = ("node", "kind", "tensor", "alias", "value", "needed", "live", "uid", "slot", "meta", "ref",
+                 "storage")
 
     def __init__(self, node: Node, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
         self.node = node
         self.uid = uid  # position in the window (node index and output index): part of region keys
         self.slot = slot  # ALIAS/VIEW of a real input: that input's slot in ``Window.real_inputs``
-        self.meta = None  # (shape, stride, dtype) of ``tensor``: the record path's signature of it
+        self.meta = None  # (shape, stride, dtype) of the tensor: the record path's signature of it
         self.kind = kind
-        self.tensor = tensor  # FRESH: placeholder; ALIAS: the mutated tensor; VIEW: None
-        self.ref = None  # VIEW: a weak reference to the program's view
+        self.tensor = tensor  # ALIAS of a real tensor: that tensor (the window holds it anyway)
+        self.ref = None  # a weak reference to the program's tensor (Note [Weak window])
+        self.storage = None  # FRESH: weak handle of the placeholder's storage (Note [Weak window])
         self.alias = alias  # ALIAS: the argument it aliases (tensor or Out)
-        # the FRESH Out whose placeholder owns the storage, or None for a real (non-pending) tensor
-        self.root = self if kind == FRESH else None
         self.value = None  # the tensor holding the computed value once the node ran
         self.needed = False  # a needed op of the window reads it
         self.live = False  # the program can still observe its placeholder (set by mark_needed)
-        self.pinned = False  # FRESH: a view of it is alive (``settle_pins``)
-        self.held = 0  # strong references the window holds to ``tensor`` beyond ``self.tensor``
 
 
 class Node:
@@ -99,7 +106,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "outs", "fresh", "viewed", "outcome", "region", "views")
+                 "outs", "fresh", "viewed", "outcome", "region")
 
     def __init__(self):
         self.nodes: list[Node] = []
@@ -120,7 +127,6 @@ class Window:
         self.outs: list[Out] = []  # every Out, so a flush touches values, not nodes
         self.fresh: list[Out] = []  # the FRESH ones (placeholders whose liveness decides outputs)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
-        self.views: list[Out] = []  # VIEW outs of pending values (alive at the flush, they pin their roots)
         # left by the fuser for the flush log line: how the window ran ("compiled", "replayed",
         # "loaded" from disk, "compiling" (replayed while its compile is in flight), "dead") and a
         # short stable hex id of its region

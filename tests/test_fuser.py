@@ -502,19 +502,21 @@ def test_storage_swap_moves_every_sharer_and_declines_what_a_copy_would_not_equa
     from fuser.replay import _swap_storages
 
     p = torch.empty(4, 3)
+    meta = (p.shape, p.stride(), p.dtype)
     sharers = [p.t(), p.detach(), p[1]]
     r = torch.arange(12.0).reshape(4, 3).clone()  # its storage used by nothing else
-    assert _swap_storages(p, r)
+    assert _swap_storages(p.untyped_storage(), r, meta)
     torch.testing.assert_close(p, torch.arange(12.0).reshape(4, 3))
     for v, want in zip(sharers, [p.t(), p, p[1]]):
         assert torch.equal(v, want)
     # what a copy into p would not equal, or a result whose memory something else uses: declined
-    assert not _swap_storages(p, torch.zeros(3, 4).t())  # strides differ
-    assert not _swap_storages(p, torch.zeros(4, 3, dtype=torch.float64))
-    assert not _swap_storages(p, torch.zeros(5, 3)[1:])  # offset and storage size differ
+    s = p.untyped_storage()
+    assert not _swap_storages(s, torch.zeros(3, 4).t(), meta)  # strides differ
+    assert not _swap_storages(s, torch.zeros(4, 3, dtype=torch.float64), meta)
+    assert not _swap_storages(s, torch.zeros(5, 3)[1:], meta)  # offset and storage size differ
     shared = torch.zeros(4, 3)
     keep = shared.view(12)
-    assert not _swap_storages(p, shared)
+    assert not _swap_storages(s, shared, meta)
     assert torch.equal(keep, torch.zeros(12)) and torch.equal(p, torch.arange(12.0).reshape(4, 3))
 
 

@@ -142,4 +142,4 @@ def test_period_cuts_compile_one_region_where_cap_cuts_drift(detect, monkeypatch
         assert m["compiles"] == 1 and m["replayed_regions"] <= 3, m
     else:
         assert m["flushes"].get("period", 0) == 0
-        assert m["compiles"] >= 4 and m["replayed_regions"] >= 6, m
+        assert m["compiles"] >= 4 and m["replayed_regions"] > 3, m  # more than with detection

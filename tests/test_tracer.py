@@ -695,3 +695,51 @@ def test_a_released_mark_reads_as_a_real_tensor():
         z = y + 1
         w = (y * 3).sum()
     assert torch.equal(z, x * 2 + 1) and torch.equal(w, (x * 6).sum())
+
+
+# Note [Weak window]
+
+
+def _storage_alive(handle) -> bool:
+    return not torch.UntypedStorage._expired(handle)
+
+
+def test_a_value_the_program_drops_is_freed_while_the_window_records():
+    x = torch.randn(1000)
+    with adaptive_eager():
+        y = x * 2
+        z = y + 1  # reads y: the window keeps the op, not the tensor
+        handle = ae._tracer.current_state().window.fresh[0].storage
+        assert _storage_alive(handle)
+        del y
+        assert not _storage_alive(handle)  # freed now, as eager frees it, not at the flush
+        assert ae.is_lazy(z)
+        assert_eager(z, x * 2 + 1)
+
+
+def test_an_alias_made_below_the_dispatcher_keeps_a_dropped_value_written():
+    x = torch.randn(6)
+    with adaptive_eager():
+        y = x * 3
+        d = y.data  # a TensorImpl of its own over y's storage; no op the mode sees
+        del y
+        ae.sync()
+    assert_eager(d, x * 3)
+
+
+def test_accumulate_grad_steals_fresh_gradients():
+    torch.manual_seed(0)
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(8)
+    (x * w).tanh().sum().backward()
+    want, w.grad = w.grad, None
+    recorded = []
+    with adaptive_eager():
+        for _ in range(3):
+            w.grad = None
+            (x * w).tanh().sum().backward()  # w's gradient is the fresh output of a mul
+            recorded.append({str(n.func) for n in ae._tracer.current_state().window.nodes})
+            ae.sync()
+    assert_eager(w.grad, want)
+    # stolen: no gradient buffer allocated and copied into (AccumulateGrad's clone_obey_contract)
+    assert not any("aten.copy_.default" in r or "aten.new_empty_strided.default" in r for r in recorded)
