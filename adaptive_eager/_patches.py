@@ -4,7 +4,8 @@ Some ways of reading a tensor go straight to its memory (``numpy``, ``tolist``, 
 pickling, ``repr``), and some ways of observing the program do not touch tensors at all (builtin
 ``print``, ``breakpoint()``). While any thread has adaptive eager on, these are wrapped so that the
 calling thread's window is flushed first (see Note [Placeholders] in ``fuser.window``): the value
-read is the eager value, and printed text keeps its eager order relative to errors.
+read is the eager value, and printed text keeps its eager order relative to errors. ``.data``,
+which makes an alias without dispatching, passes a pending value's mark on to the alias.
 
 The wrappers are installed when the first thread turns adaptive eager on and removed when the
 last one turns it off; with nothing pending they cost one thread-local read.
@@ -72,6 +73,29 @@ def _repr_wrapper(original):
             return original(self, *args, **kwargs)
 
     return __repr__
+
+
+def _data_property(original):
+    """``t.data`` makes a TensorImpl over ``t``'s storage without dispatching. Of a pending value,
+    that alias is pending too: it carries ``t``'s mark, so ops on it are recorded as reading
+    ``t``'s value, and the flush writes that value where the alias sees it (its storage keeps the
+    value live: Note [Weak window] in ``fuser.window``). Unmarked, an op on the alias would read
+    the placeholder's memory before the window computed it."""
+    get, put = original.__get__, original.__set__
+
+    def getter(self):
+        alias = get(self)
+        o = getattr(self, "_ae", None)
+        if o is not None:
+            st = _tracer.current_state()
+            if st is not None and o.node.window is st.window:
+                alias._ae = o
+        return alias
+
+    def setter(self, value):
+        put(self, value)
+
+    return property(getter, setter, doc=original.__doc__)
 
 
 def _print_wrapper(original):
@@ -146,6 +170,8 @@ def install() -> None:
             setattr(torch.Tensor, name, _reader(name, reason, original))
         _saved[("tensor", "__repr__")] = torch.Tensor.__dict__.get("__repr__", _MISSING)
         torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
+        _saved[("tensor", "data")] = torch.Tensor.__dict__.get("data", _MISSING)
+        torch.Tensor.data = _data_property(torch._C.TensorBase.__dict__["data"])
         _saved["print"] = builtins.print
         builtins.print = _print_wrapper(builtins.print)
         _saved["breakpointhook"] = sys.breakpointhook

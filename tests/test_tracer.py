@@ -727,6 +727,19 @@ def test_an_alias_made_below_the_dispatcher_keeps_a_dropped_value_written():
     assert_eager(d, x * 3)
 
 
+def test_ops_on_the_data_alias_of_a_pending_value_read_its_value():
+    x = torch.randn(6)
+    with adaptive_eager():
+        y = x * 3
+        d = y.data  # made below the dispatcher: it must read y's value, not the placeholder
+        z = d * 2
+        d.add_(1)
+        del y
+    assert_eager(z, x * 3 * 2)
+    assert_eager(d, x * 3 + 1)
+    assert type(torch.Tensor.__dict__.get("data")) is not property  # the patch is gone when off
+
+
 def test_accumulate_grad_steals_fresh_gradients():
     torch.manual_seed(0)
     w = torch.randn(8, requires_grad=True)
