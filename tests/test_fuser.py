@@ -434,7 +434,7 @@ def test_a_window_with_index_ops_keeps_copy_back_and_fails_like_eager(fresh_regi
     torch.testing.assert_close(acc, table[[1, 2]].sum(0) * 3)
 
 
-# Note [Out kinds] (views are held weakly) and Note [Storage swap]
+# Note [Weak window] and Note [Storage swap]
 
 
 def _count_bind_copies(monkeypatch):
