@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from . import partition
-from .backends._common import BackendCompileError, decode_torch_value, encode_torch_value
+from .backends._common import BackendCompileError, decode_torch_value, encode_torch_value, restrided
 from .partition import is_check
 from .replay import ReplayError, _bind, _expired, as_recorded, mark_needed, replay_window
 from .window import ALIAS, VIEW, Out, Window
@@ -709,7 +709,7 @@ def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) ->
             # result comes back contiguous): this exact key's callable copies those outputs into
             # eager's layout, so the program sees eager strides.
             STATS.not_dynamic["restrided_output"] += 1
-            sym_run = _restrided(sym.run, restride)
+            sym_run = restrided(sym.run, restride)
             outs = sym_run.fix(outs)
         else:
             sym_run = sym.run
@@ -721,23 +721,6 @@ def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) ->
     STATS.compiled_runs += 1
     entry.run = sym_run
     return 1 + copies + len(entry.mutated) + len(restride)
-
-
-def _restrided(run, restride: list[tuple]):
-    empty_strided = torch.empty_strided
-
-    def fix(outs):
-        outs = list(outs)
-        for i, shape, stride in restride:
-            r = outs[i]
-            outs[i] = empty_strided(shape, stride, dtype=r.dtype, device=r.device).copy_(r)
-        return outs
-
-    def restrided(inputs):
-        return fix(run(inputs))
-
-    restrided.fix = fix
-    return restrided
 
 
 # Note [Background compiles]

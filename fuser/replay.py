@@ -127,11 +127,9 @@ def _bind(out: Out, result: torch.Tensor) -> int:
         # Views of the placeholder, a stolen gradient, or autograd's saved copy of an output
         # share its storage.
         if _swap_storages(storage, result, out.meta):
-            out.value = placeholder if placeholder is not None else placeholder_of(out, storage)
+            out.value = placeholder_of(out, storage)
             return 0
-    target = placeholder if placeholder is not None else placeholder_of(out, storage)
-    target.copy_(result)
-    out.value = target
+    out.value = placeholder_of(out, storage).copy_(result)
     return 1
 
 
@@ -184,17 +182,16 @@ def _replay(window: Window) -> int:
     for node in window.nodes:
         if not node.needed:
             continue
+        args = [a.value if type(a) is Out else (_resolve(a) if type(a) is list else a) for a in node.args]
         if node.is_view:
-            # the window holds views weakly (Note [Out kinds]): a later op reading one gets it
+            # the window holds views weakly (Note [Weak window]): a later op reading one gets it
             # made again from its input's value (a live root's value is its placeholder, so
             # that is the memory a view the program holds sees)
-            args = [a.value if type(a) is Out else a for a in node.args]
             res = node.func(*args, **node.kwargs)
             for o, r in zip(node.outs, res if isinstance(res, (list, tuple)) else (res,)):
                 o.value = r
             continue
         try:
-            args = [a.value if type(a) is Out else (_resolve(a) if type(a) is list else a) for a in node.args]
             if node.kwargs:
                 result = node.func(*args, **{k: _resolve(v) for k, v in node.kwargs.items()})
             else:

@@ -23,6 +23,27 @@ class BackendCompileError(RuntimeError):
     inplace = False
 
 
+def restrided(run, fixes: list):
+    """``run`` with the outputs ``fixes`` names ((index, shape, stride) each) copied into that
+    layout: eager's, where a compiled output came back in another. ``.fix(outs)`` applies it to
+    outputs already returned."""
+    empty_strided = torch.empty_strided
+    fixes = [(i, tuple(shape), tuple(stride)) for i, shape, stride in fixes]
+
+    def fix(outs):
+        outs = list(outs)
+        for i, shape, stride in fixes:
+            r = outs[i]
+            outs[i] = empty_strided(shape, stride, dtype=r.dtype, device=r.device).copy_(r)
+        return outs
+
+    def restrided_run(inputs):
+        return fix(run(inputs))
+
+    restrided_run.fix = fix
+    return restrided_run
+
+
 def op_name(target: object) -> str:
     """How errors and serialized graphs name a node's target ("aten.add.Tensor")."""
     if target is operator.getitem:

@@ -70,7 +70,9 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import BackendCompileError, below_autograd, check_graph, eager_output_meta, op_name, tensor_meta
+from ._common import (
+    BackendCompileError, below_autograd, check_graph, eager_output_meta, op_name, restrided, tensor_meta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +192,7 @@ class InductorBackend:
             call = _instantiate(members["wrapper.py"].decode(), bundled_kernel)
             run = _boxed(call, manifest["inputs_to_check"], frozenset(manifest.get("written", ())))
             if manifest.get("relayout"):
-                run = _relayout(run, manifest["relayout"])
+                run = restrided(run, manifest["relayout"])
             run = below_autograd(run)
             guards = manifest.get("guards")
             run.guards = None if guards is None else compile(guards, "<inductor guards>", "eval")
@@ -443,20 +445,6 @@ def _boxed(call: Callable, inputs_to_check: list[int], written: frozenset = froz
         return result
 
     return realigned
-
-
-def _relayout(run: Callable, relayout: list) -> Callable:
-    """Copy the outputs Inductor returns in another layout into eager's (``_check_calling_convention``)."""
-    fixes = [(i, tuple(shape), tuple(stride)) for i, shape, stride in relayout]
-
-    def relaid(inputs: list[torch.Tensor]) -> list:
-        outs = list(run(inputs))
-        for i, shape, stride in fixes:
-            r = outs[i]
-            outs[i] = torch.empty_strided(shape, stride, dtype=r.dtype, device=r.device).copy_(r)
-        return outs
-
-    return relaid
 
 
 def _kernel_key(argtypes: list[str], source_code: str, kwargs: dict) -> str:
