@@ -88,7 +88,7 @@ def _data_property(original):
         o = getattr(self, "_ae", None)
         if o is not None:
             st = _tracer.current_state()
-            if st is not None and o.node.window is st.window:
+            if st is not None and o.win is st.window.token:
                 alias._ae = o
         return alias
 

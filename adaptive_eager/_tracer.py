@@ -147,10 +147,12 @@ def flush(st: TracerState, reason: str) -> None:
     METRICS.windows += 1
     site = _user_source(2)  # the line that triggered the flush
     METRICS.flush_sites[(reason, site)] += 1
+    ran = False
     try:
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
               else contextlib.nullcontext()), _disable_current_modes():
             launched, materialized, eliminated = fuser.run_window(window, st.options)
+        ran = True  # ``Window.live`` is read: Note [Window release]
         METRICS.launches += launched
         METRICS.ops_materialized += materialized
         METRICS.ops_eliminated += eliminated
@@ -162,6 +164,8 @@ def flush(st: TracerState, reason: str) -> None:
             log.info("flush (%s): %d ops, region %s %s; triggered at %s", reason, len(window.nodes),
                      getattr(window, "region", None) or "-", getattr(window, "outcome", None) or "replayed",
                      where(site))
+        if not ran:
+            window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
 
 
@@ -196,39 +200,24 @@ def _apply_log_level(level: str) -> None:
         root.addHandler(handler)
 
 
-class _Released:
-    """What a released Out's ``node`` points to: a node of no window. The record path reads
-    ``o.node.window`` of a tensor's mark without a None check; another thread may release a
-    window between that thread reading a mark and reading its node."""
-
-    __slots__ = ()
-    window = None
-
-
-_RELEASED = _Released()
-
-
 def _release(window: Window) -> None:
-    """Drop every reference the window holds and unmark the tensors (no leaks, no stale marks).
-
-    Clearing each Out's references breaks the Out <-> Node cycles, and clearing the node list the
-    Node -> Window one, so everything is freed by reference counting. The program's tensors were
-    never held (Note [Weak window]); those it dropped are gone already."""
-    released = _RELEASED
+    """Unmark the tensors that outlive ``window`` and drop what their Outs hold; free the storage
+    handles. The rest goes with the window, by reference counting: Note [Window release]."""
     free = _free_weak_ref
-    for o in window.outs:
-        ref = o.ref
-        t = ref() if ref is not None else o.tensor
-        if t is not None:
-            d = t.__dict__
-            if d.get("_ae") is o:
-                del d["_ae"]
-        if o.storage is not None:
-            free(o.storage)
-        o.tensor = o.alias = o.value = o.ref = o.storage = None
-        o.node = released
-    window.outs.clear()
+    for o in window.fresh:
+        free(o.storage)
+    for outs in (window.live, window.others):
+        for o in outs:
+            ref = o.ref
+            t = ref() if ref is not None else o.tensor
+            if t is not None:
+                d = t.__dict__
+                if d.get("_ae") is o:
+                    del d["_ae"]
+            o.tensor = o.alias = o.value = o.ref = o.storage = None
     window.fresh.clear()
+    window.live.clear()
+    window.others.clear()
     window.nodes.clear()
     window.real_inputs.clear()
 
@@ -263,7 +252,7 @@ def needs_flush(st: TracerState, t: torch.Tensor) -> bool:
     if not window.nodes:
         return False
     o = getattr(t, "_ae", None)
-    if o is not None and o.node.window is window:
+    if o is not None and o.win is window.token:
         return True
     return bool(window.written) and _untyped_storage(t)._cdata in window.written
 
@@ -440,7 +429,7 @@ def _decline(window: Window, n0: int):
 def _alias_out(window: Window, node: Node, t, src, uid: int) -> Out:
     """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
     (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
-    o = Out(node, ALIAS, alias=src, uid=uid)
+    o = Out(window.token, ALIAS, alias=src, uid=uid)
     if type(src) is Out:
         o.ref = _weakref(t)  # a pending value: held weakly (Note [Weak window])
         o.meta = src.meta
@@ -450,6 +439,7 @@ def _alias_out(window: Window, node: Node, t, src, uid: int) -> Out:
         o.meta = (t.shape, t.stride(), t.dtype)
         o.slot = window.slot_of(t)
     t._ae = o
+    window.others.append(o)
     return o
 
 
@@ -487,7 +477,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
         if first is None:
             first = a
         o = getattr(a, "_ae", None)
-        if o is not None and o.node.window is window:
+        if o is not None and o.win is window.token:
             if nargs is None:
                 nargs = list(args)
             nargs[i] = o
@@ -540,7 +530,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
     specs, nbytes, _, eid = entry
     if nargs is None:
         nargs = list(args)
-    node = Node(f.func, nargs, kwargs, inputs, _user_source(2), window)
+    node = Node(f.func, nargs, kwargs, inputs, _user_source(2), len(window.nodes))
     uid = (node.index + 1) * OUTS_PER_NODE
     if f.fast_inplace:
         node.mutates = True
@@ -552,14 +542,13 @@ def _record_fast(st: TracerState, f, args, kwargs):
     else:
         spec = specs[0]
         res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(node, FRESH, None, None, uid)
+        o = Out(window.token, FRESH, None, None, uid)
         o.meta = spec
         o.ref = _weakref(res)  # Note [Weak window]
         o.storage = _untyped_storage(res)._weak_ref()
         res._ae = o
         window.fresh.append(o)
     node.outs.append(o)
-    window.outs.append(o)
     sigs = window.sigs  # Note [Window signature] in fuser.window
     sigs.append(eid)
     sigs.extend(refs)
@@ -619,7 +608,7 @@ def _record(st: TracerState, f, args, kwargs):
         if device is None:
             device = a.device if st.device_varies else st.device
         o = getattr(a, "_ae", None)
-        if o is not None and o.node.window is window:
+        if o is not None and o.win is window.token:
             if nargs is None:
                 nargs = list(args)
             nargs[i] = o
@@ -652,7 +641,7 @@ def _record(st: TracerState, f, args, kwargs):
             if device is None:
                 device = a.device if st.device_varies else st.device
             o = getattr(a, "_ae", None)
-            if o is not None and o.node.window is window:
+            if o is not None and o.win is window.token:
                 new[j] = o
                 inputs.append(o)
                 refs.append(o.uid)
@@ -698,7 +687,7 @@ def _record(st: TracerState, f, args, kwargs):
                 if not isinstance(v, _Tensor) or not _on_target(st, v):
                     return _DECLINED
                 o = getattr(v, "_ae", None)
-                if o is not None and o.node.window is window:
+                if o is not None and o.win is window.token:
                     if nkwargs is kwargs:
                         nkwargs = dict(kwargs)
                     nkwargs[k] = o
@@ -754,7 +743,7 @@ def _record(st: TracerState, f, args, kwargs):
             # later (Note [Scalar fast path])
             snap = nargs[i] = args[i].clone()
             refs[r] = -1 - window.slot_of(snap)
-    node = Node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(), window)
+    node = Node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(), len(window.nodes))
     # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
     node.mutates = f.mutates or f.nrets == 0
     outs = node.outs
@@ -772,17 +761,15 @@ def _record(st: TracerState, f, args, kwargs):
             src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
             o = _alias_out(window, node, t, src, uid + j)
             outs.append(o)
-            window.outs.append(o)
             results.append(t)
             continue
         p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(node, FRESH, uid=uid + j)
+        o = Out(window.token, FRESH, uid=uid + j)
         o.meta = spec
         o.ref = _weakref(p)  # Note [Weak window]
         o.storage = _untyped_storage(p)._weak_ref()
         p._ae = o
         outs.append(o)
-        window.outs.append(o)
         window.fresh.append(o)
         results.append(p)
     if f.mutates:
@@ -794,7 +781,7 @@ def _record(st: TracerState, f, args, kwargs):
                 if isinstance(t, _Tensor):
                     window.written.add(_untyped_storage(t)._cdata)
                     o = getattr(t, "_ae", None)
-                    live = o is not None and o.node.window is window
+                    live = o is not None and o.win is window.token
                     slot = o.slot if live else window.slot_of(t)
                     if slot >= 0:
                         window.mutated.add(slot)
@@ -836,7 +823,7 @@ def _record_view(st: TracerState, f, args, kwargs):
     # input inside the graph, instead of taking an alias of an input it may also write (Note
     # [Out kinds]); ``W.t()`` in a forward pass and ``W.add_()`` in the optimizer step.
     o = getattr(a, "_ae", None)
-    if o is not None and o.node.window is not window:
+    if o is not None and o.win is not window.token:
         o = None
     nargs = list(args)
     if o is not None:
@@ -851,17 +838,17 @@ def _record_view(st: TracerState, f, args, kwargs):
         if st.scalar_fast_path and a.numel() == 1:
             # a pending op may read this one-element tensor through the view: no fast-path writes
             window.viewed.add(_untyped_storage(a)._cdata)
-    node = Node(f.func, nargs, kwargs, inputs, None, window)
+    node = Node(f.func, nargs, kwargs, inputs, None, len(window.nodes))
     node.is_view = True
     views = res if isinstance(res, (tuple, list)) else (res,)
     uid = (node.index + 1) * OUTS_PER_NODE
     for j, v in enumerate(views):
-        vo = Out(node, VIEW, uid=uid + j, slot=slot)
+        vo = Out(window.token, VIEW, uid=uid + j, slot=slot)
         vo.meta = (v.shape, v.stride(), v.dtype)
         vo.ref = _weakref(v)  # Note [Weak window]; alive, it keeps its root's storage alive
         v._ae = vo
         node.outs.append(vo)
-        window.outs.append(vo)
+        window.others.append(vo)
     # the view's own signature: op, input geometry (offset included: views keep it) and arguments
     key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,
            tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))

@@ -157,7 +157,7 @@ def _live_outs(window: Window) -> list[Out]:
 
     Only values are visited, never nodes, so a flush that hits a compiled region costs per output,
     not per op. A value is live while its placeholder's storage is (Note [Weak window])."""
-    live = []
+    live = window.live = []
     expired = _expired
     for o in window.fresh:
         if not expired(o.storage):

@@ -46,6 +46,7 @@ def mark_needed(window: Window) -> int:
     values can still be observed (``value_is_dead``), or if a needed node reads one of its values.
     """
     dead = 0
+    live = window.live = []  # for the release: Note [Window release]
     for node in reversed(window.nodes):
         if node.is_view:
             needed = any(o.needed for o in node.outs)
@@ -56,9 +57,13 @@ def mark_needed(window: Window) -> int:
             for o in node.outs:
                 if o is None or o.kind != FRESH:
                     continue
-                o.live = not _expired(o.storage)
-                if o.live or o.needed:
-                    needed = True
+                if _expired(o.storage):
+                    o.live = False
+                    if o.needed:
+                        needed = True
+                else:
+                    o.live = needed = True
+                    live.append(o)
         node.needed = needed
         if needed:
             for inp in node.inputs:

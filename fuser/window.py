@@ -36,6 +36,18 @@ storage (``out.storage``, a ``UntypedStorage._weak_ref`` handle). So
 Real tensors the window reads or writes are held strongly (``Window.real_inputs``): they exist
 before the window and are its region's inputs. Replay rebuilds a view's value from its input
 when a later op reads it; a live value is written into its placeholder's storage at the flush.
+
+Note [Window release]
+A window's objects form no reference cycle: an Out names its window by ``Out.win``, the window's
+``token`` (a bare object), not by its node, and a node does not name its window. So dropping a
+window frees its nodes and Outs by reference counting, in one cascade, without visiting them one by
+one. A tensor's mark ``t._ae`` is pending exactly while ``t._ae.win is st.window.token``; a mark
+left behind never matches a later window. At the flush (``_tracer._release``) only the Outs whose
+tensors can outlive the window are visited: the live FRESH ones (``Window.live``) and the ALIAS and
+VIEW ones (``Window.others``) lose their marks and their references, so a surviving tensor keeps
+nothing of the window. A dead FRESH Out needs no visit: every tensor carrying its mark would share
+its storage, and that storage is gone. Each FRESH Out's storage handle (a raw weak pointer) is freed
+explicitly. A 1000-op window of dead intermediates is thus released in one pass over its handles.
 """
 
 from __future__ import annotations
@@ -47,11 +59,11 @@ OUTS_PER_NODE = 1 << 16  # uid = (node index + 1) * OUTS_PER_NODE + output index
 class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
-    __slots__ = ("node", "kind", "tensor", "alias", "value", "needed", "live", "uid", "slot", "meta", "ref",
+    __slots__ = ("win", "kind", "tensor", "alias", "value", "needed", "live", "uid", "slot", "meta", "ref",
                  "storage")
 
-    def __init__(self, node: Node, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
-        self.node = node
+    def __init__(self, win: object, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
+        self.win = win  # the ``Window.token`` of its window: Note [Window release]
         self.uid = uid  # position in the window (node index and output index): part of region keys
         self.slot = slot  # ALIAS/VIEW of a real input: that input's slot in ``Window.real_inputs``
         self.meta = None  # (shape, stride, dtype) of the tensor: the record path's signature of it
@@ -69,12 +81,12 @@ class Node:
     """One recorded op: ``func(*args, **kwargs)`` where pending inputs appear as ``Out`` objects."""
 
     __slots__ = (
-        "func", "args", "kwargs", "outs", "inputs", "mutates", "is_view", "source", "needed", "window", "index",
+        "func", "args", "kwargs", "outs", "inputs", "mutates", "is_view", "source", "needed", "index",
         "fbase", "fpos",
     )
 
-    def __init__(self, func, args, kwargs, inputs, source, window: Window):
-        self.index = len(window.nodes)
+    def __init__(self, func, args, kwargs, inputs, source, index: int):
+        self.index = index  # position in ``Window.nodes``
         # float arguments (Note [Scalar lifting]): positions (arg index, kwarg name or (list arg
         # index, element index)) and where their values start in ``Window.scalars``
         self.fpos = ()
@@ -88,7 +100,6 @@ class Node:
         self.is_view = False
         self.source = source  # (code object, line) of the user's line that issued the op
         self.needed = False
-        self.window = window
 
     def where(self) -> str:
         """The user's ``file:line`` that recorded this op (or '<unknown location>')."""
@@ -107,9 +118,10 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "outs", "fresh", "viewed", "outcome", "region")
+                 "others", "fresh", "live", "viewed", "outcome", "region", "token")
 
     def __init__(self):
+        self.token = object()  # what its Outs carry as ``Out.win``: Note [Window release]
         self.nodes: list[Node] = []
         self.pending_bytes = 0
         self.closed = False
@@ -125,8 +137,9 @@ class Window:
         self.real_inputs: list = []  # the real tensors the window reads or writes, by slot
         self.mutated: set[int] = set()  # slots of real inputs written by pending in-place ops
         self.scalars: list[float] = []  # float arguments of the nodes, in order (not in ``sigs``)
-        self.outs: list[Out] = []  # every Out, so a flush touches values, not nodes
-        self.fresh: list[Out] = []  # the FRESH ones (placeholders whose liveness decides outputs)
+        self.fresh: list[Out] = []  # the FRESH Outs (placeholders whose liveness decides outputs)
+        self.others: list[Out] = []  # the ALIAS and VIEW Outs
+        self.live: list[Out] = []  # the FRESH Outs found live at the flush (``Out.live``)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
         # left by the fuser for the flush log line: how the window ran ("compiled", "replayed",
         # "loaded" from disk, "compiling" (replayed while its compile is in flight), "dead") and a

@@ -12,6 +12,7 @@ import torch
 
 import adaptive_eager as ae
 import fuser.compiled
+from fuser.window import OUTS_PER_NODE
 from adaptive_eager import adaptive_eager
 
 SYNC = dict(backend="inductor", hot_after=1, async_compile=False)
@@ -470,7 +471,7 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
 
     def spy(window):
         live = live_outs(window)
-        outputs.append([str(o.node.func) for o in live])
+        outputs.append([str(window.nodes[o.uid // OUTS_PER_NODE - 1].func) for o in live])
         recorded.append({str(n.func) for n in window.nodes})
         return live
 

@@ -683,8 +683,8 @@ def test_ops_that_are_not_recorded_leave_no_inputs_in_the_window():
 
 
 def test_a_released_mark_reads_as_a_real_tensor():
-    """Another thread may release a window between this thread reading a tensor's mark and its
-    node: the mark must then read as "not pending", never crash (``_tracer._RELEASED``)."""
+    """A mark left on a tensor after its window was released (another thread may release a window
+    between this thread reading a mark and using it) reads as "not pending": Note [Window release]."""
     x = torch.randn(4)
     with adaptive_eager(backend="replay"):
         y = x * 2
@@ -695,6 +695,41 @@ def test_a_released_mark_reads_as_a_real_tensor():
         z = y + 1
         w = (y * 3).sum()
     assert torch.equal(z, x * 2 + 1) and torch.equal(w, (x * 6).sum())
+
+
+@pytest.mark.parametrize("backend", ["replay", "inductor"])
+def test_a_flushed_window_is_freed_by_reference_counting(backend):
+    """Note [Window release]: no Out or Node outlives its flush, with the garbage collector off.
+    Dead intermediates, a live output, a view, in-place updates of parameters and gradients."""
+    import gc
+
+    from fuser.window import Node, Out
+
+    def count():
+        return sum(type(o) in (Out, Node) for o in gc.get_objects())
+
+    m = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with adaptive_eager(backend=backend, hot_after=1, async_compile=False):
+        for _ in range(3):  # replayed, compiled, compiled
+            gc.collect()
+            gc.disable()
+            try:
+                opt.zero_grad()
+                y = m(x).relu()
+                for _ in range(20):
+                    y = y * 1.01  # dead intermediates
+                v = y.t()[0]
+                y.sum().backward()
+                assert count() > 40
+                opt.step()  # flushes, then records the updates
+                ae.sync()
+                assert count() == 0
+                assert not hasattr(v, "_ae") and not hasattr(m.weight, "_ae")
+            finally:
+                gc.enable()
+    torch.testing.assert_close(v, y.t()[0])
 
 
 # Note [Weak window]
