@@ -11,7 +11,9 @@ The in-memory key is the window's structure as recorded (``Window.sigs``: per no
 op signature, which covers the op, input shapes/strides/dtypes/devices and scalar arguments, and
 its dataflow refs), which values are still observable (live placeholders), and which real inputs
 are written. It is exact (a tuple compared in full on a hit) and costs nothing to build at
-flush. The persistent, process-independent key (for neff_cache) is a digest of the compiled graph's
+flush. That structure is hashed once per flush: it finds its scalar ``_Group`` (Note [Scalar
+lifting]), and the region is keyed by that group object (hashed by identity), the lifted positions
+and the baked scalar values. The persistent, process-independent key (for neff_cache) is a digest of the compiled graph's
 code and input metadata plus the backend fingerprint, computed only on a compile.
 """
 
@@ -239,8 +241,7 @@ def run(window: Window, backend, options) -> tuple[int, int, int]:
     wait = not options.async_compile
     structure = (tuple(window.sigs), tuple(o.uid for o in live), mutated)
     group, lifted, baked = _scalar_key(structure, window.scalars)
-    key = (structure, lifted, baked)
-    entry = CACHE.get(key)
+    entry = CACHE.get((group, lifted, baked))  # the group stands for the structure: Note [Region key]
     entry.group = group
     if entry.future is not None and (wait or entry.future.done()):
         _collect(entry)

@@ -24,9 +24,9 @@ Note [Weak window]
 The window holds no strong reference to anything the program made: each Out keeps a weak
 reference to its tensor (``out.ref``) and a FRESH Out a weak reference to its placeholder's
 storage (``out.storage``, a ``UntypedStorage._weak_ref`` handle). So
-- a value the program drops dies at once, as in eager: its tensor is freed while the window
-  records, not at the flush (its storage's memory is not: a weak storage handle keeps it
-  allocated until the flush frees the handle, as the window's strong references did);
+- a value the program drops dies at once, as in eager: its tensor and its storage's memory are
+  freed while the window records, not at the flush (a weak handle keeps only the small
+  ``StorageImpl`` record, which the flush frees with the handle);
 - autograd's ``AccumulateGrad`` can steal a gradient (a strong reference raises the use count,
   and it then copies the gradient into a new buffer, every step, for every parameter);
 - a FRESH value is observable exactly when its storage is still alive: the placeholder itself,

@@ -1,6 +1,7 @@
 """The semantic contract of the tracer, with plain eager as the oracle (DESIGN.md)."""
 
 import gc
+import os
 import sys
 import threading
 
@@ -715,6 +716,7 @@ def test_a_flushed_window_is_freed_by_reference_counting(backend):
         for _ in range(3):  # replayed, compiled, compiled
             gc.collect()
             gc.disable()
+            before = count()  # an earlier test's exception may keep a failed window's few objects
             try:
                 opt.zero_grad()
                 y = m(x).relu()
@@ -722,10 +724,10 @@ def test_a_flushed_window_is_freed_by_reference_counting(backend):
                     y = y * 1.01  # dead intermediates
                 v = y.t()[0]
                 y.sum().backward()
-                assert count() > 40
+                assert count() > before + 40
                 opt.step()  # flushes, then records the updates
                 ae.sync()
-                assert count() == 0
+                assert count() <= before
                 assert not hasattr(v, "_ae") and not hasattr(m.weight, "_ae")
             finally:
                 gc.enable()
@@ -750,6 +752,28 @@ def test_a_value_the_program_drops_is_freed_while_the_window_records():
         assert not _storage_alive(handle)  # freed now, as eager frees it, not at the flush
         assert ae.is_lazy(z)
         assert_eager(z, x * 2 + 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_dropped_values_memory_is_freed_while_the_window_records():
+    """The weak storage handle an Out keeps does not keep the memory: a 128 MiB block (mapped by
+    the allocator on its own, so freeing it unmaps it) leaves the address space when the program
+    drops the value, before any flush."""
+
+    def mapped_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    x = torch.ones(32 * 2**20)
+    with adaptive_eager():
+        before = mapped_mib()
+        y = x + 1
+        z = y[:4] * 2  # reads y: the window keeps the op, not the tensor
+        assert mapped_mib() - before >= 120
+        del y
+        assert mapped_mib() - before < 16
+        assert ae.is_lazy(z)
+    assert torch.equal(z, torch.full((4,), 4.0))
 
 
 def test_an_alias_made_below_the_dispatcher_keeps_a_dropped_value_written():
