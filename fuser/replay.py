@@ -66,8 +66,11 @@ def mark_needed(window: Window) -> int:
                     live.append(o)
         node.needed = needed
         if needed:
+            index = node.index
             for inp in node.inputs:
                 inp.needed = True
+                if inp.last < index:  # the walk is backwards: the first needed reader is the last
+                    inp.last = index
         elif not node.is_view:
             dead += 1
     return dead
@@ -195,6 +198,7 @@ def _replay(window: Window) -> int:
             res = node.func(*args, **node.kwargs)
             for o, r in zip(node.outs, res if isinstance(res, (list, tuple)) else (res,)):
                 o.value = r
+            _drop_last_reads(node)
             continue
         try:
             if node.kwargs:
@@ -212,7 +216,20 @@ def _replay(window: Window) -> int:
             for o, r in zip(outs, result):
                 if o is not None:
                     launched += _finish(o, r)
+        _drop_last_reads(node)
     return launched
+
+
+def _drop_last_reads(node: Node) -> None:
+    """Let go of the values ``node`` was the last needed reader of, as eager frees a temporary
+    once nothing refers to it: replay's peak memory is eager's, not every intermediate of the
+    window at once (which also made each new intermediate fresh, unfaulted memory: the suite's
+    10-op chain on 4M floats replayed in 35 ms against eager's 15 ms). A live value stays: the
+    program holds it, and ``value`` is its placeholder."""
+    index = node.index
+    for inp in node.inputs:
+        if inp.last == index and not inp.live:
+            inp.value = None
 
 
 __all__ = ["replay_window", "mark_needed", "value_is_dead", "placeholder_of", "ReplayError", "FRESH", "ALIAS", "VIEW"]

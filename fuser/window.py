@@ -60,7 +60,7 @@ class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
     __slots__ = ("win", "kind", "tensor", "alias", "value", "needed", "live", "uid", "slot", "meta", "ref",
-                 "storage")
+                 "storage", "last")
 
     def __init__(self, win: object, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
         self.win = win  # the ``Window.token`` of its window: Note [Window release]
@@ -75,6 +75,7 @@ class Out:
         self.value = None  # the tensor holding the computed value once the node ran
         self.needed = False  # a needed op of the window reads it
         self.live = False  # the program can still observe its placeholder (set by mark_needed)
+        self.last = -1  # index of the last needed node that reads it (set by mark_needed)
 
 
 class Node:

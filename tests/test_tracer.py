@@ -2,7 +2,9 @@
 
 import gc
 import os
+import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
@@ -774,6 +776,31 @@ def test_a_dropped_values_memory_is_freed_while_the_window_records():
         assert mapped_mib() - before < 16
         assert ae.is_lazy(z)
     assert torch.equal(z, torch.full((4,), 4.0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux")
+def test_replay_frees_each_intermediate_after_its_last_read():
+    """Replay's peak memory is eager's: 8 chained 64 MiB intermediates, of which eager holds two at
+    a time. A fresh process, so its peak RSS starts from this program alone."""
+    script = textwrap.dedent("""
+        import resource, torch, adaptive_eager as ae
+        def peak_mib():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        x = torch.ones(16 * 2**20)
+        with ae.adaptive_eager(device="cpu", backend="replay"):
+            y = x
+            for _ in range(8):
+                y = y * 1.0001
+            before = peak_mib()
+            ae.sync()
+            print(round(peak_mib() - before), abs(float(y[0]) - 1.0001 ** 8) < 1e-5)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grew, right = out.stdout.split()
+    assert right == "True"
+    assert int(grew) < 4 * 64, f"replay's peak grew {grew} MiB: intermediates outlived their last read"
 
 
 def test_an_alias_made_below_the_dispatcher_keeps_a_dropped_value_written():
