@@ -1,0 +1,109 @@
+"""The floor of per-op interception: the suite's workloads in eager, under an empty
+TorchDispatchMode, and in adaptive eager (steady state), interleaved.
+
+    python benchmarks/mode_floor.py [--only mlp_train,adamw] [--repeats 9]
+
+An empty mode intercepts every ATen op in Python and runs it: nothing recorded, nothing fused. Its
+time over eager's is what any design built on a Python dispatch mode pays before it does any work
+of its own; where that alone makes a workload slower than eager, fusion has to win it back first.
+Each sample times a few iterations of one variant (each adaptive iteration ends with a sync, so
+its flush is inside the sample); medians over ``--repeats`` interleaved samples. Ratios are time
+over eager's time (above 1: slower than eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import adaptive_eager as ae  # noqa: E402
+from record_overhead import EmptyMode  # noqa: E402
+from suite import ADAPTIVE_OPTIONS, BUILDERS  # noqa: E402
+
+SAMPLE_SECONDS = 0.25
+
+
+class CountingMode(TorchDispatchMode):
+    """Counts the ops an empty mode intercepts (one untimed iteration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _timed(step, iters: int, sync) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = step()
+        sync()
+    del out
+    return (time.perf_counter() - t0) / iters
+
+
+def measure(key: str, device: str, repeats: int) -> dict:
+    w = BUILDERS[key](device)
+    dev_sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def adaptive_sync():
+        ae.sync()
+        dev_sync()
+
+    opts = dict(ADAPTIVE_OPTIONS, device=device) if device != "cpu" else ADAPTIVE_OPTIONS
+    counting = CountingMode()
+    with counting:
+        w.eager()
+    with ae.adaptive_eager(**opts):
+        for _ in range(4):  # replay, compile (or load), then compiled hits
+            w.adaptive()
+            ae.sync()
+    t0 = time.perf_counter()
+    w.eager()
+    dev_sync()
+    iters = max(1, min(200, int(SAMPLE_SECONDS / max(time.perf_counter() - t0, 1e-6))))
+    samples: dict[str, list[float]] = {"eager": [], "empty mode": [], "adaptive": []}
+    for _ in range(repeats):
+        samples["eager"].append(_timed(w.eager, iters, dev_sync))
+        with EmptyMode():
+            samples["empty mode"].append(_timed(w.eager, iters, dev_sync))
+        with ae.adaptive_eager(**opts):
+            samples["adaptive"].append(_timed(w.adaptive, iters, adaptive_sync))
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    return {"title": w.title, "iters": iters, "ops": counting.ops, **med}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--only", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    keys = [k for k in args.only.split(",") if k]
+    unknown = [k for k in keys if k not in BUILDERS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {', '.join(BUILDERS)}")
+    print(f"python benchmarks/mode_floor.py --only {','.join(keys)} --repeats {args.repeats} --device {args.device}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| workload | ops intercepted / iter | eager ms | empty mode ms | adaptive ms | empty mode / eager "
+          "| adaptive / eager | adaptive / empty mode |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for key in keys:
+        r = measure(key, args.device, args.repeats)
+        e, m, a = r["eager"], r["empty mode"], r["adaptive"]
+        print(f"| {key} | {r['ops']} | {e:.3f} | {m:.3f} | {a:.3f} | {m / e:.2f} | {a / e:.2f} | {a / m:.2f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
