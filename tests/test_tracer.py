@@ -324,6 +324,22 @@ def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line():
     assert f"test_tracer.py:{recorded_line}" in msg
 
 
+def test_an_error_from_an_op_torch_issues_names_the_users_line():
+    """The op is issued inside torch's Python (``F.embedding``): the error names the user's line,
+    found by walking past torch's frames, each time from the frames of that call."""
+    w = torch.randn(4, 3)
+    good, bad = torch.tensor([1, 2]), torch.tensor([1, 9])
+    with adaptive_eager():
+        for idx in (good, bad):  # the first call from another line classifies torch's frames
+            line = sys._getframe().f_lineno + 1
+            y = torch.nn.functional.embedding(idx, w)
+            if idx is good:
+                ae.sync()
+        with pytest.raises(IndexError) as err:
+            y.sum().item()
+    assert f"test_tracer.py:{line} " in str(err.value)
+
+
 def test_escaped_tensors_behave_as_ordinary_tensors():
     x = torch.randn(3, requires_grad=True)
     with adaptive_eager():
