@@ -214,15 +214,23 @@ def _release(window: Window) -> None:
     free = _free_weak_ref
     for o in window.fresh:
         free(o.storage)
-    for outs in (window.live, window.others):
-        for o in outs:
-            ref = o.ref
-            t = ref() if ref is not None else o.tensor
-            if t is not None:
-                d = t.__dict__
-                if d.get("_ae") is o:
-                    del d["_ae"]
-            o.tensor = o.alias = o.value = o.ref = o.storage = None
+    for o in window.live:
+        t = o.ref()
+        if t is not None:
+            d = t.__dict__
+            if d.get("_ae") is o:
+                del d["_ae"]
+        o.value = o.ref = o.storage = None  # an exception's traceback may keep the window's nodes
+    for o in window.others:
+        # unmarked, an ALIAS or VIEW Out is reachable only from the window (a real tensor's mark
+        # was the one cycle: tensor -> Out -> tensor): it goes with the window
+        ref = o.ref
+        t = ref() if ref is not None else o.tensor
+        if t is not None:
+            d = t.__dict__
+            if d.get("_ae") is o:
+                del d["_ae"]
+        o.value = None
     window.fresh.clear()
     window.live.clear()
     window.others.clear()

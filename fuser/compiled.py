@@ -28,8 +28,9 @@ import queue
 import struct
 import threading
 import time
-from concurrent.futures import Future
 from collections import Counter, OrderedDict
+from concurrent.futures import Future
+from itertools import compress as _compress
 
 import torch
 import xxhash
@@ -45,6 +46,9 @@ log = logging.getLogger("adaptive_eager.fuser")
 FORMAT = 4  # bump when Program's encoding or the artifact packing changes
 
 _untyped_storage = torch._C.TensorBase.untyped_storage
+# a lifted scalar's 0-dim input (Note [Scalar lifting]): torch.tensor's argument parsing and type
+# inference cost twice as much, per scalar per run (AdamW lifts 2 per parameter)
+_scalar_tensor = torch.scalar_tensor
 # ``_profiler._is_profiler_enabled`` is a module flag torch.profiler sets on start and clears on stop
 # (``_run_on_profiler_start``): one attribute read, so a run pays ~nothing while no profiler records.
 _profiler = torch.autograd.profiler
@@ -192,13 +196,14 @@ LIFT_AFTER = 2  # a float argument that changed this many times becomes a runtim
 class _Group:
     """What windows of one structure (scalar values aside) have shown: Note [Scalar lifting]."""
 
-    __slots__ = ("last", "changes", "lifted", "unliftable")
+    __slots__ = ("last", "changes", "lifted", "unliftable", "keep")
 
     def __init__(self):
         self.last: tuple | None = None
         self.changes: Counter[int] = Counter()
         self.lifted: tuple[int, ...] = ()
         self.unliftable = False  # the compiled graph could not take these floats as inputs
+        self.keep: list[bool] | None = None  # per scalar: not lifted (the baked ones), for compress
 
 
 _GROUPS: OrderedDict = OrderedDict()
@@ -213,21 +218,40 @@ def _scalar_key(structure, scalars: list) -> tuple:
             _GROUPS.popitem(last=False)
     values = tuple(scalars)
     last = group.last
+    baked = None
     if last is not None and values != last and len(values) == len(last) and not group.unliftable:
-        lifted = set(group.lifted)
-        for i, (a, b) in enumerate(zip(values, last)):
-            if a != b and i not in lifted:
-                group.changes[i] += 1
-                if group.changes[i] >= LIFT_AFTER:
-                    lifted.add(i)
-        if len(lifted) != len(group.lifted):
-            group.lifted = tuple(sorted(lifted))
-            _recompile("scalar_lifted", None)
+        if group.lifted:  # the lifted values change every window: look further only if others do
+            keep = _keep(group, len(values))
+            baked = tuple(_compress(values, keep))
+            changed = baked != tuple(_compress(last, keep))
+        else:
+            changed = True
+        if changed:
+            lifted = set(group.lifted)
+            for i, (a, b) in enumerate(zip(values, last)):
+                if a != b and i not in lifted:
+                    group.changes[i] += 1
+                    if group.changes[i] >= LIFT_AFTER:
+                        lifted.add(i)
+            if len(lifted) != len(group.lifted):
+                group.lifted = tuple(sorted(lifted))
+                group.keep = baked = None
+                _recompile("scalar_lifted", None)
     group.last = values
     if not group.lifted:
         return (group, (), values)
-    lifted = set(group.lifted)
-    return (group, group.lifted, tuple(v for i, v in enumerate(values) if i not in lifted))
+    if baked is None:
+        baked = tuple(_compress(values, _keep(group, len(values))))
+    return (group, group.lifted, baked)
+
+
+def _keep(group: _Group, n: int) -> list[bool]:
+    """Per scalar of the group's windows: whether it is baked (not lifted), for ``compress``."""
+    keep = group.keep
+    if keep is None or len(keep) != n:
+        lifted = set(group.lifted)
+        keep = group.keep = [i not in lifted for i in range(n)]
+    return keep
 
 
 def run(window: Window, backend, options) -> tuple[int, int, int]:
@@ -689,7 +713,7 @@ def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) ->
     metadata is checked against the program's placeholders before anything is written."""
     inputs = list(window.real_inputs)
     if sym.lifted_inputs:
-        inputs += [torch.tensor(window.scalars[i], dtype=dt) for i, dt in sym.lifted_inputs]
+        inputs += [_scalar_tensor(window.scalars[i], dtype=dt) for i, dt in sym.lifted_inputs]
     with as_recorded():
         outs = sym.run(inputs)
         if len(outs) != entry.n_live + len(entry.mutated):
@@ -825,7 +849,7 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out]) -> int:
     inputs = list(window.real_inputs)
     if entry.lifted_inputs:
         scalars = window.scalars
-        inputs += [torch.tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
+        inputs += [_scalar_tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
     with as_recorded():
         outs = entry.run(inputs)
         copies = 0
@@ -1186,7 +1210,7 @@ class Program:
 
     def lifted_examples(self) -> list[torch.Tensor]:
         values = dict(zip(self.lifted, self.scalars))
-        return [torch.tensor(values[k], dtype=dt) for k, dt in self.lifted_inputs]
+        return [_scalar_tensor(values[k], dtype=dt) for k, dt in self.lifted_inputs]
 
 
 
@@ -1382,6 +1406,7 @@ def _collect(entry: _Entry) -> None:
         if entry.group is not None:
             entry.group.unliftable = True
             entry.group.lifted = ()
+            entry.group.keep = None
         return
     except Exception as e:  # noqa: BLE001 - any compiler failure means: replay this key
         STATS.compile_failures += 1

@@ -130,6 +130,25 @@ def test_cosine_schedule_compiles_each_region_once():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_scalar_that_starts_changing_after_another_was_lifted_is_lifted_too(fresh_regions):
+    """Note [Scalar lifting]: ``a`` changes every window from the start and is lifted; ``b`` is
+    constant for 6 windows, then changes every window: it is lifted after LIFT_AFTER changes,
+    not compiled once per value."""
+    x = torch.randn(8)
+    scalars = [(0.1 * (i + 1), 0.5 if i < 6 else 0.5 + 0.01 * i) for i in range(16)]
+    ys = []
+    with adaptive_eager(**SYNC):
+        for a, b in scalars:
+            ys.append(x * a + b)
+            ae.sync()
+        m = ae.metrics()
+    assert m["recompiles"].get("scalar_lifted") == 2, m
+    # a baked twice, then lifted; b's first new value, then b lifted: 5, not one per window (16)
+    assert m["compiles"] <= 5, m
+    for y, (a, b) in zip(ys, scalars):
+        torch.testing.assert_close(y, x * a + b)
+
+
 def test_training_loop_that_rarely_syncs_hits_compiled_regions():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
