@@ -32,6 +32,10 @@ log = logging.getLogger("adaptive_eager")
 
 _Tensor = torch.Tensor
 _empty_strided = torch.empty_strided
+# Inductor's own CPU allocator: (shape tuple, stride tuple, dtype), no argument parsing and no
+# dispatch. A placeholder is allocated per recorded op: 0.47 us against empty_strided's 1.1 us.
+_empty_strided_cpu = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+_empty_strided_cpu = getattr(_empty_strided_cpu, "_empty_strided_cpu", None)
 _weakref = weakref.ref
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 _getframe = sys._getframe
@@ -105,6 +109,9 @@ class TracerState:
         # ``_record`` keys its meta cache by device too, except on a CPU target (one device)
         self.device_in_key = self.target_attr is None or options.device != "cpu"
         self.device = torch.device(options.device)
+        # how a placeholder is allocated on the record fast path: Inductor's CPU allocator (specs
+        # hold plain tuples), or None for ``empty_strided`` on the op's device
+        self.alloc_cpu = _empty_strided_cpu if options.device == "cpu" else None
         self.max_ops = options.window
         if self.periodicity is None or self.periodicity.cap != options.window:
             self.periodicity = Periodicity(options.window)
@@ -557,7 +564,11 @@ def _record_fast(st: TracerState, f, args, kwargs):
             window.mutated.add(o.slot)
     else:
         spec = specs[0]
-        res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
+        alloc = st.alloc_cpu
+        if alloc is not None:
+            res = alloc(spec[0], spec[1], spec[2])
+        else:
+            res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
         o = Out(window.token, FRESH, None, None, uid)
         o.meta = spec
         o.ref = _weakref(res)  # Note [Weak window]
@@ -779,7 +790,11 @@ def _record(st: TracerState, f, args, kwargs):
             outs.append(o)
             results.append(t)
             continue
-        p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
+        alloc = st.alloc_cpu
+        if alloc is not None:
+            p = alloc(spec[0], spec[1], spec[2])
+        else:
+            p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
         o = Out(window.token, FRESH, uid=uid + j)
         o.meta = spec
         o.ref = _weakref(p)  # Note [Weak window]
