@@ -12,9 +12,11 @@ op signature, which covers the op, input shapes/strides/dtypes/devices and scala
 its dataflow refs), which values are still observable (live placeholders), and which real inputs
 are written. It is exact (a tuple compared in full on a hit) and costs nothing to build at
 flush. That structure is hashed once per flush: it finds its scalar ``_Group`` (Note [Scalar
-lifting]), and the region is keyed by that group object (hashed by identity), the lifted positions
-and the baked scalar values. The persistent, process-independent key (for neff_cache) is a digest of the compiled graph's
-code and input metadata plus the backend fingerprint, computed only on a compile.
+lifting]), and the region is keyed by that group object (hashed by identity), the lifted
+positions and the baked scalar values. (A group dropped from ``_GROUPS`` leaves its regions
+unreachable; they age out of the LRU, and the structure starts a new group.) The persistent,
+process-independent key (for neff_cache) is a digest of the compiled graph's code and input
+metadata plus the backend fingerprint, computed only on a compile.
 """
 
 from __future__ import annotations
