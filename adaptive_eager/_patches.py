@@ -92,10 +92,7 @@ def _data_property(original):
                 alias._ae = o
         return alias
 
-    def setter(self, value):
-        put(self, value)
-
-    return property(getter, setter, doc=original.__doc__)
+    return property(getter, put, doc=original.__doc__)
 
 
 def _print_wrapper(original):

@@ -221,23 +221,17 @@ def _release(window: Window) -> None:
     free = _free_weak_ref
     for o in window.fresh:
         free(o.storage)
-    for o in window.live:
-        t = o.ref()
-        if t is not None:
-            d = t.__dict__
-            if d.get("_ae") is o:
-                del d["_ae"]
-        o.value = o.ref = o.storage = None  # an exception's traceback may keep the window's nodes
-    for o in window.others:
-        # unmarked, an ALIAS or VIEW Out is reachable only from the window (a real tensor's mark
-        # was the one cycle: tensor -> Out -> tensor): it goes with the window
-        ref = o.ref
-        t = ref() if ref is not None else o.tensor
-        if t is not None:
-            d = t.__dict__
-            if d.get("_ae") is o:
-                del d["_ae"]
-        o.value = None
+    for outs in (window.live, window.others):
+        for o in outs:
+            # unmarked, the Out is reachable only from the window (a real tensor's mark was the
+            # one cycle: tensor -> Out -> tensor), and goes with it
+            ref = o.ref
+            t = ref() if ref is not None else o.tensor
+            if t is not None:
+                d = t.__dict__
+                if d.get("_ae") is o:
+                    del d["_ae"]
+            o.value = o.storage = None  # an exception's traceback may keep the window's nodes
     window.fresh.clear()
     window.live.clear()
     window.others.clear()
@@ -452,15 +446,10 @@ def _decline(window: Window, n0: int):
 def _alias_out(window: Window, node: Node, t, src, uid: int) -> Out:
     """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
     (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
-    o = Out(window.token, ALIAS, alias=src, uid=uid)
-    if type(src) is Out:
-        o.ref = _weakref(t)  # a pending value: held weakly (Note [Weak window])
-        o.meta = src.meta
-        o.slot = src.slot
+    if type(src) is Out:  # a pending value: held weakly (Note [Weak window])
+        o = Out(window.token, ALIAS, uid, src.meta, _weakref(t), slot=src.slot, alias=src)
     else:
-        o.tensor = t
-        o.meta = (t.shape, t.stride(), t.dtype)
-        o.slot = window.slot_of(t)
+        o = Out(window.token, ALIAS, uid, (t.shape, t.stride(), t.dtype), slot=window.slot_of(t), tensor=t, alias=src)
     t._ae = o
     window.others.append(o)
     return o
@@ -569,10 +558,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
             res = alloc(spec[0], spec[1], spec[2])
         else:
             res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(window.token, FRESH, None, None, uid)
-        o.meta = spec
-        o.ref = _weakref(res)  # Note [Weak window]
-        o.storage = _untyped_storage(res)._weak_ref()
+        o = Out(window.token, FRESH, uid, spec, _weakref(res), _untyped_storage(res)._weak_ref())  # Note [Weak window]
         res._ae = o
         window.fresh.append(o)
     node.outs.append(o)
@@ -795,10 +781,7 @@ def _record(st: TracerState, f, args, kwargs):
             p = alloc(spec[0], spec[1], spec[2])
         else:
             p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(window.token, FRESH, uid=uid + j)
-        o.meta = spec
-        o.ref = _weakref(p)  # Note [Weak window]
-        o.storage = _untyped_storage(p)._weak_ref()
+        o = Out(window.token, FRESH, uid + j, spec, _weakref(p), _untyped_storage(p)._weak_ref())  # Note [Weak window]
         p._ae = o
         outs.append(o)
         window.fresh.append(o)
@@ -874,9 +857,8 @@ def _record_view(st: TracerState, f, args, kwargs):
     views = res if isinstance(res, (tuple, list)) else (res,)
     uid = (node.index + 1) * OUTS_PER_NODE
     for j, v in enumerate(views):
-        vo = Out(window.token, VIEW, uid=uid + j, slot=slot)
-        vo.meta = (v.shape, v.stride(), v.dtype)
-        vo.ref = _weakref(v)  # Note [Weak window]; alive, it keeps its root's storage alive
+        # held weakly (Note [Weak window]); alive, it keeps its root's storage alive
+        vo = Out(window.token, VIEW, uid + j, (v.shape, v.stride(), v.dtype), _weakref(v), slot=slot)
         v._ae = vo
         node.outs.append(vo)
         window.others.append(vo)

@@ -40,7 +40,7 @@ import xxhash
 from . import partition
 from .backends._common import BackendCompileError, decode_torch_value, encode_torch_value, restrided
 from .partition import is_check
-from .replay import ReplayError, _bind, _expired, as_recorded, mark_needed, replay_window
+from .replay import ReplayError, _bind, as_recorded, mark_needed, read_liveness, replay_window
 from .window import ALIAS, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
@@ -160,20 +160,6 @@ class RegionCache:
 CACHE = RegionCache()
 
 
-def _live_outs(window: Window) -> list[Out]:
-    """FRESH values the program can still observe, in window order: the region's outputs.
-
-    Only values are visited, never nodes, so a flush that hits a compiled region costs per output,
-    not per op. A value is live while its placeholder's storage is (Note [Weak window])."""
-    live = window.live = []
-    expired = _expired
-    for o in window.fresh:
-        if not expired(o.storage):
-            o.live = True
-            live.append(o)
-    return live
-
-
 def _inputs_alias(window: Window) -> bool:
     """Whether a written real input shares storage with another real input.
 
@@ -259,7 +245,7 @@ def _keep(group: _Group, n: int) -> list[bool]:
 def run(window: Window, backend, options) -> tuple[int, int, int]:
     """Run ``window`` (after ``mark_needed``) compiled when its key is hot or on disk, else by
     replay; return the launches made. Leaves ``window.outcome`` and ``window.region``."""
-    live = _live_outs(window)
+    live = read_liveness(window)  # the region's outputs
     mutated = tuple(sorted(window.mutated))
     if not live and not mutated and not _checks(window):
         window.outcome = "dead"

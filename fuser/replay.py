@@ -39,31 +39,41 @@ def placeholder_of(out: Out, storage=None) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape, stride)
 
 
+def read_liveness(window: Window) -> list[Out]:
+    """Set ``Out.live`` of every FRESH value and return the live ones in window order (also
+    ``Window.live``, for the release: Note [Window release]). A compiled region's outputs.
+
+    Only values are visited, never nodes, so a flush that hits a compiled region costs per value,
+    not per op. A value is live while its placeholder's storage is (Note [Weak window])."""
+    live = window.live = []
+    expired = _expired
+    for o in window.fresh:
+        if expired(o.storage):
+            o.live = False
+        else:
+            o.live = True
+            live.append(o)
+    return live
+
+
 def mark_needed(window: Window) -> int:
     """Mark the nodes whose results can be observed; return how many compute nodes are dead.
 
     A node is needed if it mutates something (the program sees its arguments), if one of its fresh
-    values can still be observed (``value_is_dead``), or if a needed node reads one of its values.
+    values can still be observed (``read_liveness``), or if a needed node reads one of its values.
     """
     dead = 0
-    live = window.live = []  # for the release: Note [Window release]
+    read_liveness(window)
     for node in reversed(window.nodes):
         if node.is_view:
             needed = any(o.needed for o in node.outs)
         else:
-            # a mutating op is always needed, but its fresh outputs (BatchNorm's) still need their
-            # liveness: it decides whether they are written to their placeholders
+            # a mutating op is always needed (its fresh outputs, BatchNorm's, are written to their
+            # placeholders only if live)
             needed = node.mutates
             for o in node.outs:
-                if o is None or o.kind != FRESH:
-                    continue
-                if _expired(o.storage):
-                    o.live = False
-                    if o.needed:
-                        needed = True
-                else:
-                    o.live = needed = True
-                    live.append(o)
+                if o is not None and o.kind == FRESH and (o.live or o.needed):
+                    needed = True
         node.needed = needed
         if needed:
             index = node.index
@@ -232,4 +242,5 @@ def _drop_last_reads(node: Node) -> None:
             inp.value = None
 
 
-__all__ = ["replay_window", "mark_needed", "value_is_dead", "placeholder_of", "ReplayError", "FRESH", "ALIAS", "VIEW"]
+__all__ = ["replay_window", "mark_needed", "read_liveness", "value_is_dead", "placeholder_of", "ReplayError", "FRESH",
+           "ALIAS", "VIEW"]

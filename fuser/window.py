@@ -62,15 +62,16 @@ class Out:
     __slots__ = ("win", "kind", "tensor", "alias", "value", "needed", "live", "uid", "slot", "meta", "ref",
                  "storage", "last")
 
-    def __init__(self, win: object, kind: int, tensor=None, alias=None, uid: int = 0, slot: int = -1):
+    def __init__(self, win: object, kind: int, uid: int, meta, ref=None, storage=None, slot: int = -1,
+                 tensor=None, alias=None):
         self.win = win  # the ``Window.token`` of its window: Note [Window release]
         self.uid = uid  # position in the window (node index and output index): part of region keys
         self.slot = slot  # ALIAS/VIEW of a real input: that input's slot in ``Window.real_inputs``
-        self.meta = None  # (shape, stride, dtype) of the tensor: the record path's signature of it
+        self.meta = meta  # (shape, stride, dtype) of the tensor: the record path's signature of it
         self.kind = kind
         self.tensor = tensor  # ALIAS of a real tensor: that tensor (the window holds it anyway)
-        self.ref = None  # a weak reference to the program's tensor (Note [Weak window])
-        self.storage = None  # FRESH: weak handle of the placeholder's storage (Note [Weak window])
+        self.ref = ref  # a weak reference to the program's tensor (Note [Weak window])
+        self.storage = storage  # FRESH: weak handle of the placeholder's storage (Note [Weak window])
         self.alias = alias  # ALIAS: the argument it aliases (tensor or Out)
         self.value = None  # the tensor holding the computed value once the node ran
         self.needed = False  # a needed op of the window reads it

@@ -486,7 +486,7 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
     opt_e, opt_l = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     want = [step(eager, opt_e).item() for _ in range(6)]
     outputs, recorded = [], []
-    live_outs = fuser.compiled._live_outs
+    live_outs = fuser.compiled.read_liveness
 
     def spy(window):
         live = live_outs(window)
@@ -494,7 +494,7 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
         recorded.append({str(n.func) for n in window.nodes})
         return live
 
-    monkeypatch.setattr(fuser.compiled, "_live_outs", spy)
+    monkeypatch.setattr(fuser.compiled, "read_liveness", spy)
     with adaptive_eager(**SYNC):
         got = [step(model, opt_l) for _ in range(3)]
         copies = _count_bind_copies(monkeypatch)
