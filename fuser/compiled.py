@@ -1373,10 +1373,11 @@ def _store(options):
     """The persistent artifact store of ``options.cache_dir`` (one per directory and process)."""
     from neff_cache import ArtifactStore
 
-    where = (os.path.expanduser(options.cache_dir), options.cache_size_mb, os.getpid())
+    where = (os.path.expanduser(options.cache_dir), options.cache_size_mb, options.cache_shared, os.getpid())
     store = _STORES.get(where)
     if store is None:
-        store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=options.cache_size_mb)
+        store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=options.cache_size_mb,
+                                               shared=options.cache_shared)
     return store
 
 
