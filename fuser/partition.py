@@ -160,7 +160,7 @@ def load(artifact: bytes, backend):
                 values.append(graph.call_function(resolve_op(node["op"], "split"),
                                                   decode_arg(node["args"], values, "split"), kwargs))
         graph.output(tuple(decode_arg(o, values, "split") for o in plan["outputs"]))
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, AssertionError) as e:  # FX asserts
         raise BackendCompileError(f"split: the artifact's plan is malformed: {type(e).__name__}: {e}") from e
     forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
     run = below_autograd(lambda inputs: forward(*inputs))
