@@ -36,7 +36,7 @@ directory between the check and SQLite's open.
 
 Note [No pickle]
 ~~~~~~~~~~~~~~~~
-diskcache pickles every value that is not bytes, str, int or float, and ``Disk.fetch``/``Disk.get``
+diskcache pickles every value that is not bytes, str, int64 or float, and ``Disk.fetch``/``Disk.get``
 unpickle such rows, so a planted row would run code in whoever reads it (``stats()``, the CLI).
 ``SafeDisk`` stores only values diskcache keeps raw (it raises before pickling anything else) and
 refuses, without unpickling, every pickled or text value and every pickled key. The fuser's
@@ -180,9 +180,9 @@ class SafeDisk(diskcache.Disk):
             write_value(self._directory, filename, value, self.access)
             return len(value), MODE_BINARY, filename, None
         raw = (type(value) in (bytes, str) and len(value) < self.min_file_size) or (
-            type(value) is int and value in _INT64)
+            type(value) is int and value in _INT64) or type(value) is float
         if read or not raw:
-            raise TypeError(f"neff_cache stores bytes, short str and int64 values, not {type(value).__name__}")
+            raise TypeError(f"neff_cache stores bytes, short str, int64 and float, not {type(value).__name__}")
         return super().store(value, read, key)
 
     def fetch(self, mode, filename, value, read):

@@ -166,6 +166,15 @@ def test_planted_pickles_in_control_never_run(tmp_path, caplog):
     assert sum("foreign value" in w for w in warnings_of(caplog)) == 3
 
 
+def test_nothing_is_stored_that_diskcache_would_pickle(tmp_path):
+    with ArtifactStore(tmp_path / "cache") as store:
+        for cache in (store._backend._artifacts, store._backend._control):
+            for value in ({"a": 1}, 2**70, "x" * 40_000):
+                with pytest.raises(TypeError, match="neff_cache stores"):
+                    cache.set("count/x", value)
+    assert not [name for name in modes(tmp_path / "cache") if name.endswith(".val")]  # nor a text file
+
+
 def test_a_pickled_key_is_never_read_and_never_stops_eviction(tmp_path):
     # A row keyed by a pickle (diskcache pickles keys that are not str, bytes or numbers) is the
     # least recently used: eviction must neither unpickle it nor spin on it forever.
