@@ -21,6 +21,7 @@ ENV_SWITCH = "NEURON_EAGER"  # adaptive | eager (unset = eager)
 SWITCH_VALUES = ("adaptive", "eager")
 BACKENDS = ("replay", "inductor", "neuron")
 LOG_LEVELS = ("warning", "info", "debug")
+CACHE_SHARING = ("no", "group")  # neff_cache.store.SHARING
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,7 @@ class Options:
     backend: str = "replay"  # load_options picks inductor for cpu and cuda
     cache_dir: str = os.path.join("~", ".cache", "adaptive_eager")
     cache_size_mb: int = 4096
+    cache_shared: str = "no"  # who besides the user may write the cache: Note [Cache trust] in neff_cache.access
     hot_after: int = 2
     async_compile: bool = True
     log: str = "warning"
@@ -106,6 +108,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "backend": (_parse_choice(BACKENDS), "how windows run: `inductor` (default on cpu and cuda) or `replay` (op by op; default elsewhere)"),
     "cache_dir": (_parse_str, "persistent cache directory (default ~/.cache/adaptive_eager)"),
     "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
+    "cache_shared": (_parse_choice(CACHE_SHARING), "`no` (default): only you may write the cache directory, else it is "
+                     "not used; `group`: its group may too, for users who trust each other to run code as them "
+                     "(README \"Sharing a cache\")"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
@@ -219,11 +224,11 @@ def _check_types(values: dict[str, Any]) -> None:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
 
 
-def cache_dir(environ: Mapping[str, str] | None = None) -> str:
-    """Just the cache directory setting (for ``python -m neff_cache``: no torch import)."""
+def cache_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from the environment, else its default (for ``python -m neff_cache``: no torch import)."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(_env("cache_dir"))
-    return Options.cache_dir if raw is None else _parse_str("cache_dir", raw)
+    raw = environ.get(_env(name))
+    return getattr(Options, name) if raw is None else SETTINGS[name][0](name, raw)
 
 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:

@@ -25,7 +25,6 @@ import itertools
 import json
 import logging
 import os
-import pickle
 import queue
 import struct
 import threading
@@ -38,14 +37,16 @@ import torch
 import xxhash
 
 from . import partition
-from .backends._common import BackendCompileError, decode_torch_value, encode_torch_value, restrided
+from .backends._common import (
+    BackendCompileError, decode_torch_value, encode_torch_value, pack_sections, restrided, unpack_sections,
+)
 from .partition import is_check
 from .replay import ReplayError, _bind, as_recorded, mark_needed, read_liveness, replay_window
 from .window import ALIAS, VIEW, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
 
-FORMAT = 4  # bump when Program's encoding or the artifact packing changes
+FORMAT = 5  # bump when Program's encoding or the artifact packing changes
 
 _untyped_storage = torch._C.TensorBase.untyped_storage
 # a lifted scalar's 0-dim input (Note [Scalar lifting]): torch.tensor's argument parsing and type
@@ -286,7 +287,7 @@ def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backe
         data = store.get(entry.pkey, fingerprint=backend.fingerprint())
         if data is not None:
             entry.other_process = False
-            entry.future = _submit(_load, data, backend)
+            entry.future = _submit(_load, data, backend, store, entry.pkey, False)
             if not wait:
                 # the first load in a process imports Inductor (~1-2 s): replay meanwhile
                 return _replay(window, "compiling")
@@ -634,7 +635,7 @@ def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, option
         data = store.get(sym.pkey, fingerprint=backend.fingerprint())
         if data is not None:
             sym.other_process = False
-            sym.future = _submit(_load, data, backend)
+            sym.future = _submit(_load, data, backend, store, sym.pkey, True)
             if wait:
                 _collect(sym)
                 outcome = "loaded"
@@ -756,7 +757,7 @@ def _jobs(store, options):
 
 def _submit_job(entry: _Entry, backend, store, options) -> None:
     store.release(entry.pkey)  # CompileJobs claims the key itself
-    payload = json.dumps({"backend": backend.name, "device": options.device,
+    payload = json.dumps({"backend": backend.name, "device": options.device, "key": entry.pkey,
                           "program": entry.program.to_bytes().decode()}).encode()
     try:
         submitted = _jobs(store, options).submit(
@@ -798,18 +799,25 @@ def _replay(window: Window, outcome: str = "replayed") -> tuple[int, int, int]:
 
 
 def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> tuple[int, int, int]:
+    check = type(entry.run) is _Unverified  # Note [Artifacts from disk]
     try:
         if _profiler._is_profiler_enabled:
             with _record_function(f"adaptive_eager.region[{entry.region}]"):
-                return (_run_compiled(entry, window, live), *entry.counts)
-        return (_run_compiled(entry, window, live), *entry.counts)
+                launched = _run_compiled(entry, window, live, check)
+        else:
+            launched = _run_compiled(entry, window, live, check)
     except Exception as e:  # never the program's problem: replay
         # Replay raises eager's own error when the data is at fault (an index out of range, a
         # singular matrix's check): the region is sound and stays. If replay succeeds, the
         # compiled code was wrong for this window: blacklist it.
         done = _replay(window)
+        if check:
+            entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
         _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
         return done
+    if check:
+        entry.run = entry.run.run
+    return (launched, *entry.counts)
 
 
 def _checks(window: Window) -> bool:
@@ -830,16 +838,18 @@ def _blacklist(entry: _Entry, why: str) -> None:
     log.warning("adaptive_eager: a region was blacklisted and will be replayed: %s", why)
 
 
-def _run_compiled(entry: _Entry, window: Window, live: list[Out]) -> int:
+def _run_compiled(entry: _Entry, window: Window, live: list[Out], check: bool = False) -> int:
     # Only the call can fail (a compiled kernel's check, e.g. an out-of-range index); nothing is
     # written before it returns, so a failure leaves the window intact for replay, which raises
-    # eager's own error.
+    # eager's own error. ``check``: the outputs' metadata is checked first (Note [Artifacts from disk]).
     inputs = list(window.real_inputs)
     if entry.lifted_inputs:
         scalars = window.scalars
         inputs += [_scalar_tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
     with as_recorded():
         outs = entry.run(inputs)
+        if check:
+            _check_outputs(entry, window, live, outs)
         copies = 0
         for o, r in zip(live, outs):
             copies += _bind(o, r)
@@ -853,6 +863,45 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out]) -> int:
             real[slot].copy_(r)  # write-back of parameters, optimizer state, buffers
     STATS.compiled_runs += 1
     return 1 + copies + len(entry.mutated)  # the copies are launches too
+
+
+# Note [Artifacts from disk]
+# An artifact read from the store passed its checksum, which proves only that whoever wrote it
+# computed one (Note [Cache trust] in neff_cache.access). Loading checks its structure (Note
+# [Artifact container], the key it was packed for, the backend's own format, a symbolic region's
+# shape guards); an artifact that fails is evicted from the store (counted in corrupt_entries)
+# and the region is replayed in this process. A static region loaded from disk is also
+# ``_Unverified`` until its first run succeeds: the count, shapes, strides and dtypes of its
+# outputs must be the placeholders' before anything is written, else the window is replayed and
+# the artifact evicted. (A symbolic region's outputs are checked at each shape's first run:
+# ``_run_checked``.) No check catches an artifact edited to compute other values with the same
+# metadata: within the cache's trust boundary, that is the writer's power.
+class _Unverified:
+    """A static region's callable from disk, until its first run (Note [Artifacts from disk])."""
+
+    __slots__ = ("run", "store")
+
+    def __init__(self, run, store):
+        self.run = run
+        self.store = store  # where it came from: evicted from there if it fails
+
+    def __call__(self, inputs):
+        return self.run(inputs)
+
+
+def _check_outputs(entry: _Entry, window: Window, live: list[Out], outs) -> None:
+    n = entry.n_live + (0 if entry.inplace else len(entry.mutated))
+    if len(outs) != n:
+        raise _Mismatch(f"{len(outs)} outputs for {n}")
+    for o, r in zip(live, outs):
+        if (tuple(r.shape), tuple(r.stride()), r.dtype) != (tuple(o.meta[0]), tuple(o.meta[1]), o.meta[2]):
+            raise _Mismatch(f"output {tuple(r.shape)} {tuple(r.stride())} {r.dtype} for placeholder "
+                            f"{tuple(o.meta[0])} {tuple(o.meta[1])} {o.meta[2]}")
+    real = window.real_inputs
+    for slot, r in zip(entry.mutated, outs[entry.n_live:]):
+        if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
+            raise _Mismatch(f"written input {slot}: {tuple(r.shape)} {r.dtype} for {tuple(real[slot].shape)} "
+                            f"{real[slot].dtype}")
 
 
 class _Ref:
@@ -1264,7 +1313,7 @@ def compile_job(payload: bytes) -> bytes:
 
     backend = get_backend(doc["backend"], doc["device"])
     program = Program.from_bytes(doc["program"].encode())
-    return _pack(*compile_program(program, backend))
+    return _pack(*compile_program(program, backend), doc["key"])
 
 
 _MAX_FAILED_OPS = 4  # ops retried alone after a failed compile before the region is given up
@@ -1334,24 +1383,49 @@ def _submit(fn, *args) -> Future:
     return future
 
 
-def _pack(artifact: bytes, lifted_inputs, how: dict) -> bytes:
-    return pickle.dumps({"artifact": artifact, "lifted": [(i, str(dt).removeprefix("torch.")) for i, dt in lifted_inputs],
-                         **how})
+def _pack(artifact: bytes, lifted_inputs, how: dict, key: str) -> bytes:
+    """What the store holds for region ``key``: Note [Artifact container], no pickle."""
+    lifted = [[i, str(dt).removeprefix("torch.")] for i, dt in lifted_inputs]
+    return pack_sections({"format": FORMAT, "key": key, "lifted": lifted, **how}, [artifact])
 
 
-def _unpack(data: bytes):
-    doc = pickle.loads(data)
-    return doc["artifact"], [(i, getattr(torch, dt)) for i, dt in doc["lifted"]], {
-        "alone": doc["alone"], "inplace": doc["inplace"]}
+def _unpack(data: bytes, key: str):
+    """``_pack``'s parts; BackendCompileError for anything this process would not have packed for ``key``."""
+    header, sections = unpack_sections(data, "artifact")
+    lifted, alone, inplace = header.get("lifted"), header.get("alone"), header.get("inplace")
+    problem = None
+    if header.get("format") != FORMAT or header.get("key") != key or len(sections) != 1:
+        problem = f"it was packed as format {header.get('format')} for key {header.get('key')!r}"
+    elif type(inplace) is not bool or type(alone) is not dict or not all(
+            type(k) is str and type(n) is int for k, n in alone.items()):
+        problem = f"how it runs is malformed: alone={alone!r}, inplace={inplace!r}"
+    elif type(lifted) is not list or not all(
+            type(x) is list and len(x) == 2 and type(x[0]) is int and x[0] >= 0 and type(x[1]) is str
+            and isinstance(getattr(torch, x[1], None), torch.dtype) for x in lifted):
+        problem = f"its lifted inputs are malformed: {str(lifted)[:200]}"
+    if problem is not None:
+        raise BackendCompileError(f"artifact: not one for region {key} of format {FORMAT}: {problem}")
+    return sections[0], [(i, getattr(torch, dt)) for i, dt in lifted], {"alone": alone, "inplace": inplace}
 
 
 def _load_artifact(artifact: bytes, how: dict, backend):
     return partition.load(artifact, backend) if how["alone"] else backend.load(artifact)
 
 
-def _load(data: bytes, backend):
-    artifact, lifted_inputs, how = _unpack(data)
-    return _load_artifact(artifact, how, backend), lifted_inputs, None, how  # None: from disk, no compile
+def _load(data: bytes, backend, store, key: str, dynamic: bool):
+    """Load region ``key``'s artifact from ``store``; a symbolic (``dynamic``) region's must carry
+    shape guards. One that does not load is evicted (Note [Artifacts from disk])."""
+    try:
+        artifact, lifted_inputs, how = _unpack(data, key)
+        run = _load_artifact(artifact, how, backend)
+        if dynamic != (getattr(run, "guards", None) is not None):
+            raise BackendCompileError(f"artifact: a {'symbolic' if dynamic else 'per-shape'} region's artifact "
+                                      f"{'lacks' if dynamic else 'has'} shape guards")
+    except Exception as e:
+        store.discard(key, f"does not load: {type(e).__name__}: {e}")
+        raise
+    run = run if dynamic else _Unverified(run, store)
+    return run, lifted_inputs, None, how  # None: from disk, no compile
 
 
 def _compile_and_store(program: Program, backend, store, pkey: str):
@@ -1359,8 +1433,8 @@ def _compile_and_store(program: Program, backend, store, pkey: str):
     try:
         artifact, lifted_inputs, how = compile_program(program, backend)
         seconds = time.perf_counter() - t0
-        store.put(pkey, _pack(artifact, lifted_inputs, how), fingerprint=backend.fingerprint(), backend=backend.name,
-                  compile_seconds=seconds)
+        store.put(pkey, _pack(artifact, lifted_inputs, how, pkey), fingerprint=backend.fingerprint(),
+                  backend=backend.name, compile_seconds=seconds)
     finally:
         store.release(pkey)
     return _load_artifact(artifact, how, backend), lifted_inputs, seconds, how
@@ -1373,10 +1447,11 @@ def _store(options):
     """The persistent artifact store of ``options.cache_dir`` (one per directory and process)."""
     from neff_cache import ArtifactStore
 
-    where = (os.path.expanduser(options.cache_dir), options.cache_size_mb, os.getpid())
+    where = (os.path.expanduser(options.cache_dir), options.cache_size_mb, options.cache_shared, os.getpid())
     store = _STORES.get(where)
     if store is None:
-        store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=options.cache_size_mb)
+        store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=options.cache_size_mb,
+                                               shared=options.cache_shared)
     return store
 
 

@@ -19,7 +19,8 @@ in ``adaptive_eager._ops``) and ops that need data flush the window first.
 that contain no such node and compiles each piece with the backend as a graph of its own. What is
 left is a plan, the outer graph in program order: call a piece, take an item of its result, or
 run one op alone (eagerly, as the window's replay would). It is stored in the replay backend's
-JSON (``encode_arg``); the artifact is the plan and the pieces' artifacts. ``load`` rebuilds the
+JSON (``encode_arg``); the artifact is the plan and the pieces' artifacts (Note [Artifact
+container] in ``fuser.backends._common``). ``load`` checks the plan's structure and rebuilds the
 plan as an FX graph calling the loaded pieces: one callable with the backend's calling
 convention, so the fuser runs a split region like any other. A graph with no such node is not split: the backend gets it whole.
 
@@ -31,14 +32,14 @@ can fail part way, after a piece has run.
 from __future__ import annotations
 
 import copy
-import json
-import pickle
 from collections import Counter
 
 import torch
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from .backends._common import BackendCompileError, below_autograd, decode_arg, encode_arg, op_name, resolve_op
+from .backends._common import (
+    BackendCompileError, below_autograd, decode_arg, encode_arg, op_name, pack_sections, resolve_op, unpack_sections,
+)
 
 _CHECK_OPS: dict = {}
 
@@ -127,8 +128,7 @@ def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, b
             index[node] = len(index)
     if len(examples) != sum(1 for n in outer.graph.nodes if n.op == "placeholder"):
         raise BackendCompileError(f"split graph does not take the region's {len(examples)} inputs")
-    plan = {"inputs": len(examples), "nodes": nodes, "outputs": outputs}
-    return pickle.dumps({"plan": json.dumps(plan), "parts": parts})
+    return pack_sections({"plan": {"inputs": len(examples), "nodes": nodes, "outputs": outputs}}, parts)
 
 
 def counts(alone: dict) -> dict:
@@ -143,19 +143,25 @@ def load(artifact: bytes, backend):
     """The callable of a split artifact: the backend's calling convention (a list of tensors in, a
     tuple out, below autograd and autocast). The plan becomes an FX graph calling the loaded
     pieces and the ops that run alone, so its generated code frees each value after its last use."""
-    doc = pickle.loads(artifact)
-    plan = json.loads(doc["plan"])
-    parts = [backend.load(a) for a in doc["parts"]]
+    header, pieces = unpack_sections(artifact, "split")
+    parts = [backend.load(a) for a in pieces]
     graph = torch.fx.Graph()
-    values = [graph.placeholder(f"in{i}") for i in range(plan["inputs"])]
-    for node in plan["nodes"]:
-        if "piece" in node:
-            values.append(graph.call_function(parts[node["piece"]], (decode_arg(node["args"], values, "split"),)))
-        else:
-            kwargs = {k: decode_arg(v, values, "split") for k, v in node["kwargs"].items()}
-            values.append(graph.call_function(resolve_op(node["op"], "split"), decode_arg(node["args"], values, "split"),
-                                              kwargs))
-    graph.output(tuple(decode_arg(o, values, "split") for o in plan["outputs"]))
+    try:
+        plan = header["plan"]
+        values = [graph.placeholder(f"in{i}") for i in range(plan["inputs"])]
+        for node in plan["nodes"]:
+            if "piece" in node:
+                piece = node["piece"]
+                if type(piece) is not int or not 0 <= piece < len(parts):
+                    raise IndexError(f"piece {piece!r} of {len(parts)}")
+                values.append(graph.call_function(parts[piece], (decode_arg(node["args"], values, "split"),)))
+            else:
+                kwargs = {k: decode_arg(v, values, "split") for k, v in node["kwargs"].items()}
+                values.append(graph.call_function(resolve_op(node["op"], "split"),
+                                                  decode_arg(node["args"], values, "split"), kwargs))
+        graph.output(tuple(decode_arg(o, values, "split") for o in plan["outputs"]))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, AssertionError) as e:  # FX asserts
+        raise BackendCompileError(f"split: the artifact's plan is malformed: {type(e).__name__}: {e}") from e
     forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
     run = below_autograd(lambda inputs: forward(*inputs))
     run.guards = None

@@ -15,6 +15,7 @@ from diskcache.core import DBNAME
 from neff_cache.store import BYTES_PER_MB, ArtifactStore
 
 FALLBACK_CACHE_DIR = os.path.join("~", ".cache", "adaptive_eager")
+FALLBACK_SHARED = "no"
 _AGE_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)")
 _SECONDS_PER_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -26,12 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prune" and args.max_size is None and args.older_than is None:
         parser.error("prune needs --max-size MB and/or --older-than AGE, e.g. 'prune --older-than 7d'")
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
-    directory = getattr(args, "cache_dir", None) or _default_cache_dir(parser)
-    directory = os.path.abspath(os.path.expanduser(directory))
+    default_directory, shared = _settings(parser)
+    directory = os.path.abspath(os.path.expanduser(getattr(args, "cache_dir", None) or default_directory))
     if not os.path.exists(os.path.join(directory, DBNAME)):
         print(f"no compiled-artifact cache at {directory}")
         return 0
-    with ArtifactStore(directory) as store:
+    with ArtifactStore(directory, shared=shared) as store:
         if store.in_memory:
             return 1  # the store has logged what is wrong with the directory and how to fix it
         _COMMANDS[args.command](store, args)
@@ -89,21 +90,22 @@ def _parse_age_s(text: str) -> float:
     return float(match.group(1)) * _SECONDS_PER_UNIT[match.group(2)]
 
 
-def _default_cache_dir(parser: argparse.ArgumentParser) -> str:
-    # Only adaptive_eager.config reads the environment (NEURON_EAGER_CACHE_DIR); neff_cache must work
-    # without it, so it is imported here and only here.
+def _settings(parser: argparse.ArgumentParser) -> tuple[str, str]:
+    """The cache directory and who shares it (NEURON_EAGER_CACHE_DIR, NEURON_EAGER_CACHE_SHARED)."""
+    # Only adaptive_eager.config reads the environment; neff_cache must work without it, so it is
+    # imported here and only here.
     try:
-        from adaptive_eager.config import cache_dir
+        from adaptive_eager.config import cache_setting
     except ImportError as error:
         if getattr(error, "name", None) not in ("adaptive_eager", "adaptive_eager.config"):
             print(
                 f"warning: could not import adaptive_eager.config ({type(error).__name__}: {error}); "
-                f"using {FALLBACK_CACHE_DIR}; pass --cache-dir DIR to choose",
+                f"using {FALLBACK_CACHE_DIR}, not shared; pass --cache-dir DIR to choose",
                 file=sys.stderr,
             )
-        return FALLBACK_CACHE_DIR
+        return FALLBACK_CACHE_DIR, FALLBACK_SHARED
     try:
-        return str(cache_dir())
+        return str(cache_setting("cache_dir")), cache_setting("cache_shared")
     except ValueError as error:  # a bad NEURON_EAGER_* value: the message names it
         parser.error(f"{error} (or pass --cache-dir DIR)")
 

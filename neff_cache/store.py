@@ -38,7 +38,8 @@ A directory that is read-only, full, on a broken file system or holding a damage
 stop the user's program: the first storage error switches the store, for the rest of the process,
 to an in-memory LRU store of the same size bound, with one WARNING that names the directory, the
 error and the fix. Damage confined to one entry (unreadable value file, bad checksum) evicts that
-entry only.
+entry only. So does a directory that someone other than the user may write (Note [Cache trust] in
+``neff_cache.access``): it is never read, and the warning says what is wrong with it.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ import diskcache
 from diskcache.core import DBNAME, MODE_BINARY, MODE_RAW
 import xxhash
 
+from neff_cache.access import SafeDisk, UnsafeEntry, UntrustedCache, open_directory
+
 log = logging.getLogger("neff_cache")
 
 FORMAT_VERSION = 1
+SHARING = ("no", "group")  # who may write the directory besides the user: Note [Cache trust]
 BYTES_PER_MB = 2**20  # sizes in MB here are MiB, as NEURON_EAGER_CACHE_SIZE_MB
 
 _KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
@@ -74,7 +78,8 @@ _META_FIELDS = {"fingerprint": str, "backend": str, "size": int, "checksum": str
 
 _SELECT_ENTRY = "SELECT rowid, tag, mode, filename, value FROM Cache WHERE key = ? AND raw = ?"
 _RECORD_HIT = "UPDATE Cache SET access_time = ?, access_count = access_count + 1 WHERE rowid = ?"
-_SELECT_LEAST_RECENTLY_USED = "SELECT key FROM Cache ORDER BY access_time LIMIT 1"
+# raw = 1: a row keyed by a pickle (never ours) could not be deleted by its key, and put would spin on it
+_SELECT_LEAST_RECENTLY_USED = "SELECT key FROM Cache WHERE raw = 1 ORDER BY access_time LIMIT 1"
 _SELECT_ROWS = "SELECT key, tag, store_time, access_time, access_count FROM Cache WHERE raw = 1"
 
 
@@ -95,20 +100,32 @@ def checksum(data: bytes) -> str:
 
 
 class _DiskBackend:
-    """Entries, claims and counters on diskcache; see Note [Storage layout] and Note [Claims]."""
+    """Entries, claims and counters on diskcache; see Note [Storage layout] and Note [Claims].
+    Raises UntrustedCache for a directory others may write (Note [Cache trust])."""
 
-    def __init__(self, directory: str, size_limit_bytes: int):
+    def __init__(self, directory: str, size_limit_bytes: int, shared: bool = False):
+        access = open_directory(directory, shared)
+        control = os.path.join(directory, "control")
+        access.check(control, directory=True, create=True)
+        for where in (directory, control):
+            # made with our mode before SQLite makes it (its -wal and -shm files copy that mode)
+            access.check(os.path.join(where, DBNAME), create=True)
+            for suffix in ("-wal", "-shm"):
+                access.check(os.path.join(where, DBNAME + suffix))
         self._artifacts = diskcache.Cache(
             directory,
+            disk=SafeDisk,
             size_limit=size_limit_bytes,
             eviction_policy="least-recently-used",
             cull_limit=0,  # Note [Eviction is counted]
         )
+        self._artifacts.disk.access = access
         try:
-            self._control = diskcache.Cache(os.path.join(directory, "control"), eviction_policy="none")
+            self._control = diskcache.Cache(control, disk=SafeDisk, eviction_policy="none")
         except BaseException:
             self._artifacts.close()
             raise
+        self._control.disk.access = access
 
     def read(self, stored_key: str) -> tuple[bytes | None, str | None, int] | None:
         """(data or None if the value cannot be read, metadata text, row handle), or None if absent."""
@@ -122,7 +139,7 @@ class _DiskBackend:
             return None, meta_text, rowid
         try:
             data = self._artifacts.disk.fetch(mode, filename, value, False)
-        except OSError:
+        except (OSError, UnsafeEntry):
             if stored_key not in self._artifacts:
                 return None  # removed by another process between the select and the file read
             return None, meta_text, rowid
@@ -155,19 +172,35 @@ class _DiskBackend:
         return self._control.add(claim_key, owner, expire=ttl_s, retry=True)
 
     def claim_owner(self, claim_key: str) -> str | None:
-        return self._control.get(claim_key, retry=True)
+        return self._control_value(claim_key, str)
 
     def release_claim(self, claim_key: str, owner: str) -> None:
         # Only the owner may release: after our claim lapsed, another process may hold the key.
         with self._control.transact(retry=True):
-            if self._control.get(claim_key) == owner:
+            if self._control_value(claim_key, str) == owner:
                 self._control.delete(claim_key)
 
     def increment_counter(self, name: str, amount: int) -> None:
+        self._control_value(f"count/{name}", int)  # incr would fail on a foreign value: drop it first
         self._control.incr(f"count/{name}", amount, retry=True)
 
     def counters(self) -> dict[str, int]:
-        return {name: self._control.get(f"count/{name}", 0, retry=True) for name in _COUNTERS}
+        return {name: self._control_value(f"count/{name}", int) or 0 for name in _COUNTERS}
+
+    def _control_value(self, key: str, kind: type):
+        """The value under ``key`` in control, if it has the type neff_cache stores there; any
+        other (a pickle, a file, another type) is deleted unread (Note [No pickle])."""
+        try:
+            value = self._control.get(key, retry=True)
+            if value is None or type(value) is kind:
+                return value
+            found = type(value).__name__
+        except UnsafeEntry as error:
+            found = str(error)
+        self._control.delete(key, retry=True)
+        log.warning("removed a foreign value under %s from %s (%s): neff_cache never stores one there",
+                    key, self._control.directory, found)
+        return None
 
     def close(self) -> None:
         self._artifacts.close()
@@ -281,7 +314,9 @@ class ArtifactStore:
     ``get`` verifies the checksum (and the compiler fingerprint when given) and evicts what fails;
     ``put`` writes atomically and evicts least-recently-used entries beyond ``size_limit_mb``;
     ``claim``/``release``/``wait_for`` make one process compile a key while the others wait.
-    A directory that cannot be used degrades the store to memory with one WARNING. Thread-safe;
+    A directory that cannot be used, or that someone else may write, degrades the store to memory
+    with one WARNING. ``shared="group"`` accepts a directory its group may write, for users who
+    trust each other (Note [Cache trust] in ``neff_cache.access``). Thread-safe;
     after ``fork`` the child reconnects by itself (diskcache checks the process id).
     """
 
@@ -290,11 +325,14 @@ class ArtifactStore:
         directory: str | os.PathLike[str],
         size_limit_mb: float = 4096,
         format_version: int = FORMAT_VERSION,
+        shared: str = "no",
     ):
         if not size_limit_mb > 0:
             raise ValueError(f"size_limit_mb must be positive, got {size_limit_mb!r}")
         if type(format_version) is not int or format_version < 1:
             raise ValueError(f"format_version must be an integer >= 1, got {format_version!r}")
+        if shared not in SHARING:
+            raise ValueError(f"shared must be one of {', '.join(SHARING)}, got {shared!r}")
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
         self.format_version = format_version
         self.size_limit_bytes = int(size_limit_mb * BYTES_PER_MB)
@@ -307,7 +345,16 @@ class ArtifactStore:
         self._instance_id = uuid.uuid4().hex[:12]
         self._backend: _DiskBackend | _MemoryBackend
         try:
-            self._backend = _DiskBackend(self.directory, self.size_limit_bytes)
+            self._backend = _DiskBackend(self.directory, self.size_limit_bytes, shared == "group")
+        except UntrustedCache as error:
+            self._backend = _MemoryBackend(self.size_limit_bytes)
+            log.warning(
+                "not using the compiled-artifact cache at %s: %s; whoever can write it could run code in this "
+                "process, so artifacts are kept in memory for this process only. To fix it, %s.",
+                self.directory,
+                error,
+                error.fix,
+            )
         except _STORAGE_ERRORS as error:
             self._backend = _MemoryBackend(self.size_limit_bytes)
             self._warn_degraded(error)
@@ -365,6 +412,11 @@ class ArtifactStore:
             return None
         self._call(lambda store: store.record_hit(handle))
         return data
+
+    def discard(self, key: str, problem: str) -> None:
+        """Evict the entry under ``key``, which passed its checksum but does not load or run
+        (``problem`` says how); counted and warned as a corrupt entry."""
+        self._evict_bad_entry(self._stored_key(key), "corrupt_entries", problem)
 
     def contains(self, key: str) -> bool:
         """True if an entry is stored under ``key`` (not verified, not counted as a use)."""

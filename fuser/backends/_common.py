@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import operator
+import struct
 from collections.abc import Callable, Sequence
 
 import torch
@@ -214,6 +216,9 @@ def decode_arg(x: object, values: list, backend: str) -> object:
         return x
     ((tag, v),) = x.items()
     if tag == "$n":
+        if type(v) is not int or not 0 <= v < len(values):
+            # a stored graph only names values defined before (a negative index would wrap)
+            raise BackendCompileError(f"{backend}: artifact names value {v!r} of {len(values)}")
         return values[v]
     if tag == "$tuple":
         return tuple(decode_arg(e, values, backend) for e in v)
@@ -245,3 +250,43 @@ def decode_torch_value(tag: str, v: object) -> object:
     if value is None or not isinstance(value, kind):
         raise ValueError(f"unknown value {tag} {v!r}")
     return value
+
+
+# Note [Artifact container]
+# A stored artifact that holds more than one part (the fuser's packing of a backend's artifact, a
+# split region's plan and pieces) is ``_MAGIC``, the length of a JSON header (8 bytes, little
+# endian), the header, and the parts' bytes back to back; the header lists the parts' lengths.
+# No pickle (Note [No pickle] in ``neff_cache.access``): reading one runs no stored code, and any
+# malformation (another magic, a header that is not a JSON object, lengths that do not add up to
+# the size) is a BackendCompileError naming what is wrong, never a crash or a part cut wrong.
+_MAGIC = b"adaptive-eager artifact\n"
+_LENGTH = struct.Struct("<Q")
+
+
+def pack_sections(header: dict, sections: Sequence[bytes]) -> bytes:
+    """``header`` (JSON, with the key "sections") and ``sections`` as one artifact: Note [Artifact container]."""
+    text = json.dumps({**header, "sections": [len(s) for s in sections]}, sort_keys=True).encode()
+    return b"".join([_MAGIC, _LENGTH.pack(len(text)), text, *sections])
+
+
+def unpack_sections(data: bytes, what: str) -> tuple[dict, list[bytes]]:
+    """``pack_sections``'s header and sections back; BackendCompileError naming ``what`` for anything malformed."""
+    if not data.startswith(_MAGIC):
+        raise BackendCompileError(f"{what}: not an adaptive eager artifact (it starts {bytes(data[:len(_MAGIC)])!r})")
+    start = len(_MAGIC) + _LENGTH.size
+    header = None
+    if len(data) >= start:
+        (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
+        try:
+            header = json.loads(data[start:start + length]) if start + length <= len(data) else None
+        except (ValueError, RecursionError):
+            pass
+    sizes = header.get("sections") if isinstance(header, dict) else None
+    if not (type(sizes) is list and all(type(n) is int and n >= 0 for n in sizes)
+            and start + length + sum(sizes) == len(data)):
+        raise BackendCompileError(f"{what}: the artifact's header is malformed or does not match its {len(data)} bytes")
+    sections, offset = [], start + length
+    for n in sizes:
+        sections.append(data[offset:offset + n])
+        offset += n
+    return header, sections

@@ -51,6 +51,7 @@ example (hint) sizes; the caller verifies it for other sizes.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import io
@@ -98,6 +99,25 @@ _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so one compile result always packs t
 # A compile patches Inductor's process-wide config and cache-dir environment variables for its
 # duration; two compiles at once in one process would see each other's.
 _compile_lock = threading.Lock()
+
+# Note [Trusted build directory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inductor builds C++ kernels in its cache directory and loads a .so it finds there under the
+# kernel's hash without building it; Triton does the same with its cache. Both default to a
+# predictable name under the temporary directory (``/tmp/torchinductor_$USER``): another user who
+# makes that directory first owns every build in it, and a kernel built here is bundled into the
+# artifact (Note [Self-contained Inductor artifacts]), so their .so would run in every process that
+# loads it. So a compile builds only where nobody but this user (and root) can write: Inductor's
+# directory and ours in it pass ``neff_cache.access.open_directory`` (owner, no group or other
+# write, not a symbolic link; made 0700 if missing), else the process builds in a private
+# temporary directory (its first compile is slower: the vector-ISA probes are built again), with
+# one WARNING naming the directory and the fix. A load writes bundled .so files only to a fresh
+# ``mkdtemp`` directory (0700, created exclusively: ``_load_cpp_kernel``) and Triton kernels only
+# to a Triton cache that passes the same check, else the load fails. What stays trusted: whoever
+# can write these directories as this user, as for the artifact cache (Note [Cache trust] in
+# ``neff_cache.access``), and torch.compile's own use of ``/tmp/torchinductor_$USER``, which
+# this backend does not govern.
+_stand_in_build_dirs: dict[str, str] = {}  # an untrusted build directory -> this process's private one
 
 
 class InductorBackend:
@@ -245,7 +265,8 @@ def _run_inductor(
         # A directory that outlives the process: Inductor keeps its vector-ISA probe builds there,
         # which makes the first compile in a process ~10 s instead of ~25 s. Ours, so it does not
         # mix with torch.compile's entries; the environment variable is restored afterwards.
-        cache_dir = temporary_cache_dir(os.path.join(default_cache_dir(), "adaptive_eager"))
+        # Only if nobody else can write it: Note [Trusted build directory].
+        cache_dir = temporary_cache_dir(_build_dir(default_cache_dir(), "adaptive_eager"))
     # AOTAutograd's cache would answer a repeated graph without calling inner_compile, leaving
     # nothing to capture; Inductor's own graph cache still makes such a compile fast.
     no_autograd_cache = torch._functorch.config.patch(enable_autograd_cache=False)
@@ -451,12 +472,49 @@ def _kernel_key(argtypes: list[str], source_code: str, kwargs: dict) -> str:
     return hashlib.sha256(repr((list(argtypes), source_code, sorted(kwargs.items()))).encode()).hexdigest()
 
 
+def _build_dir(inductor_dir: str, name: str) -> str:
+    """``inductor_dir/name`` for our builds if only this user can write both, else a private
+    directory of this process (Note [Trusted build directory])."""
+    from neff_cache.access import UntrustedCache
+
+    path = os.path.join(inductor_dir, name)
+    if path in _stand_in_build_dirs:
+        return _stand_in_build_dirs[path]
+    try:
+        _trusted_dirs(inductor_dir, path)
+        return path
+    except UntrustedCache as error:
+        stand_in = _stand_in_build_dirs[path] = tempfile.mkdtemp(prefix="adaptive_eager_inductor_")
+        atexit.register(shutil.rmtree, stand_in, ignore_errors=True)
+        log.warning(
+            "inductor: not building kernels in %s: %s; whoever can write it could run code in this process. "
+            "Building in %s for this process instead (its first compile is slower). To fix it, %s.",
+            path, error, stand_in, error.fix,
+        )
+        return stand_in
+
+
+def _trusted_dirs(top: str, path: str) -> None:
+    """``open_directory`` (made 0700 if missing, checked) for ``top`` and each directory below it
+    down to ``path``; raises UntrustedCache."""
+    from neff_cache.access import open_directory
+
+    directory = top
+    open_directory(directory)
+    for part in os.path.relpath(path, top).split(os.sep):
+        if part != os.curdir:
+            directory = os.path.join(directory, part)
+            open_directory(directory)
+
+
 def _load_cpp_kernel(blob: bytes) -> Callable:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     # Named by content, so a kernel shared by several artifacts is loaded once per process.
     key = "adaptive_eager_" + hashlib.sha256(blob).hexdigest()[:40]
-    # dlopen needs a file, but the mapping outlives it: nothing is left on disk.
+    # dlopen needs a file, but the mapping outlives it: nothing is left on disk. mkdtemp makes the
+    # directory 0700 and fails if the name exists: nobody else can put a file there (Note [Trusted
+    # build directory]).
     with tempfile.TemporaryDirectory(prefix="adaptive_eager_kernel_", ignore_cleanup_errors=True) as d:
         path = os.path.join(d, "kernel.so")
         with open(path, "wb") as f:
@@ -497,10 +555,20 @@ def _collect_triton(device_index: int) -> dict[str, bytes]:
 
 
 def _restore_triton(device_index: int, files: dict[str, bytes]) -> None:
-    """Put bundled Triton kernels where this process's Triton cache will look for them."""
-    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    """Put bundled Triton kernels where this process's Triton cache will look for them, if only this
+    user can write it (Note [Trusted build directory])."""
+    from neff_cache.access import UntrustedCache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
 
     base = triton_cache_dir(device_index)
+    inductor_dir = cache_dir()
+    try:
+        _trusted_dirs(inductor_dir if base.startswith(inductor_dir + os.sep) else base, base)
+    except UntrustedCache as error:
+        raise BackendCompileError(
+            f"inductor: Triton's cache {base} is not safe to load kernels from: {error}; to fix it, {error.fix} "
+            "(or set TRITON_CACHE_DIR to a directory of your own)"
+        ) from None
     kernels: dict[str, list[tuple[str, bytes]]] = {}
     for member, data in files.items():
         _, kernel_hash, name = member.split("/")
@@ -535,16 +603,50 @@ def _pack(manifest: dict, members: dict[str, bytes]) -> bytes:
 
 
 def _unpack(artifact: bytes) -> tuple[dict, dict[str, bytes]]:
-    """Manifest and members; zip's CRC-32 on every member catches corruption."""
+    """Manifest and members; zip's CRC-32 on every member catches corruption, and a manifest whose
+    fields do not have the types ``compile`` writes, or that names members the zip lacks, is refused."""
     try:
         with zipfile.ZipFile(io.BytesIO(artifact)) as z:
             members = {name: z.read(name) for name in z.namelist()}
         manifest = json.loads(members.pop("manifest.json"))
-    except (zipfile.BadZipFile, zlib.error, KeyError, ValueError, EOFError) as e:
+    except (zipfile.BadZipFile, zlib.error, KeyError, ValueError, EOFError, RecursionError) as e:
         raise BackendCompileError(f"inductor: artifact is corrupt or not an inductor artifact: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
         raise BackendCompileError(f"inductor: artifact manifest is not format {_FORMAT}: {str(manifest)[:200]}")
+    problem = _manifest_problem(manifest, members)
+    if problem is not None:
+        raise BackendCompileError(f"inductor: artifact manifest is malformed: {problem}")
     return manifest, members
+
+
+def _manifest_problem(manifest: dict, members: dict[str, bytes]) -> str | None:
+    def ints(x: object) -> bool:
+        return type(x) is list and all(type(i) is int and i >= 0 for i in x)
+
+    kernels, triton = manifest.get("cpp_kernels"), manifest.get("triton_files")
+    if "wrapper.py" not in members:
+        return "no wrapper.py"
+    if not (type(kernels) is dict and all(type(m) is str and m in members for m in kernels.values())):
+        return f"cpp_kernels {str(kernels)[:200]}"
+    if not (type(triton) is list and all(type(m) is str and m in members and _is_triton_member(m) for m in triton)):
+        return f"triton_files {str(triton)[:200]}"
+    if triton and type(manifest.get("triton_device")) is not int:
+        return f"triton_device {manifest.get('triton_device')!r}"
+    if not (ints(manifest.get("inputs_to_check")) and ints(manifest.get("written", []))):
+        return f"inputs_to_check {manifest.get('inputs_to_check')!r}, written {manifest.get('written')!r}"
+    if not isinstance(manifest.get("guards"), (str, type(None))):
+        return f"guards {manifest.get('guards')!r}"
+    relayout = manifest.get("relayout") or []
+    if not (type(relayout) is list and all(type(r) is list and len(r) == 3 and type(r[0]) is int and ints(r[1])
+                                           and ints(r[2]) for r in relayout)):
+        return f"relayout {str(relayout)[:200]}"
+    return None
+
+
+def _is_triton_member(name: str) -> bool:
+    """``triton/<kernel hash>/<file>``: ``_restore_triton`` writes it there, under Triton's cache, and nowhere else."""
+    parts = name.split("/")
+    return len(parts) == 3 and parts[0] == "triton" and all(p not in ("", ".", "..") and "\0" not in p for p in parts)
 
 
 def _fingerprint(device_type: str) -> str:

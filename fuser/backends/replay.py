@@ -83,7 +83,7 @@ class ReplayBackend:
                 kwargs = {k: decode_arg(v, values, self.name) for k, v in node["kwargs"].items()}
                 values.append(graph.call_function(target, args, kwargs))
             graph.output(tuple(decode_arg(o, values, self.name) for o in doc["outputs"]))
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, AssertionError) as e:  # FX asserts
             raise BackendCompileError(f"replay: artifact is malformed: {type(e).__name__}: {e}") from e
         forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
         return below_autograd(lambda inputs: forward(*inputs))
