@@ -155,15 +155,16 @@ def flush(st: TracerState, reason: str) -> None:
         return
     st.window = Window()  # first: anything the run triggers must not see the old window
     window.closed = True
-    per = st.periodicity
-    per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
-    st.cut_at = per.next_cut()
-    METRICS.flushes[reason] += 1
-    METRICS.windows += 1
-    site = _user_source(2)  # the line that triggered the flush
-    METRICS.flush_sites[(reason, site)] += 1
     ran = False
+    site = None
     try:
+        per = st.periodicity
+        per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
+        st.cut_at = per.next_cut()
+        METRICS.flushes[reason] += 1
+        METRICS.windows += 1
+        site = _user_source(2)  # the line that triggered the flush
+        METRICS.flush_sites[(reason, site)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
               else contextlib.nullcontext()), _disable_current_modes():
             launched, materialized, eliminated = fuser.run_window(window, st.options)
@@ -174,6 +175,13 @@ def flush(st: TracerState, reason: str) -> None:
     except fuser.ReplayError as e:
         _poison(window)
         raise _user_error(e, reason) from e.error
+    except BaseException as e:
+        # Ctrl-C, an internal error, a cache the OS refuses: not the program's error, and it goes
+        # on as it is (KeyboardInterrupt stays KeyboardInterrupt), but the values are settled first
+        _poison(window)
+        e.add_note(f"[adaptive_eager] raised while running the window flushed ({reason}) at {where(site)}; "
+                   f"the values it had not computed hold NaN (0 for integers and bools).")
+        raise
     finally:
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops, region %s %s; triggered at %s", reason, len(window.nodes),
@@ -187,7 +195,8 @@ def flush(st: TracerState, reason: str) -> None:
 def _poison(window: Window) -> None:
     """A window failed: the values its later ops would have made were never computed. Eager
     would not have run those lines at all; make what the program holds of them unmistakable (NaN,
-    or 0 for integers and bools) instead of leaving uninitialized memory."""
+    or 0 for integers and bools) instead of leaving uninitialized memory. A value is computed once
+    the run bound it (``Out.value``), in replay and compiled regions alike."""
     with _disable_current_modes(), torch.no_grad():
         for o in window.fresh:
             if o.value is not None or fuser.value_is_dead(o):
