@@ -365,9 +365,7 @@ def _compute_meta(f, args, kwargs, device, sig, ksig):
             raise NotImplementedError(f"{f.name} returns a non-tensor")
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
-    if f.pointwise and len(specs) == 1 and specs[0] is not None:
-        specs = (_eager_strides(f, args, kwargs, specs[0]),)
-    specs = tuple(specs)
+    specs = tuple(_eager_layouts(f, args, kwargs, specs))
     structure = (f, tuple(sig), ksig, specs)
     eid = _STRUCTURE_IDS.get(structure)
     if eid is None:
@@ -397,27 +395,50 @@ def _scalars_settled(window: Window, f, args, n: int) -> bool:
     return True
 
 
-def _eager_strides(f, args, kwargs, spec):
-    """Some meta kernels lay out elementwise results differently from the device kernels
-    (``logical_and`` with a transposed operand); eager's layout is what the program must see, so
-    for pointwise ops it is taken from a real CPU run on tensors of the same geometry (once per
-    signature)."""
+# Note [Eager layouts]
+# A meta kernel knows an op's output shapes and dtypes, but not always the layout the device's own
+# kernel picks: it has no device (a channels_last convolution comes out contiguous on meta, as do
+# the FFTs, pixel_shuffle and others), and some Python meta kernels order strides differently from
+# the device kernels (``div`` with a transposed operand). The program must see eager's strides
+# while a value is pending, since they decide what a view of it is and whether ``reshape`` copies;
+# the value's run would not fix them (``fuser.replay._bind`` keeps the placeholder's layout). So on
+# a meta-cache miss (once per signature, never on the record fast path) the op also runs for real
+# on its own device, and every fresh output takes that run's strides. The run reads the program's
+# float tensors as they are (placeholders hold uninitialized memory: harmless to a kernel, and only
+# the layout is kept) and copies nothing of them; integer and bool inputs are stand-ins of the same
+# geometry (garbage indices would fail or read out of bounds): zeros, valid indices into any
+# non-empty dimension, or ones for pointwise ops (an integer division by zero raises). A written
+# argument is a stand-in too, so the run changes nothing the program holds. Factories have no input
+# layout to follow and skip the run. Recorded ops draw no random numbers (Note [RNG] in _ops), so the
+# run consumes no generator. Where the run fails the meta kernel's layout stands.
 
-    def real(t):
+
+def _eager_layouts(f, args, kwargs, specs: list) -> list:
+    """``specs`` with each fresh output's strides taken from a real run of the op (Note [Eager layouts])."""
+    if f.factory or all(s is None for s in specs):
+        return specs
+    fill = 1 if f.pointwise else 0
+
+    def stand_in(t, written: bool):
         if not isinstance(t, _Tensor):
             return t
+        if not written and (t.is_floating_point() or t.is_complex()):
+            return t
         size = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-        return torch.ones(size, dtype=t.dtype).as_strided(t.shape, t.stride())
+        return torch.full((size,), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
+    written = f.write_pos
     try:
-        rargs = [real(a) if isinstance(a, _Tensor) else a for a in args]
-        rkwargs = {k: real(v) for k, v in kwargs.items() if k != "device"}
-        r = f.func(*rargs, **rkwargs)
-    except Exception:  # the meta answer stands where a CPU run is not possible
-        return spec
-    if isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2]:
-        return (spec[0], tuple(r.stride()), spec[2])
-    return spec
+        rargs = [[stand_in(x, i in written) for x in a] if type(a) in (list, tuple) else stand_in(a, i in written)
+                 for i, a in enumerate(args)]
+        rkwargs = {k: stand_in(v, k in written) for k, v in kwargs.items()}
+        res = f.func(*rargs, **rkwargs)
+    except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
+        log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, e)
+        return specs
+    outs = res if isinstance(res, (tuple, list)) else (res,)
+    return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
+            else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)]
 
 
 _META_CACHE: dict = {}
