@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
@@ -405,36 +406,43 @@ def _scalars_settled(window: Window, f, args, n: int) -> bool:
 # a meta-cache miss (once per signature, never on the record fast path) the op also runs for real
 # on its own device, and every fresh output takes that run's strides. The run reads the program's
 # float tensors as they are (placeholders hold uninitialized memory: harmless to a kernel, and only
-# the layout is kept) and copies nothing of them; integer and bool inputs are stand-ins of the same
-# geometry (garbage indices would fail or read out of bounds): zeros, valid indices into any
-# non-empty dimension, or ones for pointwise ops (an integer division by zero raises). A written
-# argument is a stand-in too, so the run changes nothing the program holds. Factories have no input
-# layout to follow and skip the run. Recorded ops draw no random numbers (Note [RNG] in _ops), so the
-# run consumes no generator. Where the run fails the meta kernel's layout stands.
+# the layout is kept) and copies nothing of them; integer and bool inputs are zeros of the same
+# geometry (garbage indices would fail or read out of bounds; zero is a valid index into any
+# non-empty dimension), and so is a written argument, so the run changes nothing the program holds.
+# If that run raises (an integer division by zero, a kernel that checks its floats), every input is
+# ones of its geometry for a second try; if that raises too, the meta kernel's layout stands.
+# Factories have no input layout to follow and skip the run. Recorded ops draw no random numbers
+# (Note [RNG] in _ops), so the run consumes no generator.
 
 
 def _eager_layouts(f, args, kwargs, specs: list) -> list:
     """``specs`` with each fresh output's strides taken from a real run of the op (Note [Eager layouts])."""
     if f.factory or all(s is None for s in specs):
         return specs
-    fill = 1 if f.pointwise else 0
+    written = f.write_pos
 
-    def stand_in(t, written: bool):
+    def stand_in(t, written: bool, fill):
         if not isinstance(t, _Tensor):
             return t
-        if not written and (t.is_floating_point() or t.is_complex()):
-            return t
+        if fill is None:
+            if not written and (t.is_floating_point() or t.is_complex()):
+                return t
+            fill = 0
         size = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
         return torch.full((size,), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
-    written = f.write_pos
-    try:
-        rargs = [[stand_in(x, i in written) for x in a] if type(a) in (list, tuple) else stand_in(a, i in written)
-                 for i, a in enumerate(args)]
-        rkwargs = {k: stand_in(v, k in written) for k, v in kwargs.items()}
-        res = f.func(*rargs, **rkwargs)
-    except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
-        log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, e)
+    for fill in (None, 1):
+        try:
+            rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
+                     else stand_in(a, i in written, fill) for i, a in enumerate(args)]
+            with warnings.catch_warnings():  # the op warns when it runs, as eager's does
+                warnings.simplefilter("ignore")
+                res = f.func(*rargs, **{k: stand_in(v, k in written, fill) for k, v in kwargs.items()})
+            break
+        except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
+            error = e
+    else:
+        log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, error)
         return specs
     outs = res if isinstance(res, (tuple, list)) else (res,)
     return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
