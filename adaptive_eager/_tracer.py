@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
@@ -155,15 +156,16 @@ def flush(st: TracerState, reason: str) -> None:
         return
     st.window = Window()  # first: anything the run triggers must not see the old window
     window.closed = True
-    per = st.periodicity
-    per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
-    st.cut_at = per.next_cut()
-    METRICS.flushes[reason] += 1
-    METRICS.windows += 1
-    site = _user_source(2)  # the line that triggered the flush
-    METRICS.flush_sites[(reason, site)] += 1
     ran = False
+    site = None
     try:
+        per = st.periodicity
+        per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
+        st.cut_at = per.next_cut()
+        METRICS.flushes[reason] += 1
+        METRICS.windows += 1
+        site = _user_source(2)  # the line that triggered the flush
+        METRICS.flush_sites[(reason, site)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
               else contextlib.nullcontext()), _disable_current_modes():
             launched, materialized, eliminated = fuser.run_window(window, st.options)
@@ -174,6 +176,13 @@ def flush(st: TracerState, reason: str) -> None:
     except fuser.ReplayError as e:
         _poison(window)
         raise _user_error(e, reason) from e.error
+    except BaseException as e:
+        # Ctrl-C, an internal error, a cache the OS refuses: not the program's error, and it goes
+        # on as it is (KeyboardInterrupt stays KeyboardInterrupt), but the values are settled first
+        _poison(window)
+        e.add_note(f"[adaptive_eager] raised while running the window flushed ({reason}) at {where(site)}; "
+                   f"the values it had not computed hold NaN (0 for integers and bools).")
+        raise
     finally:
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops, region %s %s; triggered at %s", reason, len(window.nodes),
@@ -187,7 +196,8 @@ def flush(st: TracerState, reason: str) -> None:
 def _poison(window: Window) -> None:
     """A window failed: the values its later ops would have made were never computed. Eager
     would not have run those lines at all; make what the program holds of them unmistakable (NaN,
-    or 0 for integers and bools) instead of leaving uninitialized memory."""
+    or 0 for integers and bools) instead of leaving uninitialized memory. A value is computed once
+    the run bound it (``Out.value``), in replay and compiled regions alike."""
     with _disable_current_modes(), torch.no_grad():
         for o in window.fresh:
             if o.value is not None or fuser.value_is_dead(o):
@@ -356,9 +366,7 @@ def _compute_meta(f, args, kwargs, device, sig, ksig):
             raise NotImplementedError(f"{f.name} returns a non-tensor")
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
-    if f.pointwise and len(specs) == 1 and specs[0] is not None:
-        specs = (_eager_strides(f, args, kwargs, specs[0]),)
-    specs = tuple(specs)
+    specs = tuple(_eager_layouts(f, args, kwargs, specs))
     structure = (f, tuple(sig), ksig, specs)
     eid = _STRUCTURE_IDS.get(structure)
     if eid is None:
@@ -388,27 +396,57 @@ def _scalars_settled(window: Window, f, args, n: int) -> bool:
     return True
 
 
-def _eager_strides(f, args, kwargs, spec):
-    """Some meta kernels lay out elementwise results differently from the device kernels
-    (``logical_and`` with a transposed operand); eager's layout is what the program must see, so
-    for pointwise ops it is taken from a real CPU run on tensors of the same geometry (once per
-    signature)."""
+# Note [Eager layouts]
+# A meta kernel knows an op's output shapes and dtypes, but not always the layout the device's own
+# kernel picks: it has no device (a channels_last convolution comes out contiguous on meta, as do
+# the FFTs, pixel_shuffle and others), and some Python meta kernels order strides differently from
+# the device kernels (``div`` with a transposed operand). The program must see eager's strides
+# while a value is pending, since they decide what a view of it is and whether ``reshape`` copies;
+# the value's run would not fix them (``fuser.replay._bind`` keeps the placeholder's layout). So on
+# a meta-cache miss (once per signature, never on the record fast path) the op also runs for real
+# on its own device, and every fresh output takes that run's strides. The run reads the program's
+# float tensors as they are (placeholders hold uninitialized memory: harmless to a kernel, and only
+# the layout is kept) and copies nothing of them; integer and bool inputs are zeros of the same
+# geometry (garbage indices would fail or read out of bounds; zero is a valid index into any
+# non-empty dimension), and so is a written argument, so the run changes nothing the program holds.
+# If that run raises (an integer division by zero, a kernel that checks its floats), every input is
+# ones of its geometry for a second try; if that raises too, the meta kernel's layout stands.
+# Factories have no input layout to follow and skip the run. Recorded ops draw no random numbers
+# (Note [RNG] in _ops), so the run consumes no generator.
 
-    def real(t):
+
+def _eager_layouts(f, args, kwargs, specs: list) -> list:
+    """``specs`` with each fresh output's strides taken from a real run of the op (Note [Eager layouts])."""
+    if f.factory or all(s is None for s in specs):
+        return specs
+    written = f.write_pos
+
+    def stand_in(t, written: bool, fill):
         if not isinstance(t, _Tensor):
             return t
+        if fill is None:
+            if not written and (t.is_floating_point() or t.is_complex()):
+                return t
+            fill = 0
         size = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-        return torch.ones(size, dtype=t.dtype).as_strided(t.shape, t.stride())
+        return torch.full((size,), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
-    try:
-        rargs = [real(a) if isinstance(a, _Tensor) else a for a in args]
-        rkwargs = {k: real(v) for k, v in kwargs.items() if k != "device"}
-        r = f.func(*rargs, **rkwargs)
-    except Exception:  # the meta answer stands where a CPU run is not possible
-        return spec
-    if isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2]:
-        return (spec[0], tuple(r.stride()), spec[2])
-    return spec
+    for fill in (None, 1):
+        try:
+            rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
+                     else stand_in(a, i in written, fill) for i, a in enumerate(args)]
+            with warnings.catch_warnings():  # the op warns when it runs, as eager's does
+                warnings.simplefilter("ignore")
+                res = f.func(*rargs, **{k: stand_in(v, k in written, fill) for k, v in kwargs.items()})
+            break
+        except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
+            error = e
+    else:
+        log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, error)
+        return specs
+    outs = res if isinstance(res, (tuple, list)) else (res,)
+    return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
+            else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)]
 
 
 _META_CACHE: dict = {}

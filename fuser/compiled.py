@@ -331,7 +331,6 @@ def _describe(entry: _Entry, window: Window, live: list[Out], mutated, lifted, b
     entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
     entry.program = Program.from_window(window, live, mutated, lifted,
                                         inplace=getattr(backend, "writes_inputs", False))
-    entry.inplace = entry.program.inplace
     entry.pkey = entry.program.digest(backend.fingerprint())
     entry.region = entry.pkey[:8]
     entry.n_live, entry.mutated = len(live), mutated
@@ -624,7 +623,7 @@ def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, option
         sym.program = _with_symbols(entry.program, cls)
         sym.pkey = sym.program.digest(backend.fingerprint())
         sym.region = sym.pkey[:8]
-        sym.n_live, sym.mutated, sym.counts = entry.n_live, entry.mutated, entry.counts
+        sym.n_live, sym.mutated, sym.counts = entry.n_live, entry.mutated, entry.counts  # Note [Derived entries]
     outcome = "compiled"
     if sym.future is not None and (wait or sym.future.done()):
         _collect(sym)
@@ -674,8 +673,7 @@ def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, option
         _blacklist(sym, f"run failed: {type(e).__name__}: {e}")
         entry.shape = None  # the class goes per-shape
         return done
-    # registered (``_run_checked`` set ``entry.run``): this exact key's next window is a plain hit
-    entry.lifted_inputs, entry.region = sym.lifted_inputs, sym.region
+    # registered (``_run_checked`` adopted the region): this exact key's next window is a plain hit
     window.outcome = outcome
     return (launched, *entry.counts)
 
@@ -699,14 +697,13 @@ class _Mismatch(Exception):
 
 def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) -> int:
     """``_run_compiled`` for the first window of an exact key on a symbolic region: every output's
-    metadata is checked against the program's placeholders before anything is written."""
-    inputs = list(window.real_inputs)
-    if sym.lifted_inputs:
-        inputs += [_scalar_tensor(window.scalars[i], dtype=dt) for i, dt in sym.lifted_inputs]
+    metadata is checked against the program's placeholders before anything is written. Then the
+    exact key takes the symbolic region's callable (``_adopt``)."""
+    inputs = _inputs(sym, window)
     with as_recorded():
         outs = sym.run(inputs)
-        if len(outs) != entry.n_live + len(entry.mutated):
-            raise _Mismatch(f"{len(outs)} outputs for {entry.n_live + len(entry.mutated)}")
+        if len(outs) != sym.n_live + len(sym.mutated):
+            raise _Mismatch(f"{len(outs)} outputs for {sym.n_live + len(sym.mutated)}")
         real = window.real_inputs
         restride = []
         for i, (o, r) in enumerate(zip(live, outs)):
@@ -715,7 +712,7 @@ def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) ->
                 raise _Mismatch(f"output {tuple(r.shape)} {r.dtype} for placeholder {shape} {dtype}")
             if tuple(r.stride()) != stride:
                 restride.append((i, shape, stride))
-        for slot, r in zip(entry.mutated, outs[entry.n_live:]):
+        for slot, r in zip(sym.mutated, outs[sym.n_live:]):
             if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
                 raise _Mismatch(f"written input {slot}: {tuple(r.shape)} for {tuple(real[slot].shape)}")
         if restride:
@@ -727,14 +724,30 @@ def _run_checked(sym: _Entry, entry: _Entry, window: Window, live: list[Out]) ->
             outs = sym_run.fix(outs)
         else:
             sym_run = sym.run
-        copies = 0
-        for o, r in zip(live, outs):
-            copies += _bind(o, r)
-        for slot, r in zip(entry.mutated, outs[entry.n_live:]):
-            real[slot].copy_(r)
-    STATS.compiled_runs += 1
-    entry.run = sym_run
-    return 1 + copies + len(entry.mutated) + len(restride)
+        launched = _write(sym, window, live, outs) + len(restride)
+    _adopt(entry, sym, sym_run)
+    return launched
+
+
+def _adopt(entry: _Entry, source: _Entry, run) -> None:
+    """Register ``run`` (``source``'s compiled callable, or a wrapper of it) as ``entry``'s.
+
+    Note [Derived entries]
+    An entry's ``run`` is called, and its outputs written, by what the compile of ``run`` decided,
+    not by the program the entry was recorded with: which scalars it takes (``lifted_inputs``), how
+    many outputs are live values (``n_live``), which inputs follow them (``mutated``), and whether
+    the kernels write those inputs themselves (``inplace``: a symbolic region never does, the static
+    program of the same window may). An entry that takes a callable it did not compile takes all
+    of these with it, here; one that compiles or loads its own gets the compile's answers with
+    ``run`` (``_collect``), and ``n_live``/``mutated`` from its program (``_describe``). A symbolic
+    region starts from the structure of the entry that made it (``_run_dynamic``): its class key
+    holds the live outputs and written inputs, so they are the same for every exact key it serves.
+    """
+    entry.run = run
+    entry.lifted_inputs = source.lifted_inputs
+    entry.n_live, entry.mutated = source.n_live, source.mutated
+    entry.inplace = source.inplace
+    entry.region = source.region
 
 
 # Note [Background compiles]
@@ -842,27 +855,38 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out], check: bool = 
     # Only the call can fail (a compiled kernel's check, e.g. an out-of-range index); nothing is
     # written before it returns, so a failure leaves the window intact for replay, which raises
     # eager's own error. ``check``: the outputs' metadata is checked first (Note [Artifacts from disk]).
-    inputs = list(window.real_inputs)
-    if entry.lifted_inputs:
-        scalars = window.scalars
-        inputs += [_scalar_tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
+    inputs = _inputs(entry, window)
     with as_recorded():
         outs = entry.run(inputs)
         if check:
             _check_outputs(entry, window, live, outs)
-        copies = 0
-        for o, r in zip(live, outs):
-            copies += _bind(o, r)
+        return _write(entry, window, live, outs)
+
+
+def _inputs(entry: _Entry, window: Window) -> list[torch.Tensor]:
+    """What ``entry.run`` takes: the real inputs by slot, then the lifted floats (Note [Scalar lifting])."""
+    inputs = list(window.real_inputs)
+    if entry.lifted_inputs:
+        scalars = window.scalars
+        inputs += [_scalar_tensor(scalars[i], dtype=dt) for i, dt in entry.lifted_inputs]
+    return inputs
+
+
+def _write(entry: _Entry, window: Window, live: list[Out], outs) -> int:
+    """Bind a compiled run's outputs and write back the inputs it does not write itself; return
+    the launches (the run and its copies). Called under ``as_recorded``."""
+    copies = 0
+    for o, r in zip(live, outs):
+        copies += _bind(o, r)
+    # unless the kernels wrote parameters, optimizer state and buffers in place (their version
+    # counters were bumped when the in-place ops were recorded, as eager bumps them)
+    if not entry.inplace:
         real = window.real_inputs
-        if entry.inplace:
-            # the kernels wrote parameters, optimizer state and buffers in place (their version
-            # counters were bumped when the in-place ops were recorded, as eager bumps them)
-            STATS.compiled_runs += 1
-            return 1 + copies
         for slot, r in zip(entry.mutated, outs[entry.n_live:]):
             real[slot].copy_(r)  # write-back of parameters, optimizer state, buffers
+        copies += len(entry.mutated)  # the copies are launches too
     STATS.compiled_runs += 1
-    return 1 + copies + len(entry.mutated)  # the copies are launches too
+    return 1 + copies
 
 
 # Note [Artifacts from disk]

@@ -20,7 +20,7 @@ def _fresh(fresh_regions):
 
 
 def _opts(tmp_path, **kw):
-    return dict(backend="inductor", hot_after=2, async_compile=False, cache_dir=str(tmp_path), **kw)
+    return {"backend": "inductor", "hot_after": 2, "async_compile": False, "cache_dir": str(tmp_path), **kw}
 
 
 def _chain(x):
@@ -225,3 +225,50 @@ def test_a_data_error_in_a_symbolic_region_keeps_the_region(tmp_path):
     m = ae.metrics()
     assert m["blacklisted"] == 0, m
     assert m["compiled_runs"] - before == len(SIZES) + 1
+
+
+def _sgd_momentum_steps(make_model, batches, ctx):
+    """Per-step losses and final parameters of SGD with momentum over ``batches`` ((model key, x, y))."""
+    models = {}
+    losses = []
+    with ctx:
+        for key, x, y in batches:
+            if key not in models:
+                torch.manual_seed(0)
+                net = make_model(key)
+                models[key] = (net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+            net, opt = models[key]
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x), y)  # no integer targets: an in-place region
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+    return losses, [p.detach().clone() for net, _ in models.values() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("varies", ["last_batch_smaller", "second_width"])
+def test_training_through_a_symbolic_region_writes_parameters_every_step(tmp_path, varies):
+    """The exact key a symbolic region answers for takes how to call it (it returns the written
+    inputs' values, it does not write them itself) from the symbolic region, not from its own program."""
+    g = torch.Generator().manual_seed(1)
+
+    def batch(key, b):
+        return key, torch.randn(b, 8 if varies == "last_batch_smaller" else key, generator=g), torch.randn(b, 1, generator=g)
+
+    if varies == "last_batch_smaller":  # a DataLoader with drop_last=False: 6, 6, 6, 4 per epoch
+        batches = [batch(8, b) for _ in range(3) for b in (6, 6, 6, 4)]
+    else:  # the same model at widths 8 and 12 in one process
+        batches = [batch(w, 6) for w in (8, 12) for _ in range(6)]
+
+    def make_model(width):
+        return torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    got, got_params = _sgd_momentum_steps(make_model, batches, adaptive_eager(**_opts(tmp_path, hot_after=1)))
+    m = ae.metrics()
+    want, want_params = _sgd_momentum_steps(make_model, batches, contextlib.nullcontext())
+    for step, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, msg=f"step {step}")
+    for a, b in zip(got_params, want_params):
+        torch.testing.assert_close(a, b)
+    assert m["recompiles"].get("dynamic") == 1, m["recompiles"]
+    assert m["compiled_runs"] >= len(batches) - 2, m  # the symbolic region ran, and its exact keys hit

@@ -5,8 +5,9 @@ against the pool's current shapes and dtypes, so programs are valid by construct
 runs each step eagerly as it draws it, and a step that eager rejects is not kept. The test then runs
 the program twice from the same inputs and generator state, once plain and once lazily, and compares
 everything the program could observe: every pool tensor at the end (values, dtype, shape, strides,
-which tensors share storage) and every value it read in the middle (``item``, ``tolist``, ``numpy``,
-``print``, ``bool``, ``torch.equal``), each of which is also a sync point.
+which tensors share storage), the strides of every value when it is made, and every value it read
+in the middle (``item``, ``tolist``, ``numpy``, ``print``, ``bool``, ``torch.equal``), each of which
+is also a sync point.
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ def execute(step: Step, pool: list, observations: list) -> None:
     if op.kind == "observe":
         observations.append((repr(step), result))
     elif op.kind == "compute":
-        pool.extend(result if isinstance(result, (tuple, list)) else (result,))
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        # each value's strides when it is made (pending, lazily): eager's from the start, not only
+        # once the flush has computed it (Note [Eager layouts] in adaptive_eager._tracer)
+        observations.append((repr(step), "strides", [t.stride() for t in results]))
+        pool.extend(results)
 
 
 def run_program(program: Program, lazy: bool, **options) -> tuple[list, list]:

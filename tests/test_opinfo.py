@@ -2,11 +2,12 @@
 
 Each sample runs on exact copies of its inputs, twice eagerly (to tell ops whose output is undefined
 from ops that are merely random) and once under ``adaptive_eager()``. Everything the program can
-observe must match: outputs (values, dtype, shape, strides), the inputs after the call (in-place
-ops), which outputs alias which inputs, and the exception type when eager raises. Every sample also
-runs with its inputs made inside the window (pending placeholders), and with OpInfo's in-place form
-of the op where there is one. OpInfo's error inputs must raise the eager exception, at the call when
-the op's meta kernel can see the error, else no later than the sync point.
+observe must match: outputs (values, dtype, shape, strides, also while pending), the inputs after
+the call (in-place ops), which outputs alias which inputs, and the exception type when eager raises.
+Every sample also runs with its inputs made inside the window (pending placeholders), with OpInfo's
+in-place form of the op where there is one, and with its 4-d tensors in channels_last. OpInfo's
+error inputs must raise the eager exception, at the call when the op's meta kernel can see the
+error, else no later than the sync point.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import itertools
 import re
 import time
+import types
 
 import pytest
 import torch
@@ -67,6 +69,7 @@ class Outcome:
     error: BaseException | None = None
     inputs: object = None
     raised_at_sync: bool = False  # the call returned; the error came when the window ran
+    strides_at_call: list | None = None  # the outputs' strides when the call returned (pending, lazily)
 
 
 def run_sample(call, sample, lazy: bool, pending_inputs: bool = False) -> Outcome:
@@ -86,9 +89,11 @@ def run_sample(call, sample, lazy: bool, pending_inputs: bool = False) -> Outcom
             first, args, kwargs = inputs
             result = call(first, *args, **kwargs)
             returned = True
+            # read while the values are pending: the flush must not be what makes them eager's
+            strides = [t.stride() for t in tensors_in(result) if t.layout is torch.strided]
     except Exception as e:  # noqa: BLE001 - the exception type is part of what is compared
         return Outcome(error=e, inputs=inputs, raised_at_sync=returned)
-    return Outcome(result=result, inputs=inputs)
+    return Outcome(result=result, inputs=inputs, strides_at_call=strides)
 
 
 def compare(eager: Outcome, lazy: Outcome, values: bool) -> str | None:
@@ -104,7 +109,14 @@ def compare(eager: Outcome, lazy: Outcome, values: bool) -> str | None:
         first_difference(eager.result, lazy.result, "output", values=values)
         or first_difference(eager.inputs, lazy.inputs, "inputs after the call", values=values)
         or _aliasing_difference(eager, lazy)
+        or _pending_strides_difference(eager, lazy)
     )
+
+
+def _pending_strides_difference(eager: Outcome, lazy: Outcome) -> str | None:
+    if lazy.strides_at_call != eager.strides_at_call:
+        return f"output strides while pending {lazy.strides_at_call}, eager {eager.strides_at_call}"
+    return None
 
 
 def _aliasing_difference(eager: Outcome, lazy: Outcome) -> str | None:
@@ -173,6 +185,25 @@ def check_op_samples(op, tally: Tally) -> None:
             for pending_inputs in (False, True):
                 label = f"{variant} [pending inputs]" if pending_inputs else variant
                 check_sample(call, sample, label, op.name, pending_inputs, tally)
+        nhwc = channels_last(sample)
+        if nhwc is not None:  # output layouts that follow a memory format (Note [Eager layouts])
+            for pending_inputs in (False, True):
+                label = f"{name} [channels_last{', pending inputs' if pending_inputs else ''}]"
+                check_sample(op, nhwc, label, op.name, pending_inputs, tally)
+
+
+def channels_last(sample):
+    """``sample`` with its 4-d tensors in channels_last, or None if it has none."""
+    found = []
+
+    def convert(x):
+        if isinstance(x, torch.Tensor) and x.layout is torch.strided and x.dim() == 4 and x.is_contiguous():
+            found.append(x)
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    converted = tree_map(convert, (sample.input, sample.args, sample.kwargs))
+    return types.SimpleNamespace(input=converted[0], args=converted[1], kwargs=converted[2]) if found else None
 
 
 def check_sample(call, sample, label: str, op_name: str, pending_inputs: bool, tally: Tally) -> None:
