@@ -8,6 +8,7 @@ See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pend
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -329,7 +330,8 @@ def _meta(t):
     return _empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-_STRUCTURE_IDS: dict = {}
+_STRUCTURE_IDS: dict = {}  # op signature -> its id (>= 1); views' ids are negative (``_VIEW_IDS``)
+_SIGNATURE_IDS = itertools.count(1)
 
 
 def _compute_meta(f, args, kwargs, device, sig, ksig):
@@ -362,7 +364,8 @@ def _compute_meta(f, args, kwargs, device, sig, ksig):
     structure = (f, tuple(sig), ksig, specs)
     eid = _STRUCTURE_IDS.get(structure)
     if eid is None:
-        eid = _STRUCTURE_IDS[structure] = len(_STRUCTURE_IDS)
+        # one atomic step: two threads never give two signatures one id (Note [Window signature])
+        eid = _STRUCTURE_IDS.setdefault(structure, next(_SIGNATURE_IDS))
     return specs, nbytes, isinstance(res, list), eid
 
 
@@ -867,7 +870,8 @@ def _record_view(st: TracerState, f, args, kwargs):
            tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))
     eid = _VIEW_IDS.get(key)
     if eid is None:
-        eid = _VIEW_IDS[key] = -1 - len(_VIEW_IDS)
+        # one atomic step: two threads never give two signatures one id (Note [Window signature])
+        eid = _VIEW_IDS.setdefault(key, -next(_SIGNATURE_IDS))
         _ARITY[eid] = 1
     sigs = window.sigs
     sigs.append(eid)
