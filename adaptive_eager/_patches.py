@@ -3,8 +3,11 @@
 Some ways of reading a tensor go straight to its memory (``numpy``, ``tolist``, ``data_ptr``,
 pickling, ``repr``), and some ways of observing the program do not touch tensors at all (builtin
 ``print``, ``breakpoint()``). While any thread has adaptive eager on, these are wrapped so that the
-calling thread's window is flushed first (see Note [Placeholders] in ``fuser.window``): the value
-read is the eager value, and printed text keeps its eager order relative to errors. ``.data``,
+window the tensor is pending in is flushed first, whichever thread's (see Note [Placeholders] in
+``fuser.window`` and Note [Reads from other threads] in ``_tracer``), and ``print`` flushes the
+calling thread's window: the value read is the eager value, and printed text keeps its eager order
+relative to errors. Readers that dispatch ops (``item``, ``float``, formatting) are seen by the
+calling thread's own mode; they are wrapped for reads of values pending in other threads. ``.data``,
 which makes an alias without dispatching, passes a pending value's mark on to the alias.
 
 The wrappers are installed when the first thread turns adaptive eager on and removed when the
@@ -37,6 +40,10 @@ _TENSOR_READERS = {
     "__deepcopy__": "pickle",
     "__bool__": "bool",
 }
+# Readers that dispatch ops (``_local_scalar_dense``; ``__format__`` reads a ``detach()``ed alias,
+# ``__iter__`` views from ``unbind``), which the calling thread's own mode sees; in a thread
+# without the mode those ops reach memory (or an unmarked alias) directly.
+_DISPATCHING_READERS = ("item", "__float__", "__int__", "__index__", "__complex__", "__format__", "__iter__")
 
 _lock = threading.Lock()
 _active = 0
@@ -49,12 +56,10 @@ def _flush_current(reason: str) -> None:
         _tracer.flush(st, reason)
 
 
-def _reader(name: str, reason: str, original):
+def _reader(name: str, reason: str, original, other_threads_only: bool = False):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
-        st = _tracer.current_state()
-        if st is not None and _tracer.needs_flush(st, self):
-            _tracer.flush(st, reason)
+        _tracer.sync_value(self, reason, other_threads_only)
         return original(self, *args, **kwargs)
 
     return wrapper
@@ -63,11 +68,10 @@ def _reader(name: str, reason: str, original):
 def _repr_wrapper(original):
     @functools.wraps(original)
     def __repr__(self, *args, **kwargs):
+        _tracer.sync_value(self, "repr")
         st = _tracer.current_state()
         if st is None or st.mode is None:
             return original(self, *args, **kwargs)
-        if _tracer.needs_flush(st, self):
-            _tracer.flush(st, "repr")
         # The values are real now; format them eagerly instead of recording the formatting ops.
         with _disable_current_modes():
             return original(self, *args, **kwargs)
@@ -86,10 +90,8 @@ def _data_property(original):
     def getter(self):
         alias = get(self)
         o = getattr(self, "_ae", None)
-        if o is not None:
-            st = _tracer.current_state()
-            if st is not None and o.win is st.window.token:
-                alias._ae = o
+        if o is not None and _tracer.pending_mark(o):
+            alias._ae = o
         return alias
 
     return property(getter, put, doc=original.__doc__)
@@ -161,10 +163,10 @@ def install() -> None:
         _active += 1
         if _active > 1:
             return
-        for name, reason in _TENSOR_READERS.items():
+        for name, reason in (*_TENSOR_READERS.items(), *((n, "other_thread") for n in _DISPATCHING_READERS)):
             original = getattr(torch.Tensor, name)
             _saved[("tensor", name)] = torch.Tensor.__dict__.get(name, _MISSING)
-            setattr(torch.Tensor, name, _reader(name, reason, original))
+            setattr(torch.Tensor, name, _reader(name, reason, original, name in _DISPATCHING_READERS))
         _saved[("tensor", "__repr__")] = torch.Tensor.__dict__.get("__repr__", _MISSING)
         torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
         _saved[("tensor", "data")] = torch.Tensor.__dict__.get("data", _MISSING)
