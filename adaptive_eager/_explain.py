@@ -38,6 +38,7 @@ _FLUSH_ADVICE = {
     "other_thread": "another thread read a value still pending in a recording thread (the line shown is the "
                     "reader's): its window ended wherever the owner was. Hand values to other threads after "
                     "a sync point of the owner (`.item()`, `sync()`), or read them less often",
+    "fork": None,
     "collective": None,
     "optimizer_step": None,
     "period": None,

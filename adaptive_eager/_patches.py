@@ -123,9 +123,11 @@ def _optimizer_step_hook(optimizer, args, kwargs) -> None:
     _flush_current("optimizer_step")
 
 
-def _opaque(original):
+def _opaque(original, reason: str):
     """C++ entry points that read tensor memory without dispatching (DDP's parameter check and
-    bucket rebuild): flush, then run them eagerly, like a collective."""
+    bucket rebuild) or run ATen ops of their own on raw storage (the copy into shared memory of
+    ``share_memory_`` and of ``torch.multiprocessing``'s pickling: recorded, it would be lost when
+    the storage then takes the new memory): flush, then run them eagerly."""
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -133,7 +135,7 @@ def _opaque(original):
         if st is None or st.mode is None:
             return original(*args, **kwargs)
         if st.window.nodes:
-            _tracer.flush(st, "collective")
+            _tracer.flush(st, reason)
         with _disable_current_modes():
             return original(*args, **kwargs)
 
@@ -141,19 +143,19 @@ def _opaque(original):
 
 
 def _opaque_entry_points():
-    """(owner, attribute name) of every C++ function that reads memory directly and must flush."""
+    """(owner, attribute name, flush reason) of every C++ function that must run eagerly."""
+    points = [(torch.UntypedStorage, name, "storage") for name in ("_share_fd_cpu_", "_share_filename_cpu_")]
     try:
         import torch.distributed as dist
     except ImportError:
-        return []
+        return points
     if not dist.is_available():
-        return []
-    points = []
+        return points
     if hasattr(dist, "_verify_params_across_processes"):
-        points.append((dist, "_verify_params_across_processes"))
+        points.append((dist, "_verify_params_across_processes", "collective"))
     reducer = getattr(torch._C._distributed_c10d, "Reducer", None)
     if reducer is not None and hasattr(reducer, "_rebuild_buckets"):
-        points.append((reducer, "_rebuild_buckets"))
+        points.append((reducer, "_rebuild_buckets", "collective"))
     return points
 
 
@@ -178,10 +180,10 @@ def install() -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)
-        for owner, name in _opaque_entry_points():
+        for owner, name, reason in _opaque_entry_points():
             original = getattr(owner, name)
-            _saved[("opaque", owner, name)] = original
-            setattr(owner, name, _opaque(original))
+            _saved[("opaque", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
+            setattr(owner, name, _opaque(original, reason))
 
 
 def uninstall() -> None:
@@ -198,7 +200,10 @@ def uninstall() -> None:
             elif key == "optimizer_hook":
                 value.remove()
             elif key[0] == "opaque":
-                setattr(key[1], key[2], value)
+                if value is _MISSING:
+                    delattr(key[1], key[2])
+                else:
+                    setattr(key[1], key[2], value)
             else:
                 name = key[1]
                 if value is _MISSING:

@@ -1249,6 +1249,7 @@ def activate(options: Options) -> TracerState:
 
         _patches.install()
         _register(st)
+        _install_process_hooks()
     return st
 
 
@@ -1269,6 +1270,77 @@ def deactivate(st: TracerState) -> None:
 def is_pending(t: torch.Tensor) -> bool:
     """Whether ``t``'s value is pending in any thread's window (Note [Reads from other threads])."""
     return owner_of(t) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker processes
+
+# Note [Worker processes]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A child process does not record unless asked (``workers=True``, NEURON_EAGER_WORKERS=1).
+# DataLoader workers and other ``multiprocessing`` children hand tensors to their parent through
+# shared memory, pickled by a queue's feeder thread; a value still pending in the child's window
+# would reach the parent unwritten (DataLoader batches of zeros), and the child's window would run
+# at some later sync point of the child, if ever. Their work (loading, collating) is eager work.
+# - fork: the forking thread's window runs first (``_before_fork``), so the child's copy of each
+#   of its values is real. In the child (``_after_fork_in_child``) that thread's mode goes off.
+#   The other threads do not exist there: their states lose any claim those threads held, and a
+#   window one of them was recording or running at that instant cannot finish and is poisoned
+#   (NaN, never uninitialized memory); their other windows stay readable (a read runs them on the
+#   child's copy of their inputs: Note [Reads from other threads]). ``fuser.compiled`` forgets its
+#   compile thread the same way.
+# - spawn: a fresh interpreter imports torch, and NEURON_EAGER=adaptive does not turn the mode on
+#   in a ``multiprocessing`` child (``_autoload._in_worker_process``).
+# - forkserver: the child is forked from the server (as above, if the server had it on), and may
+#   then import torch itself before it knows it is a child; ``multiprocessing`` runs its after-fork
+#   hooks (``multiprocessing.util.register_after_fork``) as the child starts its target, and the
+#   mode goes off there, after flushing what the child's imports recorded.
+# With ``workers``, a child keeps recording (after fork, with an empty window); what it hands to
+# a queue is still real when pickled, since the feeder thread's read runs the window.
+
+_process_hooks = False
+
+
+def _install_process_hooks() -> None:
+    global _process_hooks
+    if _process_hooks:
+        return
+    _process_hooks = True
+    import multiprocessing.util
+
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    multiprocessing.util.register_after_fork(_tls, lambda _: _leave_in_child())
+
+
+def _before_fork() -> None:
+    st = current_state()
+    if st is not None and st.mode is not None and not st.busy:
+        flush(st, "fork")
+
+
+def _after_fork_in_child() -> None:
+    me = current_state()
+    for st in _STATES:
+        # what threads that do not exist here held: a claim, a window they were running, and the
+        # window of a thread that was recording (its last op half recorded); those never finish
+        st.claim, st.claim_lock = None, threading.Lock()
+        broken = [st.running] if st.running is not None else []
+        if st.busy and st is not me:
+            broken.append(st.window)
+            st.window, st.busy = Window(st), 0
+        for window in broken:
+            _poison(window)
+            _release(window)
+        st.running = None
+    _leave_in_child()
+
+
+def _leave_in_child() -> None:
+    """This process is a worker: the mode goes off unless workers record (Note [Worker processes])."""
+    st = current_state()
+    if st is not None and st.mode is not None and not st.options.workers:
+        st.depth = 0
+        deactivate(st)
 
 
 __all__ = ["LazyMode", "TracerState", "flush", "activate", "deactivate", "current_state", "is_pending"]

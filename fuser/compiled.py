@@ -1361,6 +1361,20 @@ def _submit(fn, *args) -> Future:
     return future
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: no compile thread, and no lock held by another
+    thread. Compiles and loads in flight belong to the parent; the child's entries start them
+    again when due (Note [Worker processes] in adaptive_eager._tracer)."""
+    global _QUEUE, _LOCK
+    _QUEUE = None
+    _LOCK = threading.Lock()
+    for entry in [*CACHE.entries.values(), *(c.sym for c in _CLASSES.values() if c.sym is not None)]:
+        entry.future = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _pack(artifact: bytes, lifted_inputs, how: dict) -> bytes:
     return pickle.dumps({"artifact": artifact, "lifted": [(i, str(dt).removeprefix("torch.")) for i, dt in lifted_inputs],
                          **how})
