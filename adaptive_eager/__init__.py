@@ -143,7 +143,7 @@ def report(explain: bool = False) -> str:
     from fuser.compiled import _STORES
 
     lines = [format_report(metrics())]
-    for store in _STORES.values():
+    for store in list(_STORES.values()):  # another thread may add one
         s = store.stats()
         lines.append(f"cache {s['directory']}: {s['entries']} entries, {s['bytes'] / 2**20:.1f} MiB, {s['hits']} hits"
                      f"{' (in memory: the directory is not usable)' if s.get('in_memory') else ''}")

@@ -8,6 +8,7 @@ and must never break ``import torch``: with the switch off it only reads the env
 from __future__ import annotations
 
 import atexit
+import sys
 import warnings
 
 
@@ -23,10 +24,21 @@ def autoload() -> None:
         return
     try:
         from . import disable, enable
+        from .config import load_options
 
+        if _in_worker_process() and not load_options().workers:
+            return  # a DataLoader worker or another multiprocessing child: Note [Worker processes]
         enable()
     except Exception as e:  # never break ``import torch`` for the user
         warnings.warn(f"adaptive_eager could not turn on ({type(e).__name__}: {e}); running eagerly", stacklevel=2)
         return
     # the main thread's window must run before the interpreter tears torch down
     atexit.register(disable)
+
+
+def _in_worker_process() -> bool:
+    """Whether this interpreter is a ``multiprocessing`` child: one running its target, or a spawned
+    one still importing what its target needs (its command line is multiprocessing's)."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None or "--multiprocessing-fork" in sys.orig_argv

@@ -35,6 +35,10 @@ _FLUSH_ADVICE = {
     "metadata_mutation": "an in-place change of a tensor's shape or storage (resize_, t_, set_) flushes here: "
                          "use the out-of-place form",
     "fallback": "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
+    "other_thread": "another thread read a value still pending in a recording thread (the line shown is the "
+                    "reader's): its window ended wherever the owner was. Hand values to other threads after "
+                    "a sync point of the owner (`.item()`, `sync()`), or read them less often",
+    "fork": None,
     "collective": None,
     "optimizer_step": None,
     "period": None,

@@ -3,8 +3,11 @@
 Some ways of reading a tensor go straight to its memory (``numpy``, ``tolist``, ``data_ptr``,
 pickling, ``repr``), and some ways of observing the program do not touch tensors at all (builtin
 ``print``, ``breakpoint()``). While any thread has adaptive eager on, these are wrapped so that the
-calling thread's window is flushed first (see Note [Placeholders] in ``fuser.window``): the value
-read is the eager value, and printed text keeps its eager order relative to errors. ``.data``,
+window the tensor is pending in is flushed first, whichever thread's (see Note [Placeholders] in
+``fuser.window`` and Note [Reads from other threads] in ``_tracer``), and ``print`` flushes the
+calling thread's window: the value read is the eager value, and printed text keeps its eager order
+relative to errors. Readers that dispatch ops (``item``, ``float``, formatting) are seen by the
+calling thread's own mode; they are wrapped for reads of values pending in other threads. ``.data``,
 which makes an alias without dispatching, passes a pending value's mark on to the alias.
 
 The wrappers are installed when the first thread turns adaptive eager on and removed when the
@@ -37,6 +40,10 @@ _TENSOR_READERS = {
     "__deepcopy__": "pickle",
     "__bool__": "bool",
 }
+# Readers that dispatch ops (``_local_scalar_dense``; ``__format__`` reads a ``detach()``ed alias,
+# ``__iter__`` views from ``unbind``), which the calling thread's own mode sees; in a thread
+# without the mode those ops reach memory (or an unmarked alias) directly.
+_DISPATCHING_READERS = ("item", "__float__", "__int__", "__index__", "__complex__", "__format__", "__iter__")
 
 _lock = threading.Lock()
 _active = 0
@@ -49,12 +56,10 @@ def _flush_current(reason: str) -> None:
         _tracer.flush(st, reason)
 
 
-def _reader(name: str, reason: str, original):
+def _reader(name: str, reason: str, original, other_threads_only: bool = False):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
-        st = _tracer.current_state()
-        if st is not None and _tracer.needs_flush(st, self):
-            _tracer.flush(st, reason)
+        _tracer.sync_value(self, reason, other_threads_only)
         return original(self, *args, **kwargs)
 
     return wrapper
@@ -63,11 +68,10 @@ def _reader(name: str, reason: str, original):
 def _repr_wrapper(original):
     @functools.wraps(original)
     def __repr__(self, *args, **kwargs):
+        _tracer.sync_value(self, "repr")
         st = _tracer.current_state()
         if st is None or st.mode is None:
             return original(self, *args, **kwargs)
-        if _tracer.needs_flush(st, self):
-            _tracer.flush(st, "repr")
         # The values are real now; format them eagerly instead of recording the formatting ops.
         with _disable_current_modes():
             return original(self, *args, **kwargs)
@@ -86,10 +90,8 @@ def _data_property(original):
     def getter(self):
         alias = get(self)
         o = getattr(self, "_ae", None)
-        if o is not None:
-            st = _tracer.current_state()
-            if st is not None and o.win is st.window.token:
-                alias._ae = o
+        if o is not None and _tracer.pending_mark(o):
+            alias._ae = o
         return alias
 
     return property(getter, put, doc=original.__doc__)
@@ -121,9 +123,11 @@ def _optimizer_step_hook(optimizer, args, kwargs) -> None:
     _flush_current("optimizer_step")
 
 
-def _opaque(original):
+def _opaque(original, reason: str):
     """C++ entry points that read tensor memory without dispatching (DDP's parameter check and
-    bucket rebuild): flush, then run them eagerly, like a collective."""
+    bucket rebuild) or run ATen ops of their own on raw storage (the copy into shared memory of
+    ``share_memory_`` and of ``torch.multiprocessing``'s pickling: recorded, it would be lost when
+    the storage then takes the new memory): flush, then run them eagerly."""
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -131,7 +135,7 @@ def _opaque(original):
         if st is None or st.mode is None:
             return original(*args, **kwargs)
         if st.window.nodes:
-            _tracer.flush(st, "collective")
+            _tracer.flush(st, reason)
         with _disable_current_modes():
             return original(*args, **kwargs)
 
@@ -139,19 +143,19 @@ def _opaque(original):
 
 
 def _opaque_entry_points():
-    """(owner, attribute name) of every C++ function that reads memory directly and must flush."""
+    """(owner, attribute name, flush reason) of every C++ function that must run eagerly."""
+    points = [(torch.UntypedStorage, name, "storage") for name in ("_share_fd_cpu_", "_share_filename_cpu_")]
     try:
         import torch.distributed as dist
     except ImportError:
-        return []
+        return points
     if not dist.is_available():
-        return []
-    points = []
+        return points
     if hasattr(dist, "_verify_params_across_processes"):
-        points.append((dist, "_verify_params_across_processes"))
+        points.append((dist, "_verify_params_across_processes", "collective"))
     reducer = getattr(torch._C._distributed_c10d, "Reducer", None)
     if reducer is not None and hasattr(reducer, "_rebuild_buckets"):
-        points.append((reducer, "_rebuild_buckets"))
+        points.append((reducer, "_rebuild_buckets", "collective"))
     return points
 
 
@@ -161,10 +165,10 @@ def install() -> None:
         _active += 1
         if _active > 1:
             return
-        for name, reason in _TENSOR_READERS.items():
+        for name, reason in (*_TENSOR_READERS.items(), *((n, "other_thread") for n in _DISPATCHING_READERS)):
             original = getattr(torch.Tensor, name)
             _saved[("tensor", name)] = torch.Tensor.__dict__.get(name, _MISSING)
-            setattr(torch.Tensor, name, _reader(name, reason, original))
+            setattr(torch.Tensor, name, _reader(name, reason, original, name in _DISPATCHING_READERS))
         _saved[("tensor", "__repr__")] = torch.Tensor.__dict__.get("__repr__", _MISSING)
         torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
         _saved[("tensor", "data")] = torch.Tensor.__dict__.get("data", _MISSING)
@@ -176,10 +180,10 @@ def install() -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)
-        for owner, name in _opaque_entry_points():
+        for owner, name, reason in _opaque_entry_points():
             original = getattr(owner, name)
-            _saved[("opaque", owner, name)] = original
-            setattr(owner, name, _opaque(original))
+            _saved[("opaque", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
+            setattr(owner, name, _opaque(original, reason))
 
 
 def uninstall() -> None:
@@ -196,7 +200,10 @@ def uninstall() -> None:
             elif key == "optimizer_hook":
                 value.remove()
             elif key[0] == "opaque":
-                setattr(key[1], key[2], value)
+                if value is _MISSING:
+                    delattr(key[1], key[2])
+                else:
+                    setattr(key[1], key[2], value)
             else:
                 name = key[1]
                 if value is _MISSING:

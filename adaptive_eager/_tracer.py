@@ -8,10 +8,12 @@ See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pend
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 
@@ -93,10 +95,17 @@ class TracerState:
     """What one thread's adaptive eager holds: its mode, its open window and its options."""
 
     def __init__(self, options: Options):
-        self.window = Window()
+        self.window = Window(self)
         self.mode: LazyMode | None = None
         self.depth = 0
         self.periodicity: Periodicity | None = None
+        self.thread = threading.current_thread()
+        # Note [Reads from other threads]: the owner's busy stretches, another thread's claim on
+        # the window, the window being run
+        self.busy = 0
+        self.claim: threading.Event | None = None
+        self.claim_lock = threading.Lock()
+        self.running: Window | None = None
         self.set_options(options)
 
     def set_options(self, options: Options) -> None:
@@ -137,6 +146,39 @@ def current_state() -> TracerState | None:
     return getattr(_tls, "state", None)
 
 
+# The states with the mode on, in any thread: replaced whole (never changed in place) under
+# ``_states_lock``, so a reader iterates it without a lock.
+_STATES: tuple[TracerState, ...] = ()
+_states_lock = threading.Lock()
+
+
+def _register(st: TracerState) -> None:
+    global _STATES
+    with _states_lock:
+        _STATES = (*_prune(_STATES), st)
+
+
+def _unregister(st: TracerState) -> None:
+    global _STATES
+    with _states_lock:
+        _STATES = tuple(s for s in _STATES if s is not st)
+
+
+def _prune(states: tuple) -> tuple:
+    """Drop the states of threads that ended with the mode on, once nothing of theirs is pending
+    (until then another thread may read their values: Note [Reads from other threads])."""
+    kept = []
+    for s in states:
+        if s.thread.is_alive() or s.window.nodes or s.running is not None:
+            kept.append(s)
+        else:
+            _gc.release(s)
+            from . import _patches
+
+            _patches.uninstall()
+    return tuple(kept)
+
+
 def _on_target(st: TracerState, t: torch.Tensor) -> bool:
     attr = st.target_attr
     return getattr(t, attr) if attr is not None else t.device.type == st.target
@@ -150,11 +192,37 @@ _CUTS = ("window_cap", "period")
 
 
 def flush(st: TracerState, reason: str) -> None:
-    """Run the open window (if any) and bind every live result into the program's tensors."""
-    window = st.window
-    if not window.nodes:
+    """Run the open window (if any) and bind every live result into the program's tensors.
+
+    For the thread that owns ``st``; a read in another thread runs it with ``_flush_for_reader``."""
+    if not st.window.nodes and st.claim is None:
         return
-    st.window = Window()  # first: anything the run triggers must not see the old window
+    st.busy += 1  # Note [Reads from other threads]
+    if st.claim is not None and st.busy == 1:
+        _step_back(st)
+    try:
+        _run(st, reason)
+    finally:
+        st.busy -= 1
+
+
+def _run(st: TracerState, reason: str) -> None:
+    """``flush``'s work, by whichever thread may touch ``st``'s window now."""
+    window = st.window
+    if not window.nodes or getattr(_tls, "running", None) is not None:
+        # nothing pending, or this thread is running a window: its ops read every value they
+        # use when it was real, and the fuser is not reentrant (Note [Reads from other threads])
+        return
+    st.running = window  # before the swap: a reader in another thread always finds the window
+    st.window = Window(st)  # first: anything the run triggers must not see the old window
+    _tls.running = window
+    try:
+        _run_window(st, window, reason)
+    finally:
+        _tls.running = st.running = None
+
+
+def _run_window(st: TracerState, window: Window, reason: str) -> None:
     window.closed = True
     ran = False
     site = None
@@ -266,6 +334,138 @@ def _user_error(e: fuser.ReplayError, reason: str) -> BaseException:
 
 
 # ---------------------------------------------------------------------------------------------
+# Reads from other threads
+
+# Note [Reads from other threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The mode is per thread; the values it hands out are not. A logging thread calls ``float(loss)``,
+# a queue's feeder thread pickles a batch (``torch.multiprocessing``, DataLoader workers), a second
+# training thread reads a tensor the first one wrote. Whichever thread reads a pending value must
+# see its eager value, so it runs the owner's window first.
+# - Finding the owner: a mark names its window's recorder (``t._ae.win.owner``, Note [Window
+#   release]); a real tensor written by a pending in-place op (a parameter, a view of one) is in
+#   the ``written`` storages of a state with the mode on (``_STATES``). A value stays pending while
+#   its window runs (``TracerState.running``), so a third thread waits for the run instead of
+#   reading memory half written. ``owner_of`` answers both, and ``is_lazy`` is true in every thread.
+# - Excluding the owner: a window swapped out from under ``_record`` would lose the op being
+#   recorded, so the owner's *busy* stretches (each dispatch and each flush: ``TracerState.busy``)
+#   and another thread's run of its window never overlap. The reader sets ``TracerState.claim``
+#   and waits for the owner to be idle; the owner, starting a busy stretch under a claim, steps
+#   back until the claim is gone (``_step_back``). That is Dekker's protocol on two attributes (the
+#   owner writes ``busy`` then reads ``claim``, the reader writes ``claim`` then reads ``busy``):
+#   under the GIL those reads and writes are sequentially consistent, so the two never both go
+#   ahead. The owner pays an increment, a decrement and one read per op; a lock would cost more
+#   per op and be no fairer (a loop releasing and re-acquiring it wins against the waiting reader
+#   almost every time, where a claim stops the owner at its next op).
+# - No deadlock: a thread waits for another's window only outside its own busy stretches and
+#   outside any run. The record path, meeting a value pending in another thread (``_Elsewhere``),
+#   undoes what it registered, ends its busy stretch, runs that window, and records the op again.
+#   A run never starts another flush (``_tls.running``): the ops of the running window read their
+#   values when those were real (recording them met no other thread's pending mark, or ran that
+#   window first), and the fuser is not reentrant.
+# - Not covered: ATen ops on a pending value in a thread *without* the mode (``t + 1``,
+#   ``torch.cat``, a module's forward there). Dispatch modes are per thread and a plain tensor has
+#   no ``__torch_function__``, so no Python sees those ops: they read the placeholder's memory.
+#   Every Python-level read is covered (``item``, ``float``/``int``, ``tolist``, ``numpy``,
+#   ``repr``/``print``/formatting, pickling and ``torch.save``, ``copy.deepcopy``, storage and
+#   ``data_ptr`` access, and so ``torch.multiprocessing``'s sharing), as is any op in a thread
+#   with the mode on. A value used by ATen ops in a plain thread must be handed over after one of
+#   those reads, or after ``adaptive_eager.sync()`` in the owning thread.
+
+
+class _Elsewhere(Exception):
+    """The record path met a value pending in another thread's window: ``args`` are that window's
+    state and the tensor (Note [Reads from other threads])."""
+
+
+def _holds(st: TracerState, token) -> bool:
+    """Whether ``token`` is of ``st``'s open window or of the window it is running."""
+    if token is st.window.token:
+        return True
+    running = st.running
+    return running is not None and token is running.token
+
+
+def pending_mark(o) -> bool:
+    """Whether mark ``o`` is of a window still pending in its owner (open or running), any
+    thread's; else it is a mark left behind, and its tensor is real."""
+    owner = o.win.owner
+    return owner is not None and _holds(owner, o.win)
+
+
+def _check_elsewhere(t, o) -> None:
+    if pending_mark(o):
+        raise _Elsewhere(o.win.owner, t)
+
+
+def owner_of(t) -> TracerState | None:
+    """The state whose window holds ``t``'s pending value, any thread's; None when ``t`` is real."""
+    o = getattr(t, "_ae", None)
+    if o is not None and pending_mark(o):
+        return o.win.owner
+    sid = None
+    for st in _STATES:
+        for w in (st.window, st.running):
+            if w is not None and w.written:
+                if sid is None:
+                    try:
+                        sid = _untyped_storage(t)._cdata
+                    except (RuntimeError, NotImplementedError):  # no storage: no pending op writes it
+                        return None
+                if sid in w.written:
+                    return st
+    return None
+
+
+def sync_value(t, reason: str, other_threads_only: bool = False) -> None:
+    """Before ``t``'s memory is read outside the dispatcher: run the window it is pending in,
+    whichever thread's. ``other_threads_only``: the read dispatches an op (``item``), which this
+    thread's own mode sees and counts."""
+    st = owner_of(t)
+    if st is None:
+        return
+    if st is getattr(_tls, "state", None):
+        if not other_threads_only:
+            flush(st, reason)
+    else:
+        _flush_for_reader(st, t)
+
+
+def _flush_for_reader(st: TracerState, t) -> None:
+    """Run ``st``'s window, another thread's, because this thread reads ``t``."""
+    if getattr(_tls, "running", None) is not None:
+        return  # a run's reads are of values that were real when recorded
+    me = getattr(_tls, "state", None)
+    if me is not None and me.busy:
+        return  # no wait inside a busy stretch: never happens (the record path leaves it first)
+    with st.claim_lock:  # one reader runs the window; the next finds its value real
+        claim = st.claim = threading.Event()
+        try:
+            delay = 1e-5
+            while st.busy:  # the owner finishes its op or its flush, then steps back
+                time.sleep(delay)
+                delay = min(2 * delay, 1e-3)
+            if owner_of(t) is st:
+                _run(st, "other_thread")
+        finally:
+            st.claim = None
+            claim.set()
+
+
+def _step_back(st: TracerState) -> None:
+    """The owner starts a busy stretch while another thread claims its window: wait until no
+    claim is left (its busy count stays taken on return)."""
+    while True:
+        st.busy -= 1
+        claim = st.claim
+        if claim is not None:
+            claim.wait()
+        st.busy += 1
+        if st.claim is None:
+            return
+
+
+# ---------------------------------------------------------------------------------------------
 # Record path
 
 
@@ -306,6 +506,11 @@ def _eager(st: TracerState, f, args, kwargs, reason: str | None):
     the old value (write-after-read).
     """
     if reason is not None:
+        token = st.window.token
+        for t in _tensors(args, kwargs):
+            o = getattr(t, "_ae", None)
+            if o is not None and o.win is not token:
+                _check_elsewhere(t, o)
         pending = st.window.nodes and (f.mutates or _reads_pending(st, args, kwargs))
         if pending:
             flush(st, reason)
@@ -339,7 +544,8 @@ def _meta(t):
     return _empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-_STRUCTURE_IDS: dict = {}
+_STRUCTURE_IDS: dict = {}  # op signature -> its id (>= 1); views' ids are negative (``_VIEW_IDS``)
+_SIGNATURE_IDS = itertools.count(1)
 
 
 def _compute_meta(f, args, kwargs, device, sig, ksig):
@@ -370,7 +576,8 @@ def _compute_meta(f, args, kwargs, device, sig, ksig):
     structure = (f, tuple(sig), ksig, specs)
     eid = _STRUCTURE_IDS.get(structure)
     if eid is None:
-        eid = _STRUCTURE_IDS[structure] = len(_STRUCTURE_IDS)
+        # one atomic step: two threads never give two signatures one id (Note [Window signature])
+        eid = _STRUCTURE_IDS.setdefault(structure, next(_SIGNATURE_IDS))
     return specs, nbytes, isinstance(res, list), eid
 
 
@@ -527,14 +734,18 @@ def _record_fast(st: TracerState, f, args, kwargs):
         if first is None:
             first = a
         o = getattr(a, "_ae", None)
-        if o is not None and o.win is window.token:
-            if nargs is None:
-                nargs = list(args)
-            nargs[i] = o
-            inputs.append(o)
-            refs.append(o.uid)
-            sig[i] = o.meta
-            continue
+        if o is not None:
+            if o.win is window.token:
+                if nargs is None:
+                    nargs = list(args)
+                nargs[i] = o
+                inputs.append(o)
+                refs.append(o.uid)
+                sig[i] = o.meta
+                continue
+            if pending_mark(o):
+                _decline(window, n0)
+                raise _Elsewhere(o.win.owner, a)
         if scalar_fast_path and a.numel() == 1:
             return _decline(window, n0)  # snapshots and the scalar fast path: the general path
         slot = window.slots.get(id(a))
@@ -669,6 +880,8 @@ def _record(st: TracerState, f, args, kwargs):
             sig[i] = o.meta  # known since it was recorded: no shape/stride objects to build
             continue
         else:
+            if o is not None:
+                _check_elsewhere(a, o)
             if st.scalar_fast_path:
                 if a.dim():
                     only_real_scalars = False
@@ -700,6 +913,8 @@ def _record(st: TracerState, f, args, kwargs):
                 lsig.append(o.meta)
                 continue
             else:
+                if o is not None:
+                    _check_elsewhere(a, o)
                 if st.scalar_fast_path:
                     if a.dim():
                         only_real_scalars = False
@@ -745,6 +960,8 @@ def _record(st: TracerState, f, args, kwargs):
                     inputs.append(o)
                     refs.append(o.uid)
                 else:
+                    if o is not None:
+                        _check_elsewhere(v, o)
                     refs.append(-1 - window.slot_of(v))
                 ksig.append((k, v.shape, v.stride(), v.dtype))
             else:
@@ -876,6 +1093,7 @@ def _record_view(st: TracerState, f, args, kwargs):
     # [Out kinds]); ``W.t()`` in a forward pass and ``W.add_()`` in the optimizer step.
     o = getattr(a, "_ae", None)
     if o is not None and o.win is not window.token:
+        _check_elsewhere(a, o)  # a view of another thread's pending value reads it later
         o = None
     nargs = list(args)
     if o is not None:
@@ -905,7 +1123,8 @@ def _record_view(st: TracerState, f, args, kwargs):
            tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))
     eid = _VIEW_IDS.get(key)
     if eid is None:
-        eid = _VIEW_IDS[key] = -1 - len(_VIEW_IDS)
+        # one atomic step: two threads never give two signatures one id (Note [Window signature])
+        eid = _VIEW_IDS.setdefault(key, -next(_SIGNATURE_IDS))
         _ARITY[eid] = 1
     sigs = window.sigs
     sigs.append(eid)
@@ -936,6 +1155,9 @@ def _random_fill(st: TracerState, f, args, kwargs):
         return f.func(*args, **kwargs)
     if not _dense(self):  # an expanded or overlapping target has no eager-equivalent temporary
         return _eager(st, f, args, kwargs, "random")
+    o = getattr(self, "_ae", None)
+    if o is not None and o.win is not st.window.token:
+        _check_elsewhere(self, o)  # before the draw: the op is dispatched again after that window ran
     # Draw now, in program order (Note [RNG] in _ops), into a tensor of the same geometry so the
     # generator is consumed and the values land exactly as eager would place them.
     tmp = _empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
@@ -949,7 +1171,11 @@ def _random_fill(st: TracerState, f, args, kwargs):
 def _record_or_run(st: TracerState, f, args, kwargs):
     window = st.window
     n0 = len(window.real_inputs)
-    res = _record(st, f, args, kwargs)
+    try:
+        res = _record(st, f, args, kwargs)
+    except _Elsewhere:
+        _decline(window, n0)
+        raise
     if (res is _SCALAR or res is _DECLINED) and len(window.real_inputs) != n0:
         _unslot(window, n0)
     if res is _SCALAR:
@@ -985,39 +1211,51 @@ class LazyMode(TorchDispatchMode):
                     return self.__torch_dispatch__(func, types, args, kwargs)
             finally:
                 self.profiling = False
-        f = _ops.FACTS.get(func)
-        if f is None:
-            f = facts_for(func)
-        kind = f.kind
         st = self.state
-        if kwargs is None:
-            kwargs = {}
-        if kind == RECORD:
-            if (f.fast and not kwargs) or f.fast_inplace:
-                res = _record_fast(st, f, args, kwargs)
-                if res is not _DECLINED:
-                    return res
-            return _record_or_run(st, f, args, kwargs)
-        if kind == VIEW_OP:
-            return _record_view(st, f, args, kwargs)
-        if kind == ALLOC:
-            return func(*args, **kwargs)
-        if kind == RANDOM_FILL:
-            return _random_fill(st, f, args, kwargs)
-        if kind == BATCH_NORM:
-            # the same arguments and kernels, but the running-stat writes are in the schema, so they
-            # are marked written and functionalization returns their new values
-            mutating = len(args) > 5 and args[5] and args[3] is not None and args[4] is not None
-            func = torch.ops.aten._native_batch_norm_legit.default if mutating else func
-            return _record_or_run(st, facts_for(func), args, kwargs)
-        if kind == RANDOM_NEW:
+        st.busy += 1  # Note [Reads from other threads]
+        if st.claim is not None and st.busy == 1:
+            _step_back(st)
+        try:
+            f = _ops.FACTS.get(func)
+            if f is None:
+                f = facts_for(func)
+            kind = f.kind
+            if kwargs is None:
+                kwargs = {}
+            if kind == RECORD:
+                if (f.fast and not kwargs) or f.fast_inplace:
+                    res = _record_fast(st, f, args, kwargs)
+                    if res is not _DECLINED:
+                        return res
+                return _record_or_run(st, f, args, kwargs)
+            if kind == VIEW_OP:
+                return _record_view(st, f, args, kwargs)
+            if kind == ALLOC:
+                return func(*args, **kwargs)
+            if kind == RANDOM_FILL:
+                return _random_fill(st, f, args, kwargs)
+            if kind == BATCH_NORM:
+                # the same arguments and kernels, but the running-stat writes are in the schema, so they
+                # are marked written and functionalization returns their new values
+                mutating = len(args) > 5 and args[5] and args[3] is not None and args[4] is not None
+                bn = torch.ops.aten._native_batch_norm_legit.default if mutating else func
+                return _record_or_run(st, facts_for(bn), args, kwargs)
+            if kind == RANDOM_NEW:
+                if _touches_target(st, f, args, kwargs):
+                    return _eager(st, f, args, kwargs, None)
+                return func(*args, **kwargs)
+            # FLUSH
             if _touches_target(st, f, args, kwargs):
-                return _eager(st, f, args, kwargs, None)
+                return _eager(st, f, args, kwargs, f.reason)
             return func(*args, **kwargs)
-        # FLUSH
-        if _touches_target(st, f, args, kwargs):
-            return _eager(st, f, args, kwargs, f.reason)
-        return func(*args, **kwargs)
+        except _Elsewhere as e:
+            owner, value = e.args
+        finally:
+            st.busy -= 1
+        # The op read a value pending in another thread's window (nothing of it was recorded):
+        # run that window, then dispatch the op again.
+        _flush_for_reader(owner, value)
+        return self.__torch_dispatch__(func, types, args, kwargs)
 
 
 def _reason_for_unrecordable(st, f, args, kwargs) -> str:
@@ -1048,6 +1286,8 @@ def activate(options: Options) -> TracerState:
         from . import _patches
 
         _patches.install()
+        _register(st)
+        _install_process_hooks()
     return st
 
 
@@ -1058,6 +1298,7 @@ def deactivate(st: TracerState) -> None:
         if st.mode is not None:
             mode, st.mode = st.mode, None
             mode.__exit__(None, None, None)
+            _unregister(st)
             _gc.release(st)
             from . import _patches
 
@@ -1065,8 +1306,79 @@ def deactivate(st: TracerState) -> None:
 
 
 def is_pending(t: torch.Tensor) -> bool:
+    """Whether ``t``'s value is pending in any thread's window (Note [Reads from other threads])."""
+    return owner_of(t) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker processes
+
+# Note [Worker processes]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A child process does not record unless asked (``workers=True``, NEURON_EAGER_WORKERS=1).
+# DataLoader workers and other ``multiprocessing`` children hand tensors to their parent through
+# shared memory, pickled by a queue's feeder thread; a value still pending in the child's window
+# would reach the parent unwritten (DataLoader batches of zeros), and the child's window would run
+# at some later sync point of the child, if ever. Their work (loading, collating) is eager work.
+# - fork: the forking thread's window runs first (``_before_fork``), so the child's copy of each
+#   of its values is real. In the child (``_after_fork_in_child``) that thread's mode goes off.
+#   The other threads do not exist there: their states lose any claim those threads held, and a
+#   window one of them was recording or running at that instant cannot finish and is poisoned
+#   (NaN, never uninitialized memory); their other windows stay readable (a read runs them on the
+#   child's copy of their inputs: Note [Reads from other threads]). ``fuser.compiled`` forgets its
+#   compile thread the same way.
+# - spawn: a fresh interpreter imports torch, and NEURON_EAGER=adaptive does not turn the mode on
+#   in a ``multiprocessing`` child (``_autoload._in_worker_process``).
+# - forkserver: the child is forked from the server (as above, if the server had it on), and may
+#   then import torch itself before it knows it is a child; ``multiprocessing`` runs its after-fork
+#   hooks (``multiprocessing.util.register_after_fork``) as the child starts its target, and the
+#   mode goes off there, after flushing what the child's imports recorded.
+# With ``workers``, a child keeps recording (after fork, with an empty window); what it hands to
+# a queue is still real when pickled, since the feeder thread's read runs the window.
+
+_process_hooks = False
+
+
+def _install_process_hooks() -> None:
+    global _process_hooks
+    if _process_hooks:
+        return
+    _process_hooks = True
+    import multiprocessing.util
+
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    multiprocessing.util.register_after_fork(_tls, lambda _: _leave_in_child())
+
+
+def _before_fork() -> None:
     st = current_state()
-    return st is not None and needs_flush(st, t)
+    if st is not None and st.mode is not None and not st.busy:
+        flush(st, "fork")
+
+
+def _after_fork_in_child() -> None:
+    me = current_state()
+    for st in _STATES:
+        # what threads that do not exist here held: a claim, a window they were running, and the
+        # window of a thread that was recording (its last op half recorded); those never finish
+        st.claim, st.claim_lock = None, threading.Lock()
+        broken = [st.running] if st.running is not None else []
+        if st.busy and st is not me:
+            broken.append(st.window)
+            st.window, st.busy = Window(st), 0
+        for window in broken:
+            _poison(window)
+            _release(window)
+        st.running = None
+    _leave_in_child()
+
+
+def _leave_in_child() -> None:
+    """This process is a worker: the mode goes off unless workers record (Note [Worker processes])."""
+    st = current_state()
+    if st is not None and st.mode is not None and not st.options.workers:
+        st.depth = 0
+        deactivate(st)
 
 
 __all__ = ["LazyMode", "TracerState", "flush", "activate", "deactivate", "current_state", "is_pending"]

@@ -43,6 +43,7 @@ class Options:
     async_compile: bool = True
     log: str = "warning"
     tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
+    workers: bool = False  # child processes record too: Note [Worker processes]
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -116,6 +117,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
                 "instead of triggering full collections (default 1; the program's thresholds come back at exit)"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning`, `info` or `debug`"),
+    "workers": (_parse_bool, "child processes (DataLoader workers, `multiprocessing` children, forked processes) "
+                "record too (default 0: they run eagerly; a spawned child reads it from the environment)"),
 }
 
 
@@ -219,7 +222,7 @@ def _check_types(values: dict[str, Any]) -> None:
             raise ConfigError(f"option {name}={values[name]!r}: expected an integer >= 1")
     if "window_mb" in values and not (isinstance(values["window_mb"], (int, float)) and values["window_mb"] > 0):
         raise ConfigError(f"option window_mb={values['window_mb']!r}: expected a positive number")
-    for name in ("async_compile", "tune_gc"):
+    for name in ("async_compile", "tune_gc", "workers"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
 

@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from itertools import compress as _compress
 
 import torch
@@ -83,7 +84,7 @@ class RegionStats:
 
     def as_dict(self) -> dict:
         return {
-            "corrupt_entries": sum(s.corrupt_entries + s.incompatible_entries for s in _STORES.values()),
+            "corrupt_entries": sum(s.corrupt_entries + s.incompatible_entries for s in list(_STORES.values())),
             "regions_compiled": self.regions_compiled,
             "compile_seconds": round(self.compile_seconds, 3),
             "cache_hits_memory": self.cache_hits_memory,
@@ -243,9 +244,35 @@ def _keep(group: _Group, n: int) -> list[bool]:
     return keep
 
 
+# Note [One lock for the region tables]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Threads with the mode on share this module's tables (CACHE and its entries, _GROUPS, _CLASSES,
+# _FAMILIES, _PENDING, _JOBS, _STORES, STATS, the compile queue), and update them in several
+# steps: ``_describe`` sets an entry's ``program`` before its ``pkey`` (a second thread claimed the
+# key ``None`` and died), ``_collect`` publishes ``run`` before ``lifted_inputs`` and ``inplace``,
+# ``_scalar_key`` reads a group's lifted positions apart from its ``keep`` mask (a key whose baked
+# values miss a lifted float: a region hit with the wrong constants). So a window's run holds
+# ``_LOCK`` from its key to its last write-back.
+# One lock rather than tables per thread: threads that train one structure (data-parallel
+# threads, one model per thread) then share its regions' compiles, artifact loads and compiled
+# code instead of paying each once per thread; a single thread pays one uncontended acquire per
+# flush, well under a microsecond (benchmarks/flush_cost.py, a 1000-op window hitting its region,
+# five runs each on a loaded 2-core machine: median 6.08 ms before, 5.99 ms after, runs spread
+# over 1 ms). Windows of different threads run one at a time: on a CPU target their host work
+# is serialized by the GIL anyway, and on CUDA a compiled region only enqueues kernels. What
+# takes long without work of ours is waited for outside the lock, a compile or an artifact load
+# in flight (``_collect``): a thread waiting for its compile lets the others replay and run.
+_LOCK = threading.Lock()
+
+
 def run(window: Window, backend, options) -> tuple[int, int, int]:
     """Run ``window`` (after ``mark_needed``) compiled when its key is hot or on disk, else by
     replay; return the launches made. Leaves ``window.outcome`` and ``window.region``."""
+    with _LOCK:  # Note [One lock for the region tables]
+        return _run_window(window, backend, options)
+
+
+def _run_window(window: Window, backend, options) -> tuple[int, int, int]:
     live = read_liveness(window)  # the region's outputs
     mutated = tuple(sorted(window.mutated))
     if not live and not mutated and not _checks(window):
@@ -1407,6 +1434,20 @@ def _submit(fn, *args) -> Future:
     return future
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: no compile thread, and no lock held by another
+    thread. Compiles and loads in flight belong to the parent; the child's entries start them
+    again when due (Note [Worker processes] in adaptive_eager._tracer)."""
+    global _QUEUE, _LOCK
+    _QUEUE = None
+    _LOCK = threading.Lock()
+    for entry in [*CACHE.entries.values(), *(c.sym for c in _CLASSES.values() if c.sym is not None)]:
+        entry.future = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _pack(artifact: bytes, lifted_inputs, how: dict, key: str) -> bytes:
     """What the store holds for region ``key``: Note [Artifact container], no pickle."""
     lifted = [[i, str(dt).removeprefix("torch.")] for i, dt in lifted_inputs]
@@ -1480,8 +1521,18 @@ def _store(options):
 
 
 def _collect(entry: _Entry) -> None:
-    """Take a finished compile's (or load's) result, blocking if it is still running."""
-    future, entry.future = entry.future, None
+    """Take a finished compile's (or load's) result, blocking if it is still running (without
+    ``_LOCK``, which the caller holds: Note [One lock for the region tables])."""
+    future = entry.future
+    if not future.done():
+        _LOCK.release()
+        try:
+            futures_wait((future,))
+        finally:
+            _LOCK.acquire()
+        if entry.future is not future:
+            return  # another thread waited for it too, and took the result
+    entry.future = None
     try:
         entry.run, lifted_inputs, seconds, how = future.result()
     except LiftError as e:

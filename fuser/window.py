@@ -39,15 +39,18 @@ when a later op reads it; a live value is written into its placeholder's storage
 
 Note [Window release]
 A window's objects form no reference cycle: an Out names its window by ``Out.win``, the window's
-``token`` (a bare object), not by its node, and a node does not name its window. So dropping a
-window frees its nodes and Outs by reference counting, in one cascade, without visiting them one by
-one. A tensor's mark ``t._ae`` is pending exactly while ``t._ae.win is st.window.token``; a mark
-left behind never matches a later window. At the flush (``_tracer._release``) only the Outs whose
-tensors can outlive the window are visited: the live FRESH ones (``Window.live``) and the ALIAS and
-VIEW ones (``Window.others``) lose their marks and their references, so a surviving tensor keeps
-nothing of the window. A dead FRESH Out needs no visit: every tensor carrying its mark would share
-its storage, and that storage is gone. Each FRESH Out's storage handle (a raw weak pointer) is freed
-explicitly. A 1000-op window of dead intermediates is thus released in one pass over its handles.
+``token`` (a ``Token``: it names the window's recorder, never the window), not by its node, and a
+node does not name its window. So dropping a window frees its nodes and Outs by reference counting,
+in one cascade, without visiting them one by one. (The recorder holds its open window, whose token
+names the recorder back: that cycle goes when the recorder moves on to a new window.) A tensor's
+mark ``t._ae`` is pending exactly while ``t._ae.win`` is the token of its recorder's open window
+(or of the window it is running); a mark left behind never matches a later window. At the flush
+(``_tracer._release``) only the Outs whose tensors can outlive the window are visited: the live
+FRESH ones (``Window.live``) and the ALIAS and VIEW ones (``Window.others``) lose their marks and
+their references, so a surviving tensor keeps nothing of the window. A dead FRESH Out needs no
+visit: every tensor carrying its mark would share its storage, and that storage is gone. Each FRESH
+Out's storage handle (a raw weak pointer) is freed explicitly. A 1000-op window of dead
+intermediates is thus released in one pass over its handles.
 """
 
 from __future__ import annotations
@@ -116,14 +119,25 @@ def where(source) -> str:
     return f"{code.co_filename}:{line} (in {code.co_name})"
 
 
+class Token:
+    """What the Outs of one window carry as ``Out.win`` (Note [Window release]). ``owner`` is
+    whatever records the window (the tracer's per-thread state), so that any thread holding a mark
+    finds who can run its window (Note [Reads from other threads] in ``adaptive_eager._tracer``)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner):
+        self.owner = owner
+
+
 class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "live", "viewed", "outcome", "region", "token")
 
-    def __init__(self):
-        self.token = object()  # what its Outs carry as ``Out.win``: Note [Window release]
+    def __init__(self, owner=None):
+        self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
         self.nodes: list[Node] = []
         self.pending_bytes = 0
         self.closed = False
