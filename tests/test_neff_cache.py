@@ -564,6 +564,17 @@ def test_failure_lapses_after_a_day_and_is_bounded_in_size(tmp_path):
         assert store.failure(KEY_A) is None
 
 
+def test_job_whose_compile_raises_is_remembered_by_the_worker(store, tmp_path):
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.submit(KEY_A, FN + "raise_compile_error", bytes(tmp_path / "calls"), fingerprint="fp", backend="b")
+        (result,) = finished_within(jobs, 30, with_seconds=True)
+    finally:
+        jobs.shutdown()
+    assert not result.ok and result.failure == "RuntimeError: lowering failed: op aten::frobnicate has no kernel"
+    assert ArtifactStore(store.directory).failure(KEY_A, fingerprint="fp") == result.failure
+
+
 # ------------------------------------------------------------------------------- orphans
 
 
@@ -768,6 +779,41 @@ def test_interpreter_exit_does_not_wait_for_a_running_compile(tmp_path):
     assert_process_gone(int(pid_file.read_text()))
     with ArtifactStore(tmp_path / "cache") as store:
         assert not store.is_claimed(KEY_A)  # released at exit, not left for the ttl
+
+
+def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: float) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path[:0] = [{REPO_ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+        from neff_cache import ArtifactStore, CompileJobs
+        jobs = CompileJobs(ArtifactStore({str(directory)!r}), finish_after_exit_s={finish_after_exit_s})
+        assert jobs.submit({KEY_A!r}, {FN + "sleep_then_compile"!r}, b"{seconds}", fingerprint="fp", backend="b")
+        assert jobs.running() == {{{KEY_A!r}}}
+        """
+    )
+    start = time.monotonic()
+    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert finished.returncode == 0, finished.stderr
+    assert time.monotonic() - start < 10  # exit does not wait for the compile
+
+
+def test_compile_running_at_exit_finishes_and_lands_in_the_cache(tmp_path):
+    exit_with_a_compile_running(tmp_path, seconds=2, finish_after_exit_s=60)
+    store = ArtifactStore(tmp_path)
+    assert store.is_claimed(KEY_A)  # held by the worker now, not released by the exiting program
+    assert store.wait_for(KEY_A, timeout_s=60) == b"compiled after 2"
+    assert not store.is_claimed(KEY_A)
+    (entry,) = store.entries()
+    assert entry["backend"] == "b" and entry["compile_seconds"] >= 2
+
+
+def test_compile_running_at_exit_is_bounded_by_finish_after_exit_s(tmp_path):
+    exit_with_a_compile_running(tmp_path, seconds=60, finish_after_exit_s=1)
+    store = ArtifactStore(tmp_path)
+    start = time.monotonic()
+    assert store.wait_for(KEY_A, timeout_s=30) is None  # its worker was killed, so its claim is stale
+    assert time.monotonic() - start < 10 and store.entries() == [] and store.claim(KEY_A)
 
 
 def assert_process_gone(pid: int) -> None:
