@@ -781,20 +781,22 @@ def test_interpreter_exit_does_not_wait_for_a_running_compile(tmp_path):
         assert not store.is_claimed(KEY_A)  # released at exit, not left for the ttl
 
 
-def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: float) -> None:
+def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: float, how: str = "exit") -> None:
     script = textwrap.dedent(
         f"""
-        import sys
+        import os, signal, sys
         sys.path[:0] = [{REPO_ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
         from neff_cache import ArtifactStore, CompileJobs
         jobs = CompileJobs(ArtifactStore({str(directory)!r}), finish_after_exit_s={finish_after_exit_s})
         assert jobs.submit({KEY_A!r}, {FN + "sleep_then_compile"!r}, b"{seconds}", fingerprint="fp", backend="b")
         assert jobs.running() == {{{KEY_A!r}}}
+        if {how!r} == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
         """
     )
     start = time.monotonic()
     finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
-    assert finished.returncode == 0, finished.stderr
+    assert finished.returncode == (-signal.SIGKILL if how == "sigkill" else 0), finished.stderr
     assert time.monotonic() - start < 10  # exit does not wait for the compile
 
 
@@ -806,6 +808,16 @@ def test_compile_running_at_exit_finishes_and_lands_in_the_cache(tmp_path):
     assert not store.is_claimed(KEY_A)
     (entry,) = store.entries()
     assert entry["backend"] == "b" and entry["compile_seconds"] >= 2
+
+
+def test_compile_of_a_program_killed_by_sigkill_still_lands(tmp_path):
+    exit_with_a_compile_running(tmp_path, seconds=1, finish_after_exit_s=60, how="sigkill")
+    store = ArtifactStore(tmp_path)
+    assert not store.is_claimed(KEY_A)  # its holder is dead: another process may compile it meanwhile
+    deadline = time.monotonic() + 60
+    while store.get(KEY_A) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.get(KEY_A) == b"compiled after 1"
 
 
 def test_compile_running_at_exit_is_bounded_by_finish_after_exit_s(tmp_path):
