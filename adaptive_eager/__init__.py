@@ -140,13 +140,22 @@ def reset_metrics() -> None:
 def report(explain: bool = False) -> str:
     """A readable table of ``metrics()`` and the persistent cache in use; with ``explain=True``,
     followed by ``explain()``."""
-    from fuser.compiled import _STORES
+    from fuser.compiled import _JOBS, _STORES
 
     lines = [format_report(metrics())]
     for store in list(_STORES.values()):  # another thread may add one
         s = store.stats()
         lines.append(f"cache {s['directory']}: {s['entries']} entries, {s['bytes'] / 2**20:.1f} MiB, {s['hits']} hits"
-                     f"{' (in memory: the directory is not usable)' if s.get('in_memory') else ''}")
+                     f"{' (in memory: the directory is not usable)' if s.get('in_memory') else ''}"
+                     f"{' (read-only: new compiles stay in memory)' if s.get('read_only') else ''}")
+    for jobs in _JOBS.values():
+        pending, running = jobs.pending(), jobs.running()
+        if pending:
+            after = (f"go on after the program exits, for up to {jobs.finish_after_exit_s:.0f} s "
+                     "(compile_after_exit_s), and land in the cache" if jobs.finish_after_exit_s else "stop at exit")
+            lines.append(f"background compiles pending: {len(pending)}, {len(running)} running "
+                         f"({', '.join(sorted(key[:8] for key in running)) or '-'}): running ones {after}; "
+                         "queued ones are dropped at exit")
     if explain:
         lines.append("")
         lines.append(_explain_text())

@@ -41,6 +41,7 @@ class Options:
     cache_shared: str = "no"  # who besides the user may write the cache: Note [Cache trust] in neff_cache.access
     hot_after: int = 2
     async_compile: bool = True
+    compile_after_exit_s: float = 300.0  # Note [Compiles that outlive the program] in neff_cache.jobs
     log: str = "warning"
     tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
     workers: bool = False  # child processes record too: Note [Worker processes]
@@ -69,14 +70,19 @@ def _parse_int(name: str, raw: str, minimum: int = 1) -> int:
     return value
 
 
-def _parse_float(name: str, raw: str) -> float:
+def _parse_float(name: str, raw: str, minimum: float | None = None) -> float:
+    expected = "a positive number" if minimum is None else f"a number >= {minimum:g}"
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{_env(name)}={raw!r}: expected a positive number") from None
-    if not value > 0:
-        raise ConfigError(f"{_env(name)}={raw!r}: expected a positive number")
+        raise ConfigError(f"{_env(name)}={raw!r}: expected {expected}") from None
+    if not (value > 0 if minimum is None else value >= minimum):
+        raise ConfigError(f"{_env(name)}={raw!r}: expected {expected}")
     return value
+
+
+def _parse_seconds(name: str, raw: str) -> float:
+    return _parse_float(name, raw, minimum=0)
 
 
 def _parse_choice(choices: tuple[str, ...]):
@@ -114,6 +120,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                      "(README \"Sharing a cache\")"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
+    "compile_after_exit_s": (_parse_seconds, "seconds a background compile still running when the program exits "
+                             "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
                 "instead of triggering full collections (default 1; the program's thresholds come back at exit)"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning`, `info` or `debug`"),
@@ -222,6 +230,9 @@ def _check_types(values: dict[str, Any]) -> None:
             raise ConfigError(f"option {name}={values[name]!r}: expected an integer >= 1")
     if "window_mb" in values and not (isinstance(values["window_mb"], (int, float)) and values["window_mb"] > 0):
         raise ConfigError(f"option window_mb={values['window_mb']!r}: expected a positive number")
+    seconds = values.get("compile_after_exit_s")
+    if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
+        raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
     for name in ("async_compile", "tune_gc", "workers"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")

@@ -21,6 +21,8 @@ metadata plus the backend fingerprint, computed only on a compile.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import itertools
 import json
 import logging
@@ -29,6 +31,7 @@ import queue
 import struct
 import threading
 import time
+import traceback
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -312,6 +315,8 @@ def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backe
         if entry.program is None:
             _describe(entry, window, live, mutated, lifted, backend)
         data = store.get(entry.pkey, fingerprint=backend.fingerprint())
+        if data is None and entry.other_process and _abandoned(entry, store):
+            entry.other_process = False  # compiled below, by this process
         if data is not None:
             entry.other_process = False
             entry.future = _submit(_load, data, backend, store, entry.pkey, False)
@@ -331,6 +336,8 @@ def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backe
         store = _store(options)
         if entry.program is None:
             _describe(entry, window, live, mutated, lifted, backend)
+        if _failed_before(entry, store, backend):
+            return _replay(window)
         if not store.claim(entry.pkey):
             # another process is compiling this region: replay meanwhile, pick it up from disk
             if not entry.other_process:
@@ -659,13 +666,15 @@ def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, option
         if sym.other_process:
             poll_jobs()
         data = store.get(sym.pkey, fingerprint=backend.fingerprint())
+        if data is None and sym.other_process and _abandoned(sym, store):
+            sym.other_process = False  # compiled below, by this process
         if data is not None:
             sym.other_process = False
             sym.future = _submit(_load, data, backend, store, sym.pkey, True)
             if wait:
                 _collect(sym)
                 outcome = "loaded"
-        elif not sym.other_process:
+        elif not sym.other_process and not _failed_before(sym, store, backend):
             if not store.claim(sym.pkey):
                 sym.other_process = True
                 STATS.waited_for_other_process += 1
@@ -791,7 +800,7 @@ def _jobs(store, options):
 
     jobs = _JOBS.get(id(store))
     if jobs is None:
-        jobs = _JOBS[id(store)] = CompileJobs(store, max_workers=1)
+        jobs = _JOBS[id(store)] = CompileJobs(store, max_workers=1, finish_after_exit_s=options.compile_after_exit_s)
     return jobs
 
 
@@ -823,11 +832,29 @@ def poll_jobs() -> None:
                 STATS.regions_compiled += 1
                 log.info("adaptive_eager: compiled region %s in a worker process in %.2fs (key %s)", result.key[:8],
                          result.seconds, result.key)
-            else:
+            elif entry is None:
                 STATS.compile_failures += 1
-                if entry is not None:
-                    entry.other_process = False
-                    _blacklist(entry, f"background compile failed: {result.error}")
+            else:
+                entry.other_process = False
+                _compile_failed(entry, result.failure or result.error.splitlines()[0], "background compile failed")
+
+
+def _abandoned(entry: _Entry, store) -> bool:
+    """Whether the compile of ``entry`` that this process waits for will never land: no job of ours
+    runs it and nobody holds its claim (its holder failed or died: Note [Claim holders] in
+    neff_cache.store), so this process compiles it."""
+    return entry.pkey not in _PENDING and not store.is_claimed(entry.pkey)
+
+
+def _failed_before(entry: _Entry, store, backend) -> bool:
+    """Whether compiling ``entry`` failed in an earlier process (Note [Remembered failures] in
+    neff_cache.store); if so it is handled as that failure was, without compiling again."""
+    reason = store.failure(entry.pkey, fingerprint=backend.fingerprint())
+    if reason is None:
+        return False
+    _compile_failed(entry, reason, f"compile failed in an earlier process (remembered in {store.directory})",
+                    attempted=False)
+    return True
 
 
 def _replay(window: Window, outcome: str = "replayed") -> tuple[int, int, int]:
@@ -869,6 +896,27 @@ def _not_compilable(window: Window) -> str | None:
     if _inputs_alias(window):
         return "aliased_inputs"
     return None
+
+
+def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = True) -> None:
+    """``entry``'s compile failed with ``reason`` (``_failure_reason``), in this process or, when not
+    ``attempted`` here, in an earlier one."""
+    if reason.startswith(_LIFT_ERROR):
+        # The floats cannot be graph inputs: from now on windows of this structure are keyed by
+        # their values (each value compiles once it is hot) instead.
+        log.info("adaptive_eager: float arguments stay compile-time constants: %s", reason)
+        STATS.not_compiled["unliftable_scalars"] += 1
+        entry.blacklisted = True
+        if entry.group is not None:
+            entry.group.unliftable = True
+            entry.group.lifted = ()
+            entry.group.keep = None
+        return
+    if attempted:
+        STATS.compile_failures += 1
+    else:
+        STATS.not_compiled["failed_before"] += 1
+    _blacklist(entry, f"{what}: {reason}")
 
 
 def _blacklist(entry: _Entry, why: str) -> None:
@@ -1024,6 +1072,9 @@ def _sentinel_index(x) -> int | None:
 class LiftError(Exception):
     """The graph cannot take a lifted float as an input (it was transformed, or an op needs it as a
     Python number); the region is compiled with the values baked in instead."""
+
+
+_LIFT_ERROR = f"{LiftError.__module__}.{LiftError.__qualname__}:"  # how a LiftError's reason begins
 
 
 # Note [In-place regions]
@@ -1410,36 +1461,85 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
 # Compiles (and artifact loads) run on a thread of their own: a flush often happens inside the
 # dispatch mode's __torch_dispatch__, where Python dispatch is off for the calling thread and graph
 # tracing (make_fx, functionalization) cannot work; a fresh thread has clean dispatch state. The
-# thread is a daemon, so a pending compile never holds the interpreter at exit.
+# thread is a daemon, so a pending compile never holds the interpreter at exit. But a daemon thread
+# must not still be inside torch at exit: the interpreter ends a daemon thread that wants the GIL
+# back after finalization began with pthread_exit, whose unwinding through a C++ frame that
+# released the GIL (every ATen call from Python does) calls std::terminate: "terminate called
+# without an active exception", and the process aborts (as a Ctrl-C during an in-process compile
+# did, when the main thread left the compile running). So an atexit hook stops the thread first: it raises ``_Shutdown`` in it (at
+# its next Python bytecode: a running compile unwinds, releasing its claim, and a subprocess it
+# waits on is killed by ``subprocess.run``) and waits up to ``_STOP_S`` for it to end. And the
+# flushing thread waits for a result in slices (``_result``): the kernel may deliver a Ctrl-C's
+# SIGINT to the compile thread, which does not wake the main thread from a lock wait, so an
+# unbounded wait would not raise KeyboardInterrupt until the compile ended.
 _QUEUE: queue.SimpleQueue | None = None
+_THREAD: threading.Thread | None = None
+_PID = os.getpid()  # the process the thread runs in (a forked child has the queue, not the thread)
+_STOP_S = 30.0  # longer than one step of a compile can hold the thread in C code (one g++ run)
+
+
+class _Shutdown(BaseException):
+    """Raised in the compile thread at interpreter exit (Note [Compile thread])."""
 
 
 def _worker() -> None:
-    while True:
-        future, fn, args = _QUEUE.get()
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the flushing thread
-                future.set_exception(e)
+    try:
+        while True:
+            task = _QUEUE.get()
+            if task is None:
+                return
+            future, fn, args = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to the flushing thread
+                    future.set_exception(e)
+                    if isinstance(e, _Shutdown):
+                        return
+    except _Shutdown:
+        return
 
 
 def _submit(fn, *args) -> Future:
-    global _QUEUE
-    if _QUEUE is None:
-        _QUEUE = queue.SimpleQueue()
-        threading.Thread(target=_worker, name="adaptive_eager_compile", daemon=True).start()
+    if _THREAD is None or _PID != os.getpid():
+        _start_compile_thread()
     future: Future = Future()
     _QUEUE.put((future, fn, args))
     return future
+
+
+def _result(future: Future):
+    while True:
+        try:
+            return future.result(timeout=0.1)  # Note [Compile thread]: a Ctrl-C is seen within 0.1 s
+        except TimeoutError:
+            pass
+
+
+def _start_compile_thread() -> None:
+    global _QUEUE, _THREAD, _PID
+    _QUEUE, _PID = queue.SimpleQueue(), os.getpid()
+    _THREAD = threading.Thread(target=_worker, name="adaptive_eager_compile", daemon=True)
+    _THREAD.start()
+    atexit.register(_stop_compile_thread)
+
+
+def _stop_compile_thread() -> None:
+    """Note [Compile thread]: no thread of ours may be inside torch when the interpreter finalizes."""
+    thread = _THREAD
+    if thread is None or _PID != os.getpid() or not thread.is_alive():
+        return
+    _QUEUE.put(None)  # an idle thread ends at once; a busy one is interrupted
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Shutdown))
+    thread.join(_STOP_S)
 
 
 def _after_fork_in_child() -> None:
     """A forked child has only the forking thread: no compile thread, and no lock held by another
     thread. Compiles and loads in flight belong to the parent; the child's entries start them
     again when due (Note [Worker processes] in adaptive_eager._tracer)."""
-    global _QUEUE, _LOCK
-    _QUEUE = None
+    global _THREAD, _LOCK
+    _THREAD = None  # ``_submit`` starts the child's own
     _LOCK = threading.Lock()
     for entry in [*CACHE.entries.values(), *(c.sym for c in _CLASSES.values() if c.sym is not None)]:
         entry.future = None
@@ -1500,9 +1600,18 @@ def _compile_and_store(program: Program, backend, store, pkey: str):
         seconds = time.perf_counter() - t0
         store.put(pkey, _pack(artifact, lifted_inputs, how, pkey), fingerprint=backend.fingerprint(),
                   backend=backend.name, compile_seconds=seconds)
+    except Exception as e:
+        store.put_failure(pkey, _failure_reason(e), fingerprint=backend.fingerprint(), backend=backend.name)
+        raise
     finally:
         store.release(pkey)
     return _load_artifact(artifact, how, backend), lifted_inputs, seconds, how
+
+
+def _failure_reason(error: BaseException) -> str:
+    """How a failed compile is remembered: the exception as a traceback ends with it, as a compile worker
+    reports it (``JobResult.failure``), so both kinds are handled alike by ``_compile_failed``."""
+    return "".join(traceback.format_exception_only(error)).strip()
 
 
 _STORES: dict = {}
@@ -1534,21 +1643,9 @@ def _collect(entry: _Entry) -> None:
             return  # another thread waited for it too, and took the result
     entry.future = None
     try:
-        entry.run, lifted_inputs, seconds, how = future.result()
-    except LiftError as e:
-        # The floats cannot be graph inputs: from now on windows of this structure are keyed by
-        # their values (each value compiles once it is hot) instead.
-        log.info("adaptive_eager: float arguments stay compile-time constants: %s", e)
-        STATS.not_compiled["unliftable_scalars"] += 1
-        entry.blacklisted = True
-        if entry.group is not None:
-            entry.group.unliftable = True
-            entry.group.lifted = ()
-            entry.group.keep = None
-        return
+        entry.run, lifted_inputs, seconds, how = _result(future)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: replay this key
-        STATS.compile_failures += 1
-        _blacklist(entry, f"compile failed: {type(e).__name__}: {e}")
+        _compile_failed(entry, _failure_reason(e), "compile failed")
         return
     entry.lifted_inputs = lifted_inputs
     entry.inplace = how["inplace"]  # the compile's answer (Note [Partitions]), also for artifacts from disk

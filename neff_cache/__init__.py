@@ -1,5 +1,5 @@
 """Persistent, content-addressed store of compiled artifacts, with cross-process compile claims,
-background compile workers and a CLI (``python -m neff_cache stats|ls|clear|prune``).
+background compile workers and a CLI (``python -m neff_cache stats|ls|clear|prune|repair``).
 
 It stores bytes under hex-digest keys and knows nothing of graphs or torch.
 """

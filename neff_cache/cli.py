@@ -1,4 +1,4 @@
-"""``python -m neff_cache stats|ls|clear|prune``: inspect and trim the compiled-artifact cache."""
+"""``python -m neff_cache stats|ls|clear|prune|repair``: inspect, trim and repair the compiled-artifact cache."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import argparse
 import logging
 import os
 import re
+import sqlite3
 import sys
 import time
 from typing import Any
 
 from diskcache.core import DBNAME
 
-from neff_cache.store import BYTES_PER_MB, ArtifactStore
+from neff_cache.store import BYTES_PER_MB, ArtifactStore, repair
 
 FALLBACK_CACHE_DIR = os.path.join("~", ".cache", "adaptive_eager")
 FALLBACK_SHARED = "no"
@@ -32,9 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(os.path.join(directory, DBNAME)):
         print(f"no compiled-artifact cache at {directory}")
         return 0
+    if args.command == "repair":
+        return _repair(directory)
     with ArtifactStore(directory, shared=shared) as store:
         if store.in_memory:
             return 1  # the store has logged what is wrong with the directory and how to fix it
+        if store.read_only and args.command in ("clear", "prune"):
+            print(f"cannot {args.command} {directory}: it is read-only (see the warning above)", file=sys.stderr)
+            return 1
         _COMMANDS[args.command](store, args)
     return 0
 
@@ -54,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect and trim adaptive eager's persistent compiled-artifact cache.",
         parents=[common],
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{stats,ls,clear,prune}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{stats,ls,clear,prune,repair}")
     commands.add_parser("stats", parents=[common], help="entries, bytes, hits, oldest/newest, per backend")
     commands.add_parser("ls", parents=[common], help="one line per entry")
     commands.add_parser("clear", parents=[common], help="remove every entry")
@@ -67,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
         type=_parse_age_s,
         metavar="AGE",
         help="remove entries unused for AGE: 3600, 90s, 30m, 12h, 7d, 2w",
+    )
+    commands.add_parser(
+        "repair", parents=[common], help="rebuild a damaged index or control database, keeping every sound artifact"
     )
     return parser
 
@@ -112,7 +121,7 @@ def _settings(parser: argparse.ArgumentParser) -> tuple[str, str]:
 
 def _stats(store: ArtifactStore, args: argparse.Namespace) -> None:
     stats = store.stats()
-    print(f"cache directory: {stats['directory']}")
+    print(f"cache directory: {stats['directory']}{' (read-only)' if stats['read_only'] else ''}")
     print(f"entries: {stats['entries']} ({_format_size(stats['bytes'])})")
     print(f"hits: {stats['hits']}")
     print(f"oldest: {_format_time(stats['oldest'])}")
@@ -159,6 +168,24 @@ def _clear(store: ArtifactStore, args: argparse.Namespace) -> None:
 
 def _prune(store: ArtifactStore, args: argparse.Namespace) -> None:
     _report_removed(store, store.prune(max_size_mb=args.max_size, older_than_s=args.older_than))
+    if store.orphans_removed:
+        print(f"removed {store.orphans_removed} orphaned files left by processes killed while writing")
+
+
+def _repair(directory: str) -> int:
+    try:
+        done = repair(directory)
+    except (OSError, sqlite3.Error) as error:  # a directory this process cannot write
+        print(f"cannot repair {directory}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    if done["index"] == "rebuilt":
+        print(f"index rebuilt: kept {done['kept']} entries, dropped {done['dropped']} that did not verify "
+              f"(the damaged index is kept as {os.path.join(directory, DBNAME)}.damaged; delete it when done)")
+    else:
+        print("index: sound")
+    print("control database (claims and counters): " + ("rebuilt" if done["control"] == "rebuilt" else "sound"))
+    print(f"removed {done['orphans']} orphaned files ({_format_size(done['orphan_bytes'])})")
+    return 0
 
 
 def _report_removed(store: ArtifactStore, removed: list[dict[str, Any]]) -> None:

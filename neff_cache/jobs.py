@@ -19,9 +19,21 @@ also stops the compilers it started.
 
 Note [Results are collected by poll]
 No thread runs in the background: ``submit`` starts jobs and ``poll`` collects finished ones,
-stores their artifacts, releases their claims and starts queued jobs; the fuser polls at every
-flush. So nothing can hold the interpreter at exit, where an atexit hook kills the workers and
-releases the claims of unfinished jobs, so that other processes need not wait for the claim ttl.
+releases their claims and starts queued jobs; the fuser polls at every flush. So nothing can hold
+the interpreter at exit.
+
+Note [Compiles that outlive the program]
+A program shorter than its first compile (a test, a 20-step run on a loaded machine) would never
+benefit from the cache if its compiles died with it. So a worker is told where the parent's store
+is and stores each artifact (or remembered failure) itself, and at exit the parent hands the claim
+of each running job over to its worker (Note [Claim holders] in neff_cache.store) and leaves it
+running, without waiting: the worker finishes, stores, releases the claim and exits. A thread in
+the worker bounds this: once the parent is gone, the running job gets ``finish_after_exit_s``
+seconds, after which the worker kills its process group (itself and its compilers). Jobs still
+queued at exit are dropped and their claims released. With ``finish_after_exit_s=0``, or a store
+that is not on a writable disk, the workers are killed at exit instead and their claims released,
+so that other processes need not wait for the claim ttl. The parent stores a result itself only
+when the worker could not (``stored`` in its reply) or its own store is no longer on that disk.
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ import time
 from typing import NamedTuple
 
 from neff_cache._worker import BOOTSTRAP
-from neff_cache.store import ArtifactStore
+from neff_cache.store import BYTES_PER_MB, ArtifactStore
 
 log = logging.getLogger("neff_cache")
 
@@ -52,12 +64,15 @@ _ATTEMPTS = 2  # a job whose worker dies is retried once
 
 
 class JobResult(NamedTuple):
-    """A finished job: ``error`` is None when the artifact was stored, else says why it was not."""
+    """A finished job: ``error`` is None when the artifact was stored, else says why it was not;
+    ``failure`` is the exception the compile function raised, as the end of its traceback reads
+    (what the store remembers: Note [Remembered failures]), None when it did not raise."""
 
     key: str
     ok: bool
     error: str | None
     seconds: float = 0.0  # how long the worker compiled (0 when it died)
+    failure: str | None = None
 
 
 @dataclasses.dataclass
@@ -67,6 +82,7 @@ class _Job:
     payload: bytes
     fingerprint: str
     backend: str
+    destination: dict | None  # where the worker stores the result: Note [Compiles that outlive the program]
     attempts: int = 0
     alone: bool = False  # a retry after a worker died runs with no other job beside it
 
@@ -79,7 +95,7 @@ class _Worker:
         parent_sys_path = json.dumps([str(entry) for entry in sys.path])
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", BOOTSTRAP, str(child_end.fileno()), parent_sys_path],
+                [sys.executable, "-c", BOOTSTRAP, str(child_end.fileno()), parent_sys_path, str(os.getpid())],
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
@@ -95,7 +111,7 @@ class _Worker:
     def start(self, job: _Job) -> None:
         job.attempts += 1
         self.job = job
-        self.connection.send((job.fn_path, job.payload))
+        self.connection.send((job.fn_path, job.payload, job.destination))
 
     def kill(self) -> None:
         try:
@@ -133,18 +149,26 @@ class CompileJobs:
 
     ``submit`` starts a job unless its key is pending, stored, or claimed by another process (so
     the key is compiled once across processes); ``poll`` returns finished jobs. A worker that dies
-    is replaced and its job retried once; the caller never sees an exception from a job. Not meant
-    to be shared across ``fork``: a forked child starts with no jobs and its own workers.
+    is replaced and its job retried once; the caller never sees an exception from a job. A job
+    running at exit finishes within ``finish_after_exit_s`` (Note [Compiles that outlive the
+    program]). Not meant to be shared across ``fork``: a forked child starts with no jobs and its
+    own workers.
     """
 
-    def __init__(self, store: ArtifactStore, max_workers: int = 1, *, claim_ttl_s: float = 900.0):
+    def __init__(
+        self, store: ArtifactStore, max_workers: int = 1, *, claim_ttl_s: float = 900.0,
+        finish_after_exit_s: float = 0.0,
+    ):
         if type(max_workers) is not int or max_workers < 1:
             raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
         if not claim_ttl_s > 0:
             raise ValueError(f"claim_ttl_s must be positive, got {claim_ttl_s!r}")
+        if not finish_after_exit_s >= 0:
+            raise ValueError(f"finish_after_exit_s must be >= 0, got {finish_after_exit_s!r}")
         self.store = store
         self.max_workers = max_workers
         self.claim_ttl_s = claim_ttl_s
+        self.finish_after_exit_s = float(finish_after_exit_s)
         self._queue: collections.deque[_Job] = collections.deque()
         self._workers: list[_Worker] = []
         self._finished: list[JobResult] = []
@@ -168,7 +192,8 @@ class CompileJobs:
                 return False
             if not self.store.claim(key, ttl_s=self.claim_ttl_s):
                 return False
-            self._queue.append(_Job(key, fn_path, bytes(payload), str(fingerprint), str(backend)))
+            destination = self._destination(key, fingerprint, backend)
+            self._queue.append(_Job(key, fn_path, bytes(payload), str(fingerprint), str(backend), destination))
             self._start_queued_jobs()
             return True
 
@@ -193,6 +218,12 @@ class CompileJobs:
             self._forget_parent_jobs_after_fork()
             return self._pending_keys()
 
+    def running(self) -> set[str]:
+        """Keys whose compile is running in a worker now (the rest of ``pending`` is queued)."""
+        with self._lock:
+            self._forget_parent_jobs_after_fork()
+            return {worker.job.key for worker in self._workers if worker.job is not None}
+
     def shutdown(self, wait: bool = False) -> None:
         """Stop the workers. With ``wait``, first let every pending job finish and store its artifact;
         without, kill them now and report unfinished jobs as cancelled (their claims are released)."""
@@ -215,6 +246,14 @@ class CompileJobs:
             atexit.unregister(self._stop_at_exit)
 
     # ------------------------------------------------------------------------------ helpers
+
+    def _destination(self, key: str, fingerprint: str, backend: str) -> dict | None:
+        store = self.store
+        if store.in_memory or store.read_only:
+            return None  # the worker could not reach what this process stores
+        return {"directory": store.directory, "size_limit_mb": store.size_limit_bytes / BYTES_PER_MB,
+                "format_version": store.format_version, "key": key, "fingerprint": str(fingerprint),
+                "backend": str(backend), "after_exit_s": self.finish_after_exit_s}
 
     def _pending_keys(self) -> set[str]:
         return {job.key for job in self._unfinished_jobs()}
@@ -252,19 +291,24 @@ class CompileJobs:
         for connection in multiprocessing.connection.wait(list(busy), timeout_s):
             worker = busy[connection]
             try:
-                ok, result, seconds = connection.recv()
+                ok, result, seconds, failure, stored = connection.recv()
             except (EOFError, OSError):
                 self._worker_died(worker)
                 continue
             job, worker.job = worker.job, None
+            if not stored or self.store.in_memory or self.store.read_only:
+                if ok:
+                    self.store.put(
+                        job.key, result, fingerprint=job.fingerprint, backend=job.backend, compile_seconds=seconds
+                    )
+                else:
+                    self.store.put_failure(job.key, failure, fingerprint=job.fingerprint, backend=job.backend)
             if ok:
-                self.store.put(
-                    job.key, result, fingerprint=job.fingerprint, backend=job.backend, compile_seconds=seconds
-                )
                 self._finish(job, None, seconds=seconds)
             else:
                 exception_line = result.strip().splitlines()[-1]
-                self._finish(job, f"{job.fn_path} raised {exception_line}\n{result}", seconds=seconds)
+                error = f"{job.fn_path} raised {exception_line}\n{result}"
+                self._finish(job, error, seconds=seconds, failure=failure)
 
     def _worker_died(self, worker: _Worker) -> None:
         job, worker.job = worker.job, None
@@ -283,9 +327,12 @@ class CompileJobs:
         else:
             self._finish(job, f"compile worker died {job.attempts} times running {job.fn_path} (last: {how})")
 
-    def _finish(self, job: _Job, error: str | None, level: int = logging.WARNING, seconds: float = 0.0) -> None:
+    def _finish(
+        self, job: _Job, error: str | None, level: int = logging.WARNING, seconds: float = 0.0,
+        failure: str | None = None,
+    ) -> None:
         self.store.release(job.key)
-        self._finished.append(JobResult(job.key, error is None, error, seconds))
+        self._finished.append(JobResult(job.key, error is None, error, seconds, failure))
         if error is not None:
             log.log(level, "compile job for key %s failed: %s", job.key, error.splitlines()[0])
 
@@ -302,7 +349,18 @@ class CompileJobs:
         # No lock: a daemon thread blocked in poll() may hold it, and exit must not wait for it.
         if os.getpid() != self._pid:
             return
-        for job in self._unfinished_jobs():
+        for job in self._queue:
             self.store.release(job.key)
+        left = []
         for worker in self._workers:
+            job = worker.job
+            if job is not None and job.destination is not None and self.finish_after_exit_s > 0 and \
+                    self.store.hand_over(job.key, worker.process.pid, ttl_s=self.claim_ttl_s):
+                left.append(job.key)  # Note [Compiles that outlive the program]
+                continue
+            if job is not None:
+                self.store.release(job.key)
             worker.kill()
+        if left:
+            log.info("%d background compile(s) go on after exit, for up to %.0f s, and land in %s: %s",
+                     len(left), self.finish_after_exit_s, self.store.directory, ", ".join(left))

@@ -64,6 +64,18 @@ def test_env_settings_are_parsed_in_one_place_with_clear_errors():
     assert switch_value({}) == "eager"
 
 
+def test_compile_after_exit_s_is_seconds_and_0_turns_it_off():
+    env = {"NEURON_EAGER_DEVICE": "cpu"}
+    assert load_options(env).compile_after_exit_s == 300
+    assert load_options({**env, "NEURON_EAGER_COMPILE_AFTER_EXIT_S": "0"}).compile_after_exit_s == 0
+    assert load_options(env, compile_after_exit_s=12.5).compile_after_exit_s == 12.5
+    for bad in ("-1", "soon"):
+        with pytest.raises(ConfigError, match="NEURON_EAGER_COMPILE_AFTER_EXIT_S=.*expected a number >= 0"):
+            load_options({**env, "NEURON_EAGER_COMPILE_AFTER_EXIT_S": bad})
+    with pytest.raises(ConfigError, match="compile_after_exit_s=-2"):
+        load_options(env, compile_after_exit_s=-2)
+
+
 def test_keyword_overrides_environment():
     opts = load_options({"NEURON_EAGER_WINDOW": "7"}, window=9)
     assert opts.window == 9

@@ -6,6 +6,7 @@ import errno
 import logging
 import multiprocessing
 import os
+import signal
 import sqlite3
 import statistics
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 
 import diskcache
+import diskcache.core
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -275,26 +277,92 @@ def test_damaged_database_degrades_with_a_fix_that_names_it(tmp_path, caplog):
         store = ArtifactStore(tmp_path)
     assert store.in_memory
     (warning,) = warnings_of(caplog)
-    assert "file is not a database" in warning and f"delete the damaged database {tmp_path / 'cache.db'}" in warning
+    assert "file is not a database" in warning and f"the index {tmp_path / 'cache.db'} is damaged" in warning
+    assert f"python -m neff_cache repair --cache-dir {tmp_path}" in warning
     result = run_cli("stats", "--cache-dir", str(tmp_path))
     assert result.returncode == 1 and "file is not a database" in result.stderr
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 0o500; the test above covers root")
-def test_read_only_directory_degrades_to_memory(tmp_path, caplog):
-    tmp_path.chmod(0o500)
-    try:
-        with caplog.at_level(logging.WARNING, logger="neff_cache"):
-            store = ArtifactStore(tmp_path / "cache")
-            put(store, KEY_A, b"kept in memory")
-            assert store.get(KEY_A) == b"kept in memory"
-    finally:
-        tmp_path.chmod(0o700)
-    assert store.in_memory
-    assert len(warnings_of(caplog)) == 1
+def test_damaged_control_database_is_named_and_repair_keeps_every_artifact(tmp_path, caplog):
+    """The control database (claims, counters) was damaged, the index sound: the warning told the
+    user to delete the index, which holds every artifact."""
+    with ArtifactStore(tmp_path) as store:
+        for key in (KEY_A, KEY_B):
+            put(store, key, os.urandom(100_000))
+    (tmp_path / "control" / "cache.db").write_bytes(b"scribbled over by a crash" * 200)
+    with caplog.at_level(logging.WARNING, logger="neff_cache"):
+        assert ArtifactStore(tmp_path).in_memory
+    (warning,) = warnings_of(caplog)
+    assert str(tmp_path / "control" / "cache.db") in warning and "no artifact is lost" in warning
+    assert "delete the damaged database" not in warning and "the index" not in warning
+
+    result = run_cli("repair", "--cache-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "index: sound" in result.stdout and "control database (claims and counters): rebuilt" in result.stdout
+    with ArtifactStore(tmp_path) as store:
+        assert not store.in_memory and len(store.entries()) == 2
+        assert store.get(KEY_A, fingerprint="fp") is not None and store.claim(KEY_C)
 
 
-def test_disk_full_during_put_degrades_with_one_warning(store, monkeypatch, caplog):
+def test_repair_rebuilds_a_damaged_index_from_the_rows_that_still_read(tmp_path):
+    with ArtifactStore(tmp_path) as store:
+        keys = [f"{index:032x}" for index in range(60)]
+        for key in keys:
+            put(store, key, key.encode() * 40 + os.urandom(40_000 if key.endswith(("0", "5")) else 400))
+    index = tmp_path / "cache.db"
+    sqlite3.connect(index).execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    data = bytearray(index.read_bytes())
+    page = 4096
+    ((table_root,),) = cache_sql(tmp_path, "SELECT rootpage FROM sqlite_master WHERE name = 'Cache'")
+    damaged_page = len(data) // page - 2  # a leaf page of the Cache table near the end
+    assert damaged_page != table_root - 1
+    data[damaged_page * page : (damaged_page + 1) * page] = b"\xa5" * page
+    index.write_bytes(bytes(data))
+    with ArtifactStore(tmp_path) as store:
+        store.entries()  # reading the damaged page degrades the store
+        assert store.in_memory
+    result = run_cli("repair", "--cache-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "index rebuilt: kept" in result.stdout and (tmp_path / "cache.db.damaged").exists()
+    with ArtifactStore(tmp_path) as store:
+        assert not store.in_memory
+        kept = {entry["key"] for entry in store.entries()}
+        assert 0 < len(kept) < len(keys)
+        for key in kept:  # every kept entry verifies and reads back
+            assert store.get(key, fingerprint="fp").startswith(key.encode() * 40)
+        assert store.corrupt_entries == 0
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EROFS, "Read-only file system"),
+                                   sqlite3.OperationalError("attempt to write a readonly database")])
+def test_unwritable_directory_is_still_read_with_one_warning(tmp_path, monkeypatch, caplog, error):
+    """Simulated: the directory refuses writes (as root, chmod would not stop them; the real
+    read-only mount is in test_cache_faults.py)."""
+    with ArtifactStore(tmp_path) as writer:
+        put(writer, KEY_A, os.urandom(100_000))
+        put(writer, KEY_B, b"small")
+        writer.put_failure(KEY_C, "RuntimeError: no", fingerprint="fp", backend="b")
+
+    def refuse_writes(self, directory, size_limit_bytes):
+        raise error
+
+    monkeypatch.setattr("neff_cache.store._DiskBackend.__init__", refuse_writes)
+    with caplog.at_level(logging.WARNING, logger="neff_cache"):
+        store = ArtifactStore(tmp_path)
+        assert store.read_only and not store.in_memory
+        assert store.get(KEY_A, fingerprint="fp") is not None and store.get(KEY_B) == b"small"
+        assert store.failure(KEY_C) == "RuntimeError: no"
+        put(store, KEY_D, b"compiled by this process")
+        assert store.get(KEY_D) == b"compiled by this process" and store.claim(KEY_D + "00")
+        assert {entry["key"] for entry in store.entries()} == {KEY_A, KEY_B, KEY_D}
+        assert store.stats()["read_only"] and store.stats()["entries"] == 3
+    (warning,) = warnings_of(caplog)
+    assert "cannot be written" in warning and "its artifacts are used" in warning and str(tmp_path) in warning
+    monkeypatch.undo()
+    assert ArtifactStore(tmp_path).get(KEY_D) is None  # nothing was written
+
+
+def test_disk_full_during_put_keeps_reading_the_disk_with_one_warning(store, monkeypatch, caplog):
     put(store, KEY_A, b"written before the disk filled up")
 
     def disk_full(*args, **kwargs):
@@ -305,9 +373,29 @@ def test_disk_full_during_put_degrades_with_one_warning(store, monkeypatch, capl
         put(store, KEY_B, b"lands in memory")
         put(store, KEY_C, b"also in memory")
         assert store.get(KEY_B) == b"lands in memory"
-    assert store.in_memory
+        assert store.get(KEY_A) == b"written before the disk filled up"  # still read from the disk
+    assert store.read_only and not store.in_memory
     (warning,) = warnings_of(caplog)
     assert "No space left on device" in warning and "free space" in warning and store.directory in warning
+    assert ArtifactStore(store.directory).get(KEY_B) is None  # nothing half-written for other processes
+
+
+def test_disk_full_halfway_through_a_value_file_leaves_no_orphan_for_long(tmp_path, monkeypatch):
+    write = diskcache.core.Disk._write
+
+    def disk_fills_halfway(self, full_path, iterator, mode, encoding=None):
+        data = b"".join(iterator)
+        write(self, full_path, iter([data[: len(data) // 2]]), mode, encoding)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with ArtifactStore(tmp_path) as store:
+        monkeypatch.setattr(diskcache.core.Disk, "_write", disk_fills_halfway)
+        put(store, KEY_A, os.urandom(300_000))
+        monkeypatch.undo()
+        assert store.read_only and store.get(KEY_A) is not None  # kept in memory
+    with ArtifactStore(tmp_path) as later:
+        assert later.get(KEY_A) is None and not later.read_only
+        assert later.remove_orphans(grace_s=0) == (1, 150_000)  # the half-written file
 
 
 def test_database_error_while_reading_degrades_instead_of_raising(store, monkeypatch, caplog):
@@ -338,6 +426,51 @@ def test_claim_is_exclusive_owned_and_respects_stored_artifacts(tmp_path):
     put(second, KEY_B, b"already compiled")
     assert not first.claim(KEY_B)  # nothing to compile
     assert not first.is_claimed(KEY_B)
+
+
+def hold_claim_in_a_child(directory, key: str) -> subprocess.Popen:
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path[:0] = {[REPO_ROOT, os.path.dirname(__file__)]!r}; "
+         f"import test_neff_cache_helpers as h; h.hold_claim_and_sleep({str(directory)!r}, {key!r})"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert child.stdout.readline() == "claimed\n"
+    return child
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_claim_of_a_killed_process_is_taken_over_at_once(tmp_path, signal_name):
+    holder = hold_claim_in_a_child(tmp_path, KEY_A)
+    store = ArtifactStore(tmp_path)
+    assert store.is_claimed(KEY_A) and not store.claim(KEY_A)  # alive: its claim holds
+    waiter = threading.Thread(target=lambda: waited.append(store.wait_for(KEY_A, timeout_s=60)))
+    waited: list = []
+    start = time.monotonic()
+    waiter.start()
+    holder.send_signal(getattr(signal, signal_name))
+    holder.wait(timeout=30)
+    waiter.join(timeout=30)
+    assert waited == [None] and time.monotonic() - start < 10  # the waiter saw the holder die
+    assert not store.is_claimed(KEY_A)
+    assert store.claim(KEY_A)  # taken over, not after the 900 s ttl
+    assert not ArtifactStore(tmp_path).claim(KEY_A)  # and now held by this process
+
+
+def test_claim_handed_over_to_another_process_is_its_to_release(tmp_path):
+    store, other_instance = ArtifactStore(tmp_path), ArtifactStore(tmp_path)
+    assert store.claim(KEY_A)
+    holder = hold_claim_in_a_child(tmp_path, KEY_B)  # just a live process to hand over to
+    try:
+        assert store.hand_over(KEY_A, holder.pid)
+        assert not store.hand_over(KEY_A, holder.pid)  # no longer this store's
+        store.release(KEY_A)
+        other_instance.release(KEY_A)
+        assert store.is_claimed(KEY_A)  # held by the child now, whatever this process releases
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not store.is_claimed(KEY_A) and store.claim(KEY_A)
+    assert not store.hand_over(KEY_A, holder.pid)  # to a process that is gone
 
 
 def test_claim_of_a_dead_process_expires(tmp_path):
@@ -405,6 +538,103 @@ def test_forked_child_uses_its_own_connection_and_cannot_release_the_parents_cla
     assert os.waitstatus_to_exitcode(wait_status) == 0
     assert store.get(KEY_C) == b"from the child"
     assert not ArtifactStore(tmp_path).claim(KEY_B)  # still held by the parent
+
+
+# ----------------------------------------------------------------------- remembered failures
+
+
+def test_failure_is_remembered_for_its_fingerprint_and_cleared_with_the_cache(tmp_path):
+    with ArtifactStore(tmp_path) as store:
+        store.put_failure(KEY_A, "BackendCompileError: cannot compile aten.frobnicate", fingerprint="fp", backend="b")
+    with ArtifactStore(tmp_path) as other_process:
+        assert other_process.failure(KEY_A, fingerprint="fp") == "BackendCompileError: cannot compile aten.frobnicate"
+        assert other_process.failure(KEY_A, fingerprint="fp-2") is None  # a new compiler retries
+        assert other_process.failure(KEY_B) is None
+        assert other_process.entries() == [] and other_process.get(KEY_A) is None  # not an artifact
+        put(other_process, KEY_B, b"x")
+        other_process.clear()
+        assert other_process.failure(KEY_A) is None
+
+
+def test_failure_lapses_after_a_day_and_is_bounded_in_size(tmp_path):
+    with ArtifactStore(tmp_path, size_limit_mb=1) as store:
+        store.put_failure(KEY_A, "x" * 10_000_000, fingerprint="fp", backend="b")
+        assert len(store.failure(KEY_A)) == 2000
+        cache_sql(tmp_path, "UPDATE Cache SET expire_time = ? WHERE key LIKE 'fail/%'", time.time() - 1)
+        assert store.failure(KEY_A) is None
+
+
+def test_job_whose_compile_raises_is_remembered_by_the_worker(store, tmp_path):
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.submit(KEY_A, FN + "raise_compile_error", bytes(tmp_path / "calls"), fingerprint="fp", backend="b")
+        (result,) = finished_within(jobs, 30, with_seconds=True)
+    finally:
+        jobs.shutdown()
+    assert not result.ok and result.failure == "RuntimeError: lowering failed: op aten::frobnicate has no kernel"
+    assert ArtifactStore(store.directory).failure(KEY_A, fingerprint="fp") == result.failure
+
+
+# ------------------------------------------------------------------------------- orphans
+
+
+def orphaned_files(directory) -> list[str]:
+    named = {row[0] for row in cache_sql(directory, "SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+    found = []
+    for top, _, names in os.walk(directory):
+        for name in names:
+            relative = os.path.relpath(os.path.join(top, name), directory)
+            if name.endswith(".val") and not relative.startswith("control") and relative not in named:
+                found.append(relative)
+    return found
+
+
+def put_in_a_child_killed_at(directory, stage: str, size_limit_mb=4096) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path[:0] = [{REPO_ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+        import test_neff_cache_helpers as helpers
+        from neff_cache import ArtifactStore
+        store = ArtifactStore({str(directory)!r}, size_limit_mb={size_limit_mb})
+        helpers.kill_self_at({stage!r})
+        store.put({KEY_D!r}, b"d" * 300_000, fingerprint="fp", backend="b", compile_seconds=1)
+        """
+    )
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
+@pytest.mark.parametrize("stage", ["value-file", "row", "evict"])
+def test_files_orphaned_by_a_writer_killed_mid_write_are_removed(tmp_path, stage):
+    with ArtifactStore(tmp_path) as store:
+        put(store, KEY_A, os.urandom(800_000))  # 1.1 MB with the child's: it evicts this one
+    put_in_a_child_killed_at(tmp_path, stage, size_limit_mb=1)
+    (orphan,) = orphaned_files(tmp_path)  # the killed writer's file, or the evicted entry's
+    with ArtifactStore(tmp_path, size_limit_mb=1) as store:
+        assert store.get(KEY_D) == (b"d" * 300_000 if stage == "evict" else None)
+        put(store, KEY_B, b"the first put of a process sweeps, but only files past the grace period")
+        assert orphaned_files(tmp_path) == [orphan]
+        old = time.time() - 2 * 3600
+        os.utime(tmp_path / orphan, (old, old))
+        cache_sql(tmp_path / "control", "DELETE FROM Cache WHERE key = 'sweep/due'")  # an hour later
+    with ArtifactStore(tmp_path, size_limit_mb=1) as store:
+        put(store, KEY_C, b"a later process")
+        assert orphaned_files(tmp_path) == []
+        assert store.orphans_removed == 1 and store.stats()["orphans_removed"] == 1
+    on_disk = sum(os.path.getsize(os.path.join(top, name)) for top, _, names in os.walk(tmp_path)
+                  for name in names if name.endswith(".val"))
+    assert on_disk <= 2**20  # back within the size bound
+
+
+def test_prune_removes_orphans_at_once_past_the_grace_period(tmp_path):
+    put_in_a_child_killed_at(tmp_path, "value-file")
+    (orphan,) = orphaned_files(tmp_path)
+    old = time.time() - 3600
+    os.utime(tmp_path / orphan, (old, old))
+    result = run_cli("prune", "--cache-dir", str(tmp_path), "--older-than", "30d")
+    assert result.returncode == 0, result.stderr
+    assert "removed 1 orphaned files" in result.stdout and orphaned_files(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------ jobs
@@ -549,6 +779,53 @@ def test_interpreter_exit_does_not_wait_for_a_running_compile(tmp_path):
     assert_process_gone(int(pid_file.read_text()))
     with ArtifactStore(tmp_path / "cache") as store:
         assert not store.is_claimed(KEY_A)  # released at exit, not left for the ttl
+
+
+def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: float, how: str = "exit") -> None:
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path[:0] = [{REPO_ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+        from neff_cache import ArtifactStore, CompileJobs
+        jobs = CompileJobs(ArtifactStore({str(directory)!r}), finish_after_exit_s={finish_after_exit_s})
+        assert jobs.submit({KEY_A!r}, {FN + "sleep_then_compile"!r}, b"{seconds}", fingerprint="fp", backend="b")
+        assert jobs.running() == {{{KEY_A!r}}}
+        if {how!r} == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    start = time.monotonic()
+    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert finished.returncode == (-signal.SIGKILL if how == "sigkill" else 0), finished.stderr
+    assert time.monotonic() - start < 10  # exit does not wait for the compile
+
+
+def test_compile_running_at_exit_finishes_and_lands_in_the_cache(tmp_path):
+    exit_with_a_compile_running(tmp_path, seconds=2, finish_after_exit_s=60)
+    store = ArtifactStore(tmp_path)
+    assert store.is_claimed(KEY_A)  # held by the worker now, not released by the exiting program
+    assert store.wait_for(KEY_A, timeout_s=60) == b"compiled after 2"
+    assert not store.is_claimed(KEY_A)
+    (entry,) = store.entries()
+    assert entry["backend"] == "b" and entry["compile_seconds"] >= 2
+
+
+def test_compile_of_a_program_killed_by_sigkill_still_lands(tmp_path):
+    exit_with_a_compile_running(tmp_path, seconds=1, finish_after_exit_s=60, how="sigkill")
+    store = ArtifactStore(tmp_path)
+    assert not store.is_claimed(KEY_A)  # its holder is dead: another process may compile it meanwhile
+    deadline = time.monotonic() + 60
+    while store.get(KEY_A) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.get(KEY_A) == b"compiled after 1"
+
+
+def test_compile_running_at_exit_is_bounded_by_finish_after_exit_s(tmp_path):
+    exit_with_a_compile_running(tmp_path, seconds=60, finish_after_exit_s=1)
+    store = ArtifactStore(tmp_path)
+    start = time.monotonic()
+    assert store.wait_for(KEY_A, timeout_s=30) is None  # its worker was killed, so its claim is stale
+    assert time.monotonic() - start < 10 and store.entries() == [] and store.claim(KEY_A)
 
 
 def assert_process_gone(pid: int) -> None:

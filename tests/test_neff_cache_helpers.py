@@ -89,3 +89,51 @@ def race_for_keys(directory: str, keys: list[str], seed: int, start, results) ->
         if data != artifact_for(key):
             wrong.append(key)
     results.put((compiled, wrong))
+
+
+def hold_claim_and_sleep(directory: str, key: str) -> None:
+    """Claim ``key``, say so on stdout, and sleep until killed (a compile that never finishes)."""
+    store = ArtifactStore(directory)
+    assert store.claim(key, ttl_s=900)
+    print("claimed", flush=True)
+    time.sleep(600)
+
+
+def kill_self_at(stage: str) -> None:
+    """Make this process SIGKILL itself at ``stage`` of its next ``ArtifactStore.put`` of a large
+    value (Note [Storage layout]): after the value file is written ("value-file"), after its row is
+    inserted but before the transaction commits ("row"), or after an evicted row is deleted but
+    before its file is ("evict")."""
+    import diskcache.core
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if stage == "value-file":
+        store_value = diskcache.core.Disk.store
+
+        def store_then_die(self, value, read, key=diskcache.core.UNKNOWN):
+            result = store_value(self, value, read, key)
+            if result[2] is not None:  # a value file was written
+                die()
+            return result
+
+        diskcache.core.Disk.store = store_then_die
+    elif stage == "row":
+        row_insert = diskcache.core.Cache._row_insert
+
+        def insert_then_die(self, *args):
+            row_insert(self, *args)
+            die()
+
+        diskcache.core.Cache._row_insert = insert_then_die
+    elif stage == "evict":
+        diskcache.core.Disk.remove = lambda self, file_path: die()
+    else:
+        raise ValueError(stage)
+
+
+def sleep_then_compile(payload: bytes) -> bytes:
+    """Sleeps for the number of seconds in the payload (a compile that takes that long)."""
+    time.sleep(float(payload))
+    return b"compiled after " + payload

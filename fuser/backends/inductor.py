@@ -32,6 +32,20 @@ wrappers' work, the backend redoes the two parts a functional inference graph ne
 autocast off (``below_autograd``), and on CUDA a copy of any input whose address breaks the
 alignment the kernels were compiled to assume (``inputs_to_check``).
 
+Note [Atomic Inductor builds]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Inductor (2.11-2.13) builds each C++ object and shared library with the compiler writing straight
+to its final path in the cache directory, and afterwards believes any file at that path: its
+existence checks (``_worker_compile_cpp``, ``VecISA.check_build``) look for nothing more. A compile
+killed mid-build (a worker killed at exit, the OOM killer, a power cut) left a torn ``.so`` that
+every later compile of that kernel on the machine loaded and failed on, so the region was
+blacklisted in every process. While this backend compiles, ``CppBuilder.build`` writes to a
+temporary file beside its target, flushes it to disk and renames it into place, so a target is
+whole or absent; and ``CppBuilder.get_target_file_path``, which Inductor calls just before each of
+those existence checks, deletes a target in the compile's cache directory that is empty or not a
+whole ELF file (a torn one from before this, or from another tool), so that it is built again
+instead of believed. A dead builder's temporary files are removed when its target is next built.
+
 Note [Dynamic shapes]
 ~~~~~~~~~~~~~~~~~~~~~
 A graph whose placeholders carry only concrete sizes is compiled statically
@@ -52,7 +66,9 @@ example (hint) sizes; the caller verifies it for other sizes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
+import glob
 import hashlib
 import io
 import json
@@ -60,6 +76,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import sys
 import tempfile
 import threading
@@ -270,7 +287,7 @@ def _run_inductor(
     # AOTAutograd's cache would answer a repeated graph without calling inner_compile, leaving
     # nothing to capture; Inductor's own graph cache still makes such a compile fast.
     no_autograd_cache = torch._functorch.config.patch(enable_autograd_cache=False)
-    with torch.no_grad(), cache_dir, no_autograd_cache, config.patch(_CONFIG):
+    with torch.no_grad(), cache_dir, no_autograd_cache, config.patch(_CONFIG), _atomic_builds():
         try:
             standalone_compile(gm, inputs, dynamic_shapes="from_graph" if symbolic else "from_example_inputs",
                                options={"inner_compile": capture})
@@ -306,6 +323,87 @@ def _run_inductor(
             raise BackendCompileError(f"inductor: the generated wrapper does not load: {type(e).__name__}: {e}") from e
         triton_files = _collect_triton(_device_index(example_inputs)) if device_type == "cuda" else {}
     return source, cpp_kernels, triton_files, list(compiled.inputs_to_check), relayout
+
+
+@contextlib.contextmanager
+def _atomic_builds():
+    """Inductor's C++ builds made atomic, and torn outputs rebuilt: Note [Atomic Inductor builds]."""
+    from torch._inductor.cpp_builder import CppBuilder
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    ours = os.path.join(os.path.realpath(cache_dir()), "")
+    build, target_file_path = CppBuilder.build, CppBuilder.get_target_file_path
+
+    def atomic_build(builder: CppBuilder) -> None:
+        target = builder.get_target_file_path()
+        output = builder._output
+        if not output.endswith(" " + target):  # a command line of another shape (Windows, remote builds)
+            return build(builder)
+        _remove_dead_builders_files(target)
+        temporary = f"{target}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+        builder._output = output[: -len(target)] + temporary
+        try:
+            build(builder)
+            with open(temporary, "rb") as built:
+                os.fsync(built.fileno())
+            os.replace(temporary, target)
+        finally:
+            builder._output = output
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temporary)
+
+    def checked_target_file_path(builder: CppBuilder) -> str:
+        path = target_file_path(builder)
+        if os.path.realpath(path).startswith(ours) and path.endswith((".so", ".o")) and _torn(path):
+            log.warning("inductor: %s is torn (a build was killed while writing it); building it again", path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        return path
+
+    CppBuilder.build, CppBuilder.get_target_file_path = atomic_build, checked_target_file_path
+    try:
+        yield
+    finally:
+        CppBuilder.build, CppBuilder.get_target_file_path = build, target_file_path
+
+
+def _remove_dead_builders_files(target: str) -> None:
+    for path in glob.glob(glob.escape(target) + ".*-*.tmp"):
+        pid = path[len(target) + 1 :].partition("-")[0]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        except (ValueError, PermissionError):
+            pass
+
+
+def _torn(path: str) -> bool:
+    """Whether the build output at ``path`` exists but is not whole: empty, or on Linux not an ELF
+    file whose section header table (written last by GNU as and ld) lies within the file."""
+    try:
+        with open(path, "rb") as output:
+            header = output.read(64)
+            size = os.fstat(output.fileno()).st_size
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    if size == 0:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False  # Mach-O and PE files: nothing more is checked
+    if len(header) < 52 or header[:4] != b"\x7fELF" or header[4] not in (1, 2) or header[5] not in (1, 2):
+        return True
+    endian = "<" if header[5] == 1 else ">"
+    if header[4] == 2:  # ELFCLASS64
+        (section_table,) = struct.unpack_from(endian + "Q", header, 0x28)
+        entry_size, entries = struct.unpack_from(endian + "HH", header, 0x3A)
+    else:
+        (section_table,) = struct.unpack_from(endian + "I", header, 0x20)
+        entry_size, entries = struct.unpack_from(endian + "HH", header, 0x2E)
+    return section_table + entry_size * entries > size
 
 
 def _check_calling_convention(

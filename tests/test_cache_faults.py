@@ -1,0 +1,435 @@
+"""Fault injection: real processes killed at every stage of a compile and of a cache write, torn build
+outputs, full and read-only disks, Ctrl-C, and programs that exit before their first compile.
+
+After each fault the next process gets eager's values and the cache recovers: the region compiles
+again (or loads), no claim of a dead process blocks it, no orphaned file is left and the cache stays
+within its size bound. The kills of a cache write without a compile are in test_neff_cache.py
+(``test_files_orphaned_by_a_writer_killed_mid_write_are_removed``). Each child runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+import fuser.compiled as fc
+from adaptive_eager import adaptive_eager
+from fuser.backends import inductor
+from neff_cache import ArtifactStore
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, "PYTHONPATH": REPO_ROOT}
+
+
+def unique_constant() -> float:
+    """A float32-exact constant no other test uses, so the region's kernel is new to Inductor's
+    caches (its C++ source holds ``repr`` of it)."""
+    return 1 + random.randrange(1, 2**20) / 2**21
+
+
+X = torch.linspace(-2, 2, 2048)
+
+
+def program(c: float) -> torch.Tensor:
+    return ((X * c).sin() + c).sum()  # the children below run this same window
+
+
+def new_process() -> None:
+    """What a new process starts with: no region, shape class, scalar group or store handle in memory."""
+    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS, fc._STORES):
+        table.clear()
+    fc.CACHE._last = None
+    ae.reset_metrics()
+
+
+def run_here(cache_dir, c: float) -> dict:
+    """Run the program in this process as a new process would, checking its value against eager."""
+    new_process()
+    with adaptive_eager(cache_dir=str(cache_dir), hot_after=1, async_compile=False):
+        got = program(c)
+    torch.testing.assert_close(got, program(c))
+    return ae.metrics()
+
+
+def orphans(cache_dir) -> int:
+    with ArtifactStore(cache_dir) as store:
+        return store.remove_orphans(grace_s=0)[0]
+
+
+def claimed_keys(cache_dir) -> list[str]:
+    """The keys with a claim row, live or not (read directly: ``is_claimed`` ignores dead holders)."""
+    database = sqlite3.connect(os.path.join(cache_dir, "control", "cache.db"))
+    try:
+        return [row[0].rpartition("/")[2] for row in database.execute("SELECT key FROM Cache WHERE key LIKE 'claim/%'")]
+    finally:
+        database.close()
+
+
+# ------------------------------------------------------------------ kills during a compile
+
+KILLED_CHILD = textwrap.dedent(
+    """
+    import os, shlex, signal, sys, torch
+    import adaptive_eager as ae
+    import fuser.compiled as fc
+    from neff_cache import ArtifactStore
+    cache_dir, stage, c = sys.argv[1], sys.argv[2], float(sys.argv[3])
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if stage == "trace":  # the claim is taken and the compile has begun
+        fc.compile_program = lambda *args: die()
+    elif stage == "build":  # the C++ compiler has written half of the region's kernel library
+        import torch._inductor.cpp_builder as cpp_builder
+        run = cpp_builder.run_compile_cmd
+
+        def half_written(cmd_line, cwd):
+            run(cmd_line, cwd)
+            argv = shlex.split(cmd_line)
+            if any(repr(c) in open(a).read() for a in argv if a.endswith(".cpp")):
+                output = argv[argv.index("-o") + 1]
+                os.truncate(output, os.path.getsize(output) // 2)
+                die()
+
+        cpp_builder.run_compile_cmd = half_written
+    elif stage == "stored":  # the artifact is stored, the claim not yet released
+        put = ArtifactStore.put
+
+        def put_then_die(self, *args, **kwargs):
+            put(self, *args, **kwargs)
+            die()
+
+        ArtifactStore.put = put_then_die
+    x = torch.linspace(-2, 2, 2048)
+    with ae.adaptive_eager(cache_dir=cache_dir, hot_after=1, async_compile=False):
+        got = ((x * c).sin() + c).sum()
+    print("survived")
+    """
+)
+COMPILE_STAGES = ("trace", "build", "stored")
+
+
+@pytest.fixture(scope="module")
+def killed_compiles(tmp_path_factory):
+    """One child per stage, run at once, each SIGKILLed at its stage (and one, "none", that compiles
+    to the end): stage -> (cache dir, constant, exit status, stdout, stderr)."""
+    started = {}
+    for stage in (*COMPILE_STAGES, "none"):
+        cache_dir, c = tmp_path_factory.mktemp(f"killed_{stage}"), unique_constant()
+        child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(cache_dir), stage, repr(c)], env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started[stage] = (cache_dir, c, child)
+    finished = {}
+    for stage, (cache_dir, c, child) in started.items():
+        stdout, stderr = child.communicate(timeout=300)
+        finished[stage] = (cache_dir, c, child.returncode, stdout, stderr)
+    return finished
+
+
+@pytest.mark.parametrize("stage", COMPILE_STAGES)
+def test_next_process_recovers_from_a_compile_killed_at(killed_compiles, stage):
+    cache_dir, c, status, _, stderr = killed_compiles[stage]
+    assert status == -signal.SIGKILL, stderr
+    (left_claimed,) = claimed_keys(cache_dir)  # by the dead child
+    m = run_here(cache_dir, c)
+    assert m["compile_failures"] == 0 and m["blacklisted"] == 0 and m["compiled_runs"] == 1, m
+    assert m["waited_for_other_process"] == 0  # the dead process's claim was taken over at once
+    if stage == "stored":
+        assert (m["cache_hits_disk"], m["compiles"]) == (1, 0)
+    else:
+        assert (m["cache_hits_disk"], m["compiles"]) == (0, 1)
+    with ArtifactStore(cache_dir) as store:
+        (entry,) = store.entries()
+        assert entry["key"] == left_claimed and not store.is_claimed(left_claimed) and not store.in_memory
+    assert orphans(cache_dir) == 0
+
+
+def kernel_libraries(c: float) -> list[str]:
+    """The built libraries of the kernels whose C++ source holds ``c``, in the backend's Inductor dir."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    sources = glob.glob(os.path.join(default_cache_dir(), "adaptive_eager", "*", "*.cpp"))
+    found = []
+    for source in sources:
+        with open(source) as f:
+            if repr(c) in f.read():
+                found.append(source[: -len(".cpp")] + ".so")
+    return [library for library in found if os.path.exists(library)]
+
+
+def test_torn_kernel_library_is_rebuilt_not_believed(killed_compiles, tmp_path):
+    """A torn .so in Inductor's build directory (from a kill before builds were atomic, a power cut)
+    made every later compile of that kernel on the machine fail, and the region was replayed."""
+    _, c, status, stdout, stderr = killed_compiles["none"]  # compiled by another process: not loaded here
+    assert status == 0 and stdout == "survived\n", stderr
+    libraries = kernel_libraries(c)
+    assert libraries
+    for library in libraries:
+        os.truncate(library, 0)  # the state the issue found: a 0-byte .so
+    m = run_here(tmp_path, c)
+    assert m["compiles"] == 1 and m["compile_failures"] == 0 and m["compiled_runs"] == 1, m
+    assert not any(inductor._torn(library) for library in libraries)
+
+
+@pytest.mark.parametrize("length", [0, 1000, 30_000])
+def test_torn_shared_object_is_told_from_a_whole_one(tmp_path, length):
+    whole = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))[0]
+    with open(whole, "rb") as f:
+        (tmp_path / "torn.so").write_bytes(f.read(length))
+    assert inductor._torn(str(tmp_path / "torn.so")) and not inductor._torn(whole)
+    assert not inductor._torn(str(tmp_path / "absent.so"))
+
+
+# ------------------------------------------------------------------ claims of dead processes
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from neff_cache import ArtifactStore
+    assert ArtifactStore(sys.argv[1]).claim(sys.argv[2])
+    print("claimed", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_process_waiting_on_a_claim_compiles_once_its_holder_dies(tmp_path):
+    """A process that saw another's claim replayed the region for ever, even after the claim lapsed."""
+    c = unique_constant()
+    run_here(tmp_path / "scratch", c)
+    with ArtifactStore(tmp_path / "scratch") as scratch:
+        (entry,) = scratch.entries()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "cache"), entry["key"]], env=ENV,
+                              stdout=subprocess.PIPE, text=True)
+    expected, got = program(c), []
+    try:
+        assert holder.stdout.readline() == "claimed\n"
+        new_process()
+        with adaptive_eager(cache_dir=str(tmp_path / "cache"), hot_after=1, async_compile=False):
+            for _ in range(2):
+                got.append(program(c))
+                ae.sync()
+            waiting = ae.metrics()
+            holder.kill()
+            holder.wait(timeout=30)
+            for _ in range(2):
+                got.append(program(c))
+                ae.sync()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    for value in got:
+        torch.testing.assert_close(value, expected)
+    assert waiting["waited_for_other_process"] == 1 and waiting["compiles"] == 0 and waiting["replayed_regions"] == 2
+    m = ae.metrics()
+    assert m["compiles"] == 1 and m["compiled_runs"] == 2, m
+
+
+# ------------------------------------------------------------------ remembered failures
+
+
+def test_failed_compile_is_not_paid_again_by_the_next_process(tmp_path, monkeypatch):
+    attempts = []
+
+    def failing_compile(self, gm, example_inputs):
+        attempts.append(1)
+        raise inductor.BackendCompileError("inductor: cannot compile the graph: RuntimeError: simulated")
+
+    monkeypatch.setattr(inductor.InductorBackend, "compile", failing_compile)
+    c = unique_constant()
+    first = run_here(tmp_path, c)
+    assert len(attempts) == 1 and first["compile_failures"] == 1 and first["blacklisted"] == 1
+    second = run_here(tmp_path, c)  # a new process: the failure is remembered with the fingerprint
+    assert len(attempts) == 1, "the next process compiled the failing region again"
+    assert second["compile_failures"] == 0 and second["blacklisted"] == 1
+    assert second["not_compiled"] == {"failed_before": 1}
+
+
+# ------------------------------------------------------------------ full and read-only disks
+
+
+def test_disk_full_while_storing_keeps_values_and_the_next_process_stores_it(tmp_path, monkeypatch, caplog):
+    import diskcache.core
+
+    c = unique_constant()
+
+    def disk_full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")  # SQLITE_FULL, as SQLite reports it
+
+    monkeypatch.setattr(diskcache.core.Cache, "_row_insert", disk_full)
+    with caplog.at_level(logging.WARNING, logger="neff_cache"):
+        m = run_here(tmp_path, c)
+    assert m["compiles"] == 1 and m["compiled_runs"] == 1 and m["compile_failures"] == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "disk is full" in warning and "free space" in warning
+    monkeypatch.undo()
+    assert ArtifactStore(tmp_path).entries() == [] and orphans(tmp_path) == 0
+    m = run_here(tmp_path, c)  # space again: the next process compiles and stores it
+    assert m["compiles"] == 1 and len(ArtifactStore(tmp_path).entries()) == 1
+
+
+def run_read_only(directory, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` with ``directory`` read-only. As root, chmod does not stop writes, so the child
+    gets a read-only bind mount of it in a mount namespace of its own (unshare -m); otherwise the
+    directory is made read-only with chmod for the child's duration."""
+    if os.geteuid() == 0:
+        if shutil.which("unshare") is None:
+            pytest.skip("root and no unshare: cannot make a directory read-only to this user")
+        mount = 'mount --bind -o ro "$0" "$0" && exec "$@"'
+        argv = ["unshare", "-m", "sh", "-c", mount, str(directory), *argv]
+        return subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
+    paths = [directory, *glob.glob(os.path.join(directory, "**"), recursive=True)]
+    modes = {path: os.stat(path).st_mode for path in paths}
+    for path in paths:
+        os.chmod(path, modes[path] & ~0o222)
+    try:
+        return subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
+    finally:
+        for path in paths:
+            os.chmod(path, modes[path])
+
+
+READ_ONLY_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    import adaptive_eager as ae
+    cache_dir, c = sys.argv[1], float(sys.argv[2])
+    try:
+        open(os.path.join(cache_dir, "probe"), "w")
+        sys.exit("the cache directory is writable")
+    except OSError:
+        pass
+    x = torch.linspace(-2, 2, 2048)
+    expected = [((x * c).sin() + c).sum(), (x * c).cos().sum()]
+    with ae.adaptive_eager(cache_dir=cache_dir, hot_after=1, async_compile=False):
+        stored = ((x * c).sin() + c).sum()  # compiled into the cache before it became read-only
+        ae.sync()
+        new = (x * c).cos().sum()  # not in the cache: compiled, kept in memory
+    torch.testing.assert_close([stored, new], expected)
+    m = ae.metrics()
+    print(json.dumps({k: m[k] for k in ("cache_hits_disk", "compiles", "compiled_runs", "compile_failures")}))
+    """
+)
+
+
+def test_read_only_cache_is_read_and_new_compiles_stay_in_memory(tmp_path):
+    """A read-only cache (baked into an image) was ignored: everything compiled again."""
+    c = unique_constant()
+    run_here(tmp_path, c)
+    result = run_read_only(tmp_path, [sys.executable, "-c", READ_ONLY_CHILD, str(tmp_path), repr(c)])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "cache_hits_disk": 1, "compiles": 1, "compiled_runs": 2, "compile_failures": 0}
+    assert result.stderr.count("cannot be written") == 1 and "its artifacts are used" in result.stderr
+    for command in ("stats", "ls"):
+        listed = run_read_only(tmp_path, [sys.executable, "-m", "neff_cache", command, "--cache-dir", str(tmp_path)])
+        assert listed.returncode == 0, listed.stderr
+    assert "(read-only)" in run_read_only(
+        tmp_path, [sys.executable, "-m", "neff_cache", "stats", "--cache-dir", str(tmp_path)]).stdout
+    cleared = run_read_only(tmp_path, [sys.executable, "-m", "neff_cache", "clear", "--cache-dir", str(tmp_path)])
+    assert cleared.returncode == 1 and "read-only" in cleared.stderr
+    assert len(ArtifactStore(tmp_path).entries()) == 1
+
+
+# ------------------------------------------------------------------ a program shorter than its compile
+
+SHORT_PROGRAM = textwrap.dedent(
+    """
+    import json, sys, torch
+    import adaptive_eager as ae
+    cache_dir, c, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    x = torch.linspace(-2, 2, 2048)
+    expected = ((x * c).sin() + c).sum().item()
+    with ae.adaptive_eager(cache_dir=cache_dir, hot_after=1, async_compile=mode == "async"):
+        got = [((x * c).sin() + c).sum().item() for _ in range(3)]  # a step ends with a sync
+        print(ae.report())
+    assert all(abs(value - expected) <= 1e-4 * abs(expected) for value in got)
+    m = ae.metrics()
+    print(json.dumps({k: m[k] for k in ("cache_hits_disk", "compiles", "compiled_runs")}))
+    """
+)
+
+
+def test_compile_of_a_program_that_exits_first_lands_in_the_cache_for_the_next_run(tmp_path):
+    """A program shorter than its first compile never benefited: its compile died with it."""
+    c = unique_constant()
+    command = [sys.executable, "-c", SHORT_PROGRAM, str(tmp_path), repr(c)]
+    start = time.monotonic()
+    first = subprocess.run(command + ["async"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout.splitlines()[-1])["compiles"] == 0  # it exited before the compile ended
+    assert "background compiles pending: 1, 1 running" in first.stdout
+    assert time.monotonic() - start < 60  # exit does not wait for the compile
+    with ArtifactStore(tmp_path) as store:
+        deadline = time.monotonic() + 240
+        while not store.entries() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert store.entries(), "the compile running at exit never landed in the cache"
+    second = subprocess.run(command + ["sync"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout.splitlines()[-1]) == {"cache_hits_disk": 1, "compiles": 0, "compiled_runs": 3}
+
+
+# ------------------------------------------------------------------ Ctrl-C during a compile
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import sys, torch
+    import adaptive_eager as ae
+    import fuser.compiled as fc
+    from neff_cache import ArtifactStore
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+
+    def in_torch(*args):  # a compile step holding the compile thread in ATen's C++ code
+        print("compiling", flush=True)
+        while True:
+            torch.mm(a, a)
+
+    mode = sys.argv[2]
+    if mode == "in-process":
+        fc.compile_program = in_torch
+    else:  # loads of artifacts on the compile thread, while the program goes on
+        ArtifactStore.get = lambda self, key, fingerprint=None: b"an artifact"
+        fc._load = in_torch
+    x = torch.randn(64)
+    with ae.adaptive_eager(cache_dir=sys.argv[1], hot_after=1, async_compile=mode == "thread"):
+        while True:
+            (x.sin() * 2).sum().item()
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["in-process", "thread"])
+def test_ctrl_c_during_a_compile_exits_cleanly(tmp_path, mode):
+    """The compile thread was still inside torch's C++ code at interpreter exit: the process aborted
+    with "terminate called without an active exception". Three runs at once, each interrupted."""
+    runs = [subprocess.Popen([sys.executable, "-c", INTERRUPTED, str(tmp_path / str(run)), mode], env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for run in range(3)]
+    try:
+        for child in runs:
+            assert child.stdout.readline() == "compiling\n"
+            child.send_signal(signal.SIGINT)
+        for child in runs:
+            _, stderr = child.communicate(timeout=60)
+            assert "terminate called" not in stderr and child.returncode == -signal.SIGINT, stderr
+            assert stderr.rstrip().endswith("KeyboardInterrupt")
+    finally:
+        for child in runs:
+            child.kill()
+            child.wait()
