@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import threading
 
 import pytest
@@ -508,3 +509,67 @@ def test_ctrl_c_in_the_flush_of_an_optimizer_step():
             opt.step()  # the first flush
     assert len(kept) == 1 and opt.state_dict()["state"] == {}
     assert kept[0].isnan().all(), f"the interrupted step's loss reads {kept[0]}"
+
+
+class _Cycle:
+    """An object only a reference cycle keeps alive: it lives until the garbage collector runs."""
+
+    def __init__(self, value):
+        self.value, self.me = value, self
+
+
+def test_a_value_freed_by_the_garbage_collector_during_its_flush(monkeypatch):
+    """Liveness is read at the start of a flush; a value held only by a garbage cycle dies when
+    the collector runs during the flush, and binding it must not fail (Note [Liveness during a
+    flush]). Found by the compiled loops: the failure blacklisted an in-place region after it had
+    updated the parameters, and its replay updated them a second time."""
+    replay = fuser.replay_window
+
+    def collecting(window):
+        gc.collect()  # the collector runs inside the flush (any allocation may trigger it)
+        return replay(window)
+
+    monkeypatch.setattr(fuser, "replay_window", collecting)
+    x = torch.randn(4)
+    with adaptive_eager(**REPLAY):
+        y = x * 2
+        _Cycle(y + 1)  # pending, and garbage already
+        z = y.sum()
+    assert torch.equal(z, (x * 2).sum())
+    assert ae.metrics()["ops_recorded"] == 3
+
+
+def test_an_in_place_region_whose_output_the_collector_frees_updates_parameters_once(monkeypatch, fresh_regions):
+    """The compiled form of the test above: the region that writes the parameters in place is
+    compiled at first sight, between the flush's liveness read and its outputs' binding."""
+    from fuser.backends import get_backend
+
+    backend = get_backend("inductor", "cpu")
+    compile_window = backend.compile
+
+    def collecting(gm, inputs):
+        gc.collect()
+        return compile_window(gm, inputs)
+
+    monkeypatch.setattr(backend, "compile", collecting)
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+
+    def step(net):
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        _Cycle(loss * 2)
+        opt.step()
+        return loss.detach()
+
+    with adaptive_eager(**COMPILED):
+        got = step(model)
+    m = ae.metrics()
+    want = step(reference)
+    torch.testing.assert_close(got, want)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)  # not updated twice
+    assert m["compiles"] >= 1 and m["blacklisted"] == 0, m
