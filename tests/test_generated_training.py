@@ -511,6 +511,28 @@ def test_ctrl_c_in_the_flush_of_an_optimizer_step():
     assert kept[0].isnan().all(), f"the interrupted step's loss reads {kept[0]}"
 
 
+def test_logged_gradients_and_momentum_buffers_do_not_share_memory_compiled(fresh_regions):
+    """The window after ``loss.item()`` clips the gradients, clones them for the log, and SGD's
+    first step clones them again into its momentum buffers. Inductor merged the identical clones
+    and the region returned one buffer for both outputs, so the next step's in-place momentum
+    update rewrote the logged gradients (Note [Repeated outputs] in fuser.backends.inductor)."""
+    net = Net("mlp", (("relu",),), 4, "squares")
+    sgd = Optim("SGD", (("foreach", True), ("lr", 0.1), ("momentum", 0.9)))
+    loop = Loop((Trainee(net, sgd, 0),), sizes=((3, 1),) * 2, clip=0.5, log_every=1)
+    assert_training_matches_eager(loop, COMPILED)
+
+
+def test_two_clones_of_one_value_are_two_tensors_compiled(fresh_regions):
+    x = torch.randn(4)
+    with adaptive_eager(**COMPILED):
+        y = x * 2
+        a, b = y.clone(), y.clone()
+        del y
+    assert ae.metrics()["compiled_runs"] == 1
+    a.add_(1)
+    torch.testing.assert_close(b, x * 2)
+
+
 class _Cycle:
     """An object only a reference cycle keeps alive: it lives until the garbage collector runs."""
 

@@ -32,6 +32,17 @@ wrappers' work, the backend redoes the two parts a functional inference graph ne
 autocast off (``below_autograd``), and on CUDA a copy of any input whose address breaks the
 alignment the kernels were compiled to assume (``inputs_to_check``).
 
+Note [Repeated outputs]
+~~~~~~~~~~~~~~~~~~~~~~~
+AOTAutograd merges identical computations (common subexpressions) before Inductor sees the graph,
+so two outputs of the fuser's graph can become one node, and the wrapper then returns one buffer
+for both (``a, b = y.clone(), y.clone()``; a logged gradient and SGD's first momentum buffer, both
+clones of the clipped gradient). Eager gives each its own memory, and the fuser binds each output
+to its own placeholder: sharing one buffer, an in-place write to one (the next momentum update)
+would show through the other. The calling-convention check lists every output that repeats an
+earlier one (or is an input) in the manifest's ``relayout`` with no layout of its own, and the
+callable from ``load`` copies it into a buffer of its own in the layout it came back in.
+
 Note [Dynamic shapes]
 ~~~~~~~~~~~~~~~~~~~~~
 A graph whose placeholders carry only concrete sizes is compiled statically
@@ -76,7 +87,7 @@ from ._common import (
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2  # 2: repeated outputs are copied (Note [Repeated outputs]); format-1 artifacts may share them
 _DEVICE_TYPES = ("cpu", "cuda")
 
 # Inductor settings that shape the generated code (so they are part of the fingerprint).
@@ -304,9 +315,14 @@ def _check_calling_convention(
             f"inductor: compiled code returns {len(outputs)} outputs for the graph's {len(expected)}"
         )
     relayout = []
+    returned = set()
     for i, (out, want) in enumerate(zip(outputs, expected)):
+        repeated = out in returned or out.op == "placeholder"
+        returned.add(out)
         got = _at_hints(tensor_meta("inductor", getattr(out, "meta", {}).get("val")))
         if got == want:
+            if repeated:
+                relayout.append((i, None, None))  # a buffer of its own: Note [Repeated outputs]
             continue
         concrete = not any(isinstance(d, torch.SymInt) for part in want[:2] for d in part)
         if concrete and got[0] == want[0] and got[3] == want[3]:
