@@ -44,7 +44,17 @@ def read_liveness(window: Window) -> list[Out]:
     ``Window.live``, for the release: Note [Window release]). A compiled region's outputs.
 
     Only values are visited, never nodes, so a flush that hits a compiled region costs per value,
-    not per op. A value is live while its placeholder's storage is (Note [Weak window])."""
+    not per op. A value is live while its placeholder's storage is (Note [Weak window]).
+
+    Note [Liveness during a flush]
+    Liveness is read once, at the start of the flush, but a value read live can still die before
+    it is bound: when only a reference cycle held it (a frame kept by a traceback, an object that
+    points at itself), the garbage collector frees it whenever it runs, and it runs on any
+    allocation, which the ops replayed or the compile of the window's region make plenty of.
+    Nothing can observe such a value any more, so ``_bind`` drops it (its result stays the
+    ``Out``'s value for the window's later ops). It must not fail: a compiled region that writes
+    its inputs in place (Note [In-place regions] in ``fuser.compiled``) has already written them
+    when its outputs are bound, and the replay that follows a failed run would write them twice."""
     live = window.live = []
     expired = _expired
     for o in window.fresh:
@@ -132,7 +142,10 @@ def _bind(out: Out, result: torch.Tensor) -> int:
     if not out.live:  # only later ops of this window read it: never written to the placeholder
         out.value = result
         return 0
-    storage = _from_weak(out.storage)  # live: the storage exists
+    storage = _from_weak(out.storage)
+    if storage is None:  # it died during this flush: Note [Liveness during a flush]
+        out.value = result
+        return 0
     placeholder = out.ref()
     if result.dtype is out.meta[2]:
         # the storage object ``storage`` and each TensorImpl over it count one; a result in

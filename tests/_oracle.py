@@ -10,6 +10,12 @@ import math
 import torch
 from torch.utils._pytree import tree_map
 
+# The options the differential tests run under. Replay is exact and fast; a generated program's
+# windows are new, so under the defaults (hot_after=2) they would replay too: the compiled variant
+# compiles every window at first sight, in this thread, so every run is a compiled one.
+REPLAY = {"backend": "replay"}
+COMPILED = {"backend": "inductor", "hot_after": 1, "async_compile": False}
+
 
 def clone_exact(tree):
     """Copy every tensor in ``tree`` with its storage, offset, sizes and strides.
@@ -55,7 +61,8 @@ def _significant_strides(t: torch.Tensor) -> tuple:
     return tuple(s for n, s in zip(t.shape, t.stride()) if n > 1) if t.numel() > 1 else ()
 
 
-def tensor_difference(expected: torch.Tensor, actual, where: str, *, values: bool = True, strides: bool = True):
+def tensor_difference(expected: torch.Tensor, actual, where: str, *, values: bool = True, strides: bool = True,
+                      exact: bool = False):
     if not isinstance(actual, torch.Tensor):
         return f"{where}: expected a tensor, got {type(actual).__name__}"
     for attr in ("dtype", "shape", "device", "layout", "requires_grad"):
@@ -67,21 +74,25 @@ def tensor_difference(expected: torch.Tensor, actual, where: str, *, values: boo
         return f"{where}: conj/neg bits differ from eager"
     if values:
         try:
-            torch.testing.assert_close(actual, expected, equal_nan=True, check_stride=False)
+            tolerance = {"rtol": 0, "atol": 0} if exact else {}
+            torch.testing.assert_close(actual, expected, equal_nan=True, check_stride=False, **tolerance)
         except AssertionError as e:
             return f"{where}: values differ from eager: {' '.join(str(e).split())[:300]}"
     return None
 
 
-def first_difference(expected, actual, where: str = "output", *, values: bool = True, strides: bool = True):
-    """A sentence naming the first place ``actual`` differs from the eager ``expected``, or None."""
+def first_difference(expected, actual, where: str = "output", *, values: bool = True, strides: bool = True,
+                     exact: bool = False):
+    """A sentence naming the first place ``actual`` differs from the eager ``expected``, or None.
+    Floating-point values are compared with torch.testing's tolerances, or bitwise when ``exact``
+    (a replayed region runs eager's own kernels in eager's order)."""
     if isinstance(expected, torch.Tensor):
-        return tensor_difference(expected, actual, where, values=values, strides=strides)
+        return tensor_difference(expected, actual, where, values=values, strides=strides, exact=exact)
     if isinstance(expected, (tuple, list)):
         if type(expected) is not type(actual) or len(expected) != len(actual):
             return f"{where}: {type(actual).__name__} of {_len(actual)} != eager {type(expected).__name__} of {len(expected)}"
         for i, (e, a) in enumerate(zip(expected, actual)):
-            diff = first_difference(e, a, f"{where}[{i}]", values=values, strides=strides)
+            diff = first_difference(e, a, f"{where}[{i}]", values=values, strides=strides, exact=exact)
             if diff is not None:
                 return diff
         return None
@@ -89,7 +100,7 @@ def first_difference(expected, actual, where: str = "output", *, values: bool = 
         if type(expected) is not type(actual) or expected.keys() != actual.keys():
             return f"{where}: {actual!r} != eager {expected!r}"
         for k in expected:
-            diff = first_difference(expected[k], actual[k], f"{where}[{k!r}]", values=values, strides=strides)
+            diff = first_difference(expected[k], actual[k], f"{where}[{k!r}]", values=values, strides=strides, exact=exact)
             if diff is not None:
                 return diff
         return None
@@ -97,7 +108,7 @@ def first_difference(expected, actual, where: str = "output", *, values: bool = 
         return f"{where}: {type(actual).__name__} != eager {type(expected).__name__}"
     if isinstance(expected, float):
         # a float read out of a tensor (item, tolist): torch.testing's float32 tolerances
-        if not values or math.isclose(expected, actual, rel_tol=1.3e-6, abs_tol=1e-5) or expected == actual:
+        if not values or expected == actual or (not exact and math.isclose(expected, actual, rel_tol=1.3e-6, abs_tol=1e-5)):
             return None
         if math.isnan(expected) and math.isnan(actual):
             return None

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import adaptive_eager as ae
-from _oracle import aliasing, first_difference
+from _oracle import COMPILED, REPLAY, aliasing, first_difference
 from adaptive_eager import adaptive_eager
 
 MAX_STEPS = 24
@@ -741,12 +741,6 @@ def test_every_op_can_be_generated():
     try_every_op()
     assert len(OPS) >= 40
     assert accepted == set(OPS), f"never valid on fresh inputs: {sorted(set(OPS) - accepted)}"
-
-
-# Replay is exact and keeps hypothesis fast; each program's windows are new, so under the defaults
-# (hot_after=2) they would replay too. The compiled variant compiles every window at first sight.
-REPLAY = {"backend": "replay"}
-COMPILED = {"backend": "inductor", "hot_after": 1, "async_compile": False}
 
 
 @DERANDOMIZED

@@ -27,15 +27,18 @@ class BackendCompileError(RuntimeError):
 
 def restrided(run, fixes: list):
     """``run`` with the outputs ``fixes`` names ((index, shape, stride) each) copied into that
-    layout: eager's, where a compiled output came back in another. ``.fix(outs)`` applies it to
-    outputs already returned."""
+    layout: eager's, where a compiled output came back in another; with no shape and stride, into
+    a buffer of its own in the layout it came back in (Note [Repeated outputs] in
+    ``fuser.backends.inductor``). ``.fix(outs)`` applies it to outputs already returned."""
     empty_strided = torch.empty_strided
-    fixes = [(i, tuple(shape), tuple(stride)) for i, shape, stride in fixes]
+    fixes = [(i, None, None) if shape is None else (i, tuple(shape), tuple(stride)) for i, shape, stride in fixes]
 
     def fix(outs):
         outs = list(outs)
         for i, shape, stride in fixes:
             r = outs[i]
+            if shape is None:
+                shape, stride = r.shape, r.stride()
             outs[i] = empty_strided(shape, stride, dtype=r.dtype, device=r.device).copy_(r)
         return outs
 

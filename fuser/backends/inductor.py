@@ -46,6 +46,17 @@ those existence checks, deletes a target in the compile's cache directory that i
 whole ELF file (a torn one from before this, or from another tool), so that it is built again
 instead of believed. A dead builder's temporary files are removed when its target is next built.
 
+Note [Repeated outputs]
+~~~~~~~~~~~~~~~~~~~~~~~
+AOTAutograd merges identical computations (common subexpressions) before Inductor sees the graph,
+so two outputs of the fuser's graph can become one node, and the wrapper then returns one buffer
+for both (``a, b = y.clone(), y.clone()``; a logged gradient and SGD's first momentum buffer, both
+clones of the clipped gradient). Eager gives each its own memory, and the fuser binds each output
+to its own placeholder: sharing one buffer, an in-place write to one (the next momentum update)
+would show through the other. The calling-convention check lists every output that repeats an
+earlier one (or is an input) in the manifest's ``relayout`` with no layout of its own, and the
+callable from ``load`` copies it into a buffer of its own in the layout it came back in.
+
 Note [Dynamic shapes]
 ~~~~~~~~~~~~~~~~~~~~~
 A graph whose placeholders carry only concrete sizes is compiled statically
@@ -94,7 +105,7 @@ from ._common import (
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2  # 2: repeated outputs are copied (Note [Repeated outputs]); format-1 artifacts may share them
 _DEVICE_TYPES = ("cpu", "cuda")
 
 # Inductor settings that shape the generated code (so they are part of the fingerprint).
@@ -423,9 +434,14 @@ def _check_calling_convention(
             f"inductor: compiled code returns {len(outputs)} outputs for the graph's {len(expected)}"
         )
     relayout = []
+    returned = set()
     for i, (out, want) in enumerate(zip(outputs, expected)):
+        repeated = out in returned or out.op == "placeholder"
+        returned.add(out)
         got = _at_hints(tensor_meta("inductor", getattr(out, "meta", {}).get("val")))
         if got == want:
+            if repeated:
+                relayout.append((i, None, None))  # a buffer of its own: Note [Repeated outputs]
             continue
         concrete = not any(isinstance(d, torch.SymInt) for part in want[:2] for d in part)
         if concrete and got[0] == want[0] and got[3] == want[3]:
