@@ -19,7 +19,7 @@ from typing import Any
 ENV_PREFIX = "NEURON_EAGER_"
 ENV_SWITCH = "NEURON_EAGER"  # adaptive | eager (unset = eager)
 SWITCH_VALUES = ("adaptive", "eager")
-BACKENDS = ("replay", "inductor", "neuron")
+BACKENDS = ("replay", "inductor", "stablehlo", "neuron")
 LOG_LEVELS = ("warning", "info", "debug")
 CACHE_SHARING = ("no", "group")  # neff_cache.store.SHARING
 
@@ -112,7 +112,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "device": (_parse_device, "target device type (default: neuron if present, else cuda, else cpu)"),
     "window": (_parse_int, "op cap of a window (default 1024)"),
     "window_mb": (_parse_float, "pending-bytes cap of a window in MiB (default 1024)"),
-    "backend": (_parse_choice(BACKENDS), "how windows run: `inductor` (default on cpu and cuda) or `replay` (op by op; default elsewhere)"),
+    "backend": (_parse_choice(BACKENDS), "how windows run: `inductor` (default on cpu and cuda), `replay` (op by op; "
+                "default elsewhere) or `stablehlo` (lowered by torch-mlir as for Trainium, compiled by XLA on cpu; "
+                "needs `pip install -e \".[neuron]\"`)"),
     "cache_dir": (_parse_str, "persistent cache directory (default ~/.cache/adaptive_eager)"),
     "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
     "cache_shared": (_parse_choice(CACHE_SHARING), "`no` (default): only you may write the cache directory, else it is "
@@ -221,7 +223,20 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
         )
     if values["backend"] == "inductor" and values["device"] not in ("cpu", "cuda"):
         raise ConfigError(f"backend 'inductor' compiles for cpu and cuda, not {values['device']!r}; use backend='replay'")
+    if values["backend"] == "stablehlo":
+        _check_stablehlo(values["device"])
     return Options(**values)
+
+
+def _check_stablehlo(device: str) -> None:
+    # at enable(), not at the first compile: a missing package must not surface in the middle of a run
+    from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
+
+    missing = missing_requirements()
+    if missing:
+        raise ConfigError(f"backend 'stablehlo' needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}")
+    if device != "cpu":
+        raise ConfigError(f"backend 'stablehlo' compiles for cpu, not {device!r}; use backend='replay'")
 
 
 def _check_types(values: dict[str, Any]) -> None:

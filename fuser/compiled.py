@@ -1271,10 +1271,16 @@ class Program:
                     gm.graph.erase_node(n)
         gm.graph.eliminate_dead_code(is_impure_node=partition.keep_checks)  # Note [Partitions]
         self.lifted_inputs = self._lift(gm) if self.lifted else []
-        if mode is not None:
+        if self.lifted_inputs:
+            # the new placeholders carry a value like make_fx's: partition.split and backends read it
+            from torch._guards import detect_fake_mode
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            fake = mode or detect_fake_mode([p.meta.get("val") for p in placeholders]) or FakeTensorMode()
             for ph, (_, dtype) in zip(placeholders[len(self.inputs):], self.lifted_inputs):
-                ph.meta["val"] = mode.from_tensor(torch.tensor(0.0, dtype=dtype))
+                ph.meta["val"] = fake.from_tensor(torch.tensor(0.0, dtype=dtype))
+        if mode is not None:
             # standalone_compile(dynamic_shapes="from_graph") finds the ShapeEnv through these
             for out in next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]:
                 out.meta["example_value"] = out.meta.get("val")

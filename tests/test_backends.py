@@ -19,11 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fuser import partition
 from fuser.backends import BackendCompileError, get_backend
 from fuser.backends.inductor import _culprit
+from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKENDS = ["replay", "inductor"]
+_MISSING = missing_requirements()
+NEEDS_STABLEHLO = pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}: {INSTALL_HINT}")
+BACKENDS = ["replay", "inductor", pytest.param("stablehlo", marks=NEEDS_STABLEHLO)]
+INSTALLED = ["replay", "inductor"] + ([] if _MISSING else ["stablehlo"])
 
 
 @torch.library.custom_op("ae_backend_test::opaque", mutates_args=())
@@ -106,6 +111,17 @@ def _compiled(backend: str, graph: str) -> bytes:
     return get_backend(backend, "cpu").compile(gm, inputs)
 
 
+def _loaded(backend: str, graph: str):
+    """The graph's callable as the fuser makes it: split around the nodes a backend declares it
+    cannot compile (Note [Partitions]), whole otherwise."""
+    gm, inputs = _graph(graph)
+    b = get_backend(backend, "cpu")
+    alone = partition.alone(gm, b)
+    if alone:
+        return partition.load(partition.split(gm, inputs, alone, b), b)
+    return b.load(_compiled(backend, graph))
+
+
 def _check_outputs(got, want, bitwise: bool) -> None:
     def meta(t):
         return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device)
@@ -124,7 +140,7 @@ def _check_outputs(got, want, bitwise: bool) -> None:
 @pytest.mark.parametrize("graph", sorted(GRAPHS))
 def test_outputs_match_eager(backend, graph):
     gm, inputs = _graph(graph)
-    fn = get_backend(backend, "cpu").load(_compiled(backend, graph))
+    fn = _loaded(backend, graph)
     # replay runs eager's kernels, so it must be bitwise; int/bool results are exact either way
     # (assert_close compares integer dtypes exactly)
     _check_outputs(fn(list(inputs)), gm(*inputs), bitwise=backend == "replay")
@@ -133,7 +149,7 @@ def test_outputs_match_eager(backend, graph):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_outputs_that_are_views_of_one_another_share_memory(backend):
     gm, inputs = _graph("views")
-    compiled = get_backend(backend, "cpu").load(_compiled(backend, "views"))
+    compiled = _loaded(backend, "views")
     for outputs in (gm(*inputs), compiled(list(inputs))):
         _, z_slice, _, z_permuted, _ = outputs
         # z[1:, ::2] and z.permute(1, 0) are both views of z: a write through one shows in the other
@@ -144,7 +160,7 @@ def test_outputs_that_are_views_of_one_another_share_memory(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_callable_runs_below_autograd_and_autocast(backend):
     gm, inputs = _graph("block")
-    fn = get_backend(backend, "cpu").load(_compiled(backend, "block"))
+    fn = _loaded(backend, "block")
     want = gm(*inputs)
     args = [t.detach().clone().requires_grad_() for t in inputs]
     passed = list(args)
@@ -184,7 +200,7 @@ def state():
     }
 
 before = state()
-for name in ("replay", "inductor"):
+for name in sys.argv[2:]:
     get_backend(name, "cpu").compile(gm, [x, y])
 after = state()
 print(json.dumps(sorted(k for k in before if before[k] != after[k])))
@@ -194,7 +210,7 @@ print(json.dumps(sorted(k for k in before if before[k] != after[k])))
 def test_compile_leaves_graph_and_global_state_unchanged():
     # a fresh process, so this is its first Inductor compile: one-time setup is where state leaks
     child = subprocess.run(
-        [sys.executable, "-c", _STATE_CHILD, REPO],
+        [sys.executable, "-c", _STATE_CHILD, REPO, *INSTALLED],
         env=_child_env(), capture_output=True, text=True, timeout=150,
     )
     assert child.returncode == 0, child.stderr[-3000:]
@@ -253,20 +269,29 @@ def _rewrite_replay_doc(artifact: bytes, **changes) -> bytes:
     return json.dumps({**json.loads(artifact), **changes}).encode()
 
 
+def _rewrite_stablehlo_header(artifact: bytes, **changes) -> bytes:
+    from fuser.backends.stablehlo import _pack, _unpack
+
+    header, executable = _unpack(artifact)
+    return _pack({**header, **changes}, executable)
+
+
+_REWRITE = {"inductor": _rewrite_inductor_manifest, "replay": _rewrite_replay_doc, "stablehlo": _rewrite_stablehlo_header}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_load_rejects_foreign_and_corrupt_artifacts(backend):
     b = get_backend(backend, "cpu")
     artifact = _compiled(backend, "chain")
-    rewrite = _rewrite_inductor_manifest if backend == "inductor" else _rewrite_replay_doc
     with pytest.raises(BackendCompileError, match="made for 'someone-else'"):
-        b.load(rewrite(artifact, fingerprint="someone-else"))
+        b.load(_REWRITE[backend](artifact, fingerprint="someone-else"))
     for corrupt in (artifact[: len(artifact) // 2], b"\x00" * 64):
         with pytest.raises(BackendCompileError, match=f"^{backend}: "):
             b.load(corrupt)
-    if backend == "inductor":
+    if backend != "replay":
         flipped = bytearray(artifact)
-        member = artifact.index(b"wrapper.py") + 200  # inside the compressed wrapper source
-        flipped[member] ^= 0xFF
+        # inside the compressed wrapper source; inside the executable (its header comes first)
+        flipped[artifact.index(b"wrapper.py") + 200 if backend == "inductor" else -200] ^= 0xFF
         with pytest.raises(BackendCompileError):
             b.load(bytes(flipped))
 
@@ -342,7 +367,7 @@ def test_triton_cache_files_move_between_cache_dirs(tmp_path, monkeypatch):
 
 
 def test_fingerprints_name_backend_and_torch_version():
-    fingerprints = {name: get_backend(name, "cpu").fingerprint() for name in BACKENDS}
+    fingerprints = {name: get_backend(name, "cpu").fingerprint() for name in INSTALLED}
     for name, fp in fingerprints.items():
         assert fp.startswith(name) and torch.__version__ in fp
     assert fingerprints["inductor"] != fingerprints["replay"]

@@ -195,3 +195,19 @@ def test_an_op_the_compiler_fails_on_runs_alone_and_the_rest_compiles(monkeypatc
     assert m["run_alone"] == {"compile_failed": 2} and m["compiled_runs"] == 3
     assert m["blacklisted"] == 0 and m["compile_failures"] == 0
     assert any(torch.ops.aten.exp.default in t and torch.ops.aten.sin.default not in t for t in seen)
+
+
+def test_split_region_with_a_lifted_float(no_sin, fresh_regions):
+    """A float that changes every window becomes an input of the region (Note [Scalar lifting] in
+    fuser.compiled); a piece that takes it is compiled like any other."""
+    x = torch.randn(100)
+    got = []
+    with adaptive_eager(**_options()):
+        for k in range(6):
+            got.append((x.sin() * (0.5 + k / 10)).exp())
+            ae.sync()
+    for k, out in enumerate(got):
+        torch.testing.assert_close(out, (x.sin() * (0.5 + k / 10)).exp())
+    m = ae.metrics()
+    assert m["compile_failures"] == 0 and m["blacklisted"] == 0 and m["compiled_runs"] >= 2, str(m)
+    assert m["run_alone"] == {"not_lowerable": 1}, str(m)

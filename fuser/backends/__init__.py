@@ -22,6 +22,7 @@ from ._common import BackendCompileError
 _BACKENDS: dict[str, tuple[str, str]] = {
     "inductor": ("fuser.backends.inductor", "InductorBackend"),
     "replay": ("fuser.backends.replay", "ReplayBackend"),
+    "stablehlo": ("fuser.backends.stablehlo", "StablehloBackend"),  # needs the [neuron] extra
 }
 
 
@@ -74,7 +75,7 @@ class Backend(Protocol):
 
 
 def get_backend(name: str, device_type: str) -> Backend:
-    """The backend called ``name`` ("inductor" or "replay") for tensors on ``device_type``.
+    """The backend called ``name`` ("inductor", "replay" or "stablehlo") for tensors on ``device_type``.
 
     Instances are shared: a backend holds no per-graph state.
     """

@@ -107,11 +107,17 @@ def check_graph(backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence
 def eager_output_meta(
     backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
 ) -> list[tuple]:
-    """(shape, stride, storage offset, dtype) of each output as eager execution would produce it.
+    """(shape, stride, storage offset, dtype) of each output as eager execution would produce it."""
+    values = fake_values(backend, gm, example_inputs)
+    return [tensor_meta(backend, values[n]) for n in output_nodes(backend, gm)]
 
-    Found by running the graph on fake tensors, node by node, so an op that cannot even be
-    shape-propagated (no meta kernel, data-dependent output shape) is named in the error.
-    """
+
+def fake_values(
+    backend: str, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
+) -> dict[torch.fx.Node, object]:
+    """Each node's value when the graph runs eagerly on fake tensors (layouts and storage sharing
+    as eager's), found node by node, so an op that cannot even be shape-propagated (no meta kernel,
+    data-dependent output shape) is named in the error."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -131,8 +137,14 @@ def eager_output_meta(
                         f"{backend}: cannot compile {op_name(node.target)} (node {node.name}): "
                         f"{type(e).__name__}: {e}"
                     ) from e
-            elif node.op == "output":
-                return [tensor_meta(backend, values[n]) for n in node.args[0]]
+    return values
+
+
+def output_nodes(backend: str, gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes the graph's output node returns (``check_graph`` makes sure there is one)."""
+    for node in reversed(gm.graph.nodes):
+        if node.op == "output":
+            return list(node.args[0])
     raise BackendCompileError(f"{backend}: graph has no output node")
 
 
