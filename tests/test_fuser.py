@@ -198,7 +198,7 @@ WARM_RESTART = textwrap.dedent(
 )
 
 
-def test_warm_restart_compiles_nothing_and_starts_at_full_speed(tmp_path):
+def test_warm_restart_compiles_nothing(tmp_path):
     import json
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
@@ -213,8 +213,9 @@ def test_warm_restart_compiles_nothing_and_starts_at_full_speed(tmp_path):
     warm = run("async")  # the default: artifacts load in the background while the first step replays
     assert cold["compiles"] >= 1
     assert warm["compiles"] == 0 and warm["disk"] >= 1 and warm["runs"] >= 1
-    # no compile and no blocking load in the first warm step: it runs at (replayed) eager speed
-    assert warm["first"] < 0.5, (cold, warm)
+    # How fast the first warm step is, is a benchmark's question (benchmarks/warm_restart.py): a
+    # wall-clock bound here failed whenever the machine was loaded (0.65-1.0 s at load 8, on the
+    # code before this change too), and passes or fails by load, not by what the code does.
 
 
 CONCURRENT = textwrap.dedent(
