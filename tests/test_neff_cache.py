@@ -343,7 +343,7 @@ def test_unwritable_directory_is_still_read_with_one_warning(tmp_path, monkeypat
         put(writer, KEY_B, b"small")
         writer.put_failure(KEY_C, "RuntimeError: no", fingerprint="fp", backend="b")
 
-    def refuse_writes(self, directory, size_limit_bytes):
+    def refuse_writes(self, directory, size_limit_bytes, shared=False):
         raise error
 
     monkeypatch.setattr("neff_cache.store._DiskBackend.__init__", refuse_writes)
@@ -381,15 +381,16 @@ def test_disk_full_during_put_keeps_reading_the_disk_with_one_warning(store, mon
 
 
 def test_disk_full_halfway_through_a_value_file_leaves_no_orphan_for_long(tmp_path, monkeypatch):
-    write = diskcache.core.Disk._write
+    import neff_cache.access
 
-    def disk_fills_halfway(self, full_path, iterator, mode, encoding=None):
-        data = b"".join(iterator)
-        write(self, full_path, iter([data[: len(data) // 2]]), mode, encoding)
+    write = neff_cache.access.write_value
+
+    def disk_fills_halfway(root, relative, data, access):
+        write(root, relative, data[: len(data) // 2], access)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with ArtifactStore(tmp_path) as store:
-        monkeypatch.setattr(diskcache.core.Disk, "_write", disk_fills_halfway)
+        monkeypatch.setattr(neff_cache.access, "write_value", disk_fills_halfway)
         put(store, KEY_A, os.urandom(300_000))
         monkeypatch.undo()
         assert store.read_only and store.get(KEY_A) is not None  # kept in memory

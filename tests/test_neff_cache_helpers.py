@@ -109,8 +109,10 @@ def kill_self_at(stage: str) -> None:
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
+    from neff_cache.access import SafeDisk  # neff_cache's Disk: it writes and removes value files itself
+
     if stage == "value-file":
-        store_value = diskcache.core.Disk.store
+        store_value = SafeDisk.store
 
         def store_then_die(self, value, read, key=diskcache.core.UNKNOWN):
             result = store_value(self, value, read, key)
@@ -118,7 +120,7 @@ def kill_self_at(stage: str) -> None:
                 die()
             return result
 
-        diskcache.core.Disk.store = store_then_die
+        SafeDisk.store = store_then_die
     elif stage == "row":
         row_insert = diskcache.core.Cache._row_insert
 
@@ -128,7 +130,7 @@ def kill_self_at(stage: str) -> None:
 
         diskcache.core.Cache._row_insert = insert_then_die
     elif stage == "evict":
-        diskcache.core.Disk.remove = lambda self, file_path: die()
+        SafeDisk.remove = lambda self, file_path: die()
     else:
         raise ValueError(stage)
 
