@@ -751,8 +751,9 @@ def _manifest_problem(manifest: dict, members: dict[str, bytes]) -> str | None:
     if not isinstance(manifest.get("guards"), (str, type(None))):
         return f"guards {manifest.get('guards')!r}"
     relayout = manifest.get("relayout") or []
-    if not (type(relayout) is list and all(type(r) is list and len(r) == 3 and type(r[0]) is int and ints(r[1])
-                                           and ints(r[2]) for r in relayout)):
+    # (index, shape, stride), or (index, None, None): a buffer of its own (Note [Repeated outputs])
+    if not (type(relayout) is list and all(type(r) is list and len(r) == 3 and type(r[0]) is int and (
+            (ints(r[1]) and ints(r[2])) or (r[1] is None and r[2] is None)) for r in relayout)):
         return f"relayout {str(relayout)[:200]}"
     return None
 
