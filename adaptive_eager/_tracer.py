@@ -405,15 +405,18 @@ def owner_of(t) -> TracerState | None:
         return o.win.owner
     sid = None
     for st in _STATES:
-        for w in (st.window, st.running):
-            if w is not None and w.written:
-                if sid is None:
-                    try:
-                        sid = _untyped_storage(t)._cdata
-                    except (RuntimeError, NotImplementedError):  # no storage: no pending op writes it
-                        return None
-                if sid in w.written:
-                    return st
+        written = st.window.written
+        running = st.running
+        if running is not None:
+            written = written | running.written
+        if written:
+            if sid is None:
+                try:
+                    sid = _untyped_storage(t)._cdata
+                except (RuntimeError, NotImplementedError):  # no storage: no pending op writes it
+                    return None
+            if sid in written:
+                return st
     return None
 
 
@@ -421,6 +424,8 @@ def sync_value(t, reason: str, other_threads_only: bool = False) -> None:
     """Before ``t``'s memory is read outside the dispatcher: run the window it is pending in,
     whichever thread's. ``other_threads_only``: the read dispatches an op (``item``), which this
     thread's own mode sees and counts."""
+    if getattr(_tls, "running", None) is not None:
+        return  # a run's reads are of values that were real when recorded (``data_ptr`` of inputs)
     st = owner_of(t)
     if st is None:
         return
@@ -432,9 +437,7 @@ def sync_value(t, reason: str, other_threads_only: bool = False) -> None:
 
 
 def _flush_for_reader(st: TracerState, t) -> None:
-    """Run ``st``'s window, another thread's, because this thread reads ``t``."""
-    if getattr(_tls, "running", None) is not None:
-        return  # a run's reads are of values that were real when recorded
+    """Run ``st``'s window, another thread's, because this thread (not running a window) reads ``t``."""
     me = getattr(_tls, "state", None)
     if me is not None and me.busy:
         return  # no wait inside a busy stretch: never happens (the record path leaves it first)
