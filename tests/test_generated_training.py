@@ -360,13 +360,13 @@ def _one_intra_op_thread():
     torch.set_num_threads(threads)
 
 
-@settings(DERANDOMIZED, max_examples=80)
+@settings(DERANDOMIZED, max_examples=50)
 @given(loops())
 def test_training_loop_matches_eager(loop):
     assert_training_matches_eager(loop, REPLAY)
 
 
-@settings(DERANDOMIZED, max_examples=30)
+@settings(DERANDOMIZED, max_examples=20)
 @given(loops(), st.sampled_from([3, 17, 64]))
 def test_training_loop_matches_eager_with_small_windows(loop, window):
     """Window caps cut steps at places that move as the batch size changes."""
@@ -394,7 +394,7 @@ def thread_runs(draw) -> tuple[Loop, dict]:
     return loop, options
 
 
-@settings(DERANDOMIZED, max_examples=15)
+@settings(DERANDOMIZED, max_examples=12)
 @given(thread_runs(), thread_runs())
 def test_training_loops_in_two_threads_match_eager(main_run, thread_run):
     """Two loops at once, each thread under its own mode, each compared with eager."""
@@ -440,7 +440,7 @@ class _InterruptedFlush:
         fuser.run_window = self.run_window
 
 
-@settings(DERANDOMIZED, max_examples=25)
+@settings(DERANDOMIZED, max_examples=20)
 @given(loops(max_steps=6), st.integers(1, 10))
 def test_training_loop_interrupted_in_a_flush(loop, at):
     """A loop that stops on Ctrl-C and keeps what it has: every value it holds from before the
@@ -531,6 +531,26 @@ def test_two_clones_of_one_value_are_two_tensors_compiled(fresh_regions):
     assert ae.metrics()["compiled_runs"] == 1
     a.add_(1)
     torch.testing.assert_close(b, x * 2)
+
+
+@pytest.mark.xfail(strict=True, reason="a symbolic region cannot hold mse_loss's backward (its 2 / numel is a "
+                   "SymFloat of a symbol no graph node binds): compile failure, per-shape compiles")
+def test_mse_loss_backward_compiles_for_varying_batch_sizes(fresh_regions):
+    """Found by the compiled loops (not a wrong value: the failed region is replayed, and every new
+    batch size then compiles on its own). AOTAutograd's tensorify_python_scalars pass rewrites
+    SymFloat arithmetic into tensor ops from the graph nodes that carry each symbol; the fuser's
+    symbolic graph has none for its input dimensions, so the pass fails with KeyError: s<k>."""
+    w = torch.randn(3, 6, requires_grad=True)
+    grads = {}
+    with adaptive_eager(**COMPILED):
+        for b in (2, 3):
+            x, y = torch.randn(b, 6), torch.randn(b, 3)
+            grads[b] = (x, y, torch.autograd.grad(F.mse_loss(x @ w.t(), y), w)[0])
+            ae.sync()
+    for x, y, g in grads.values():
+        torch.testing.assert_close(g, torch.autograd.grad(F.mse_loss(x @ w.t(), y), w)[0])
+    m = ae.metrics()
+    assert m["recompiles"].get("dynamic") == 1 and m["compile_failures"] == 0, m
 
 
 class _Cycle:
