@@ -46,7 +46,8 @@ THREAD_TIMEOUT_S = 120
 @dataclasses.dataclass(frozen=True)
 class Net:
     """A small model and its loss. ``extent`` of a batch: the sequence length of an MLP over
-    sequences or of an embedding's tokens, the image side (minus 2) of a conv net."""
+    sequences or of an embedding's tokens, the image side (minus 2) of a conv net (an MLP over
+    plain rows has none)."""
 
     kind: str  # "mlp" | "conv" | "embedding"
     blocks: tuple[tuple[str, ...], ...]  # mlp: per hidden layer, what follows its Linear; conv: per conv layer
@@ -206,6 +207,7 @@ def train(loop: Loop, setups: list[Setup], options: dict | None, stop_on: tuple 
     steps: list = []  # per step and trainee: loss, and where the optimizer stepped: grads and norm
     logged: list = []
     stepping = loop.steps_at()
+    torch.manual_seed(RNG_SEED)
     try:
         with adaptive_eager(**options) if options is not None else contextlib.nullcontext():
             for i in range(len(loop.sizes)):
