@@ -362,7 +362,7 @@ def _one_intra_op_thread():
     torch.set_num_threads(threads)
 
 
-@settings(DERANDOMIZED, max_examples=50)
+@settings(DERANDOMIZED, max_examples=80)
 @given(loops())
 def test_training_loop_matches_eager(loop):
     assert_training_matches_eager(loop, REPLAY)
