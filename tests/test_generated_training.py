@@ -46,7 +46,8 @@ THREAD_TIMEOUT_S = 120
 @dataclasses.dataclass(frozen=True)
 class Net:
     """A small model and its loss. ``extent`` of a batch: the sequence length of an MLP over
-    sequences or of an embedding's tokens, the image side (minus 2) of a conv net."""
+    sequences or of an embedding's tokens, the image side (minus 2) of a conv net (an MLP over
+    plain rows has none)."""
 
     kind: str  # "mlp" | "conv" | "embedding"
     blocks: tuple[tuple[str, ...], ...]  # mlp: per hidden layer, what follows its Linear; conv: per conv layer
@@ -206,6 +207,7 @@ def train(loop: Loop, setups: list[Setup], options: dict | None, stop_on: tuple 
     steps: list = []  # per step and trainee: loss, and where the optimizer stepped: grads and norm
     logged: list = []
     stepping = loop.steps_at()
+    torch.manual_seed(RNG_SEED)
     try:
         with adaptive_eager(**options) if options is not None else contextlib.nullcontext():
             for i in range(len(loop.sizes)):
@@ -366,7 +368,7 @@ def test_training_loop_matches_eager(loop):
     assert_training_matches_eager(loop, REPLAY)
 
 
-@settings(DERANDOMIZED, max_examples=30)
+@settings(DERANDOMIZED, max_examples=20)
 @given(loops(), st.sampled_from([3, 17, 64]))
 def test_training_loop_matches_eager_with_small_windows(loop, window):
     """Window caps cut steps at places that move as the batch size changes."""
@@ -394,7 +396,7 @@ def thread_runs(draw) -> tuple[Loop, dict]:
     return loop, options
 
 
-@settings(DERANDOMIZED, max_examples=15)
+@settings(DERANDOMIZED, max_examples=12)
 @given(thread_runs(), thread_runs())
 def test_training_loops_in_two_threads_match_eager(main_run, thread_run):
     """Two loops at once, each thread under its own mode, each compared with eager."""
@@ -440,7 +442,7 @@ class _InterruptedFlush:
         fuser.run_window = self.run_window
 
 
-@settings(DERANDOMIZED, max_examples=25)
+@settings(DERANDOMIZED, max_examples=20)
 @given(loops(max_steps=6), st.integers(1, 10))
 def test_training_loop_interrupted_in_a_flush(loop, at):
     """A loop that stops on Ctrl-C and keeps what it has: every value it holds from before the
@@ -531,6 +533,26 @@ def test_two_clones_of_one_value_are_two_tensors_compiled(fresh_regions):
     assert ae.metrics()["compiled_runs"] == 1
     a.add_(1)
     torch.testing.assert_close(b, x * 2)
+
+
+@pytest.mark.xfail(strict=True, reason="a symbolic region cannot hold mse_loss's backward (its 2 / numel is a "
+                   "SymFloat of a symbol no graph node binds): compile failure, per-shape compiles")
+def test_mse_loss_backward_compiles_for_varying_batch_sizes(fresh_regions):
+    """Found by the compiled loops (not a wrong value: the failed region is replayed, and every new
+    batch size then compiles on its own). AOTAutograd's tensorify_python_scalars pass rewrites
+    SymFloat arithmetic into tensor ops from the graph nodes that carry each symbol; the fuser's
+    symbolic graph has none for its input dimensions, so the pass fails with KeyError: s<k>."""
+    w = torch.randn(3, 6, requires_grad=True)
+    grads = {}
+    with adaptive_eager(**COMPILED):
+        for b in (2, 3):
+            x, y = torch.randn(b, 6), torch.randn(b, 3)
+            grads[b] = (x, y, torch.autograd.grad(F.mse_loss(x @ w.t(), y), w)[0])
+            ae.sync()
+    for x, y, g in grads.values():
+        torch.testing.assert_close(g, torch.autograd.grad(F.mse_loss(x @ w.t(), y), w)[0])
+    m = ae.metrics()
+    assert m["recompiles"].get("dynamic") == 1 and m["compile_failures"] == 0, m
 
 
 class _Cycle:
