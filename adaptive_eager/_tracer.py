@@ -44,6 +44,7 @@ _free_weak_ref = torch.UntypedStorage._free_weak_ref
 _getframe = sys._getframe
 _copy_ = torch.ops.aten.copy_.default
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
+_storage_use_count = torch._C._storage_Use_Count
 _FAILED = object()  # meta-cache marker: this signature cannot be recorded
 _DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
 _SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast path])
@@ -551,8 +552,14 @@ _STRUCTURE_IDS: dict = {}  # op signature -> its id (>= 1); views' ids are negat
 _SIGNATURE_IDS = itertools.count(1)
 
 
-def _compute_meta(f, args, kwargs, device, sig, ksig):
-    """Output metadata by running the op on meta tensors (the slow path: ~65 us)."""
+def _compute_meta(f, args, kwargs, device, sig, ksig, written):
+    """Output metadata by running the op on meta tensors (the slow path: ~65 us); or, for a
+    signature eager rejects from its metadata, ``_Raises`` (Note [Overlapping writes]).
+    ``written``: the (tensor, storage id) pairs of the tensors the op writes."""
+    if any(_has_internal_overlap(t) == 1 for t, _ in written):
+        error = _overlap_error(f, args, kwargs, shared=False)
+        if error is not None:
+            return _Raises(error)
     margs = list(args)
     for i in f.tensor_pos:
         if i < len(margs) and isinstance(margs[i], _Tensor):
@@ -638,8 +645,7 @@ def _eager_layouts(f, args, kwargs, specs: list) -> list:
             if not written and (t.is_floating_point() or t.is_complex()):
                 return t
             fill = 0
-        size = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-        return torch.full((size,), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+        return torch.full((_extent(t),), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
     for fill in (None, 1):
         try:
@@ -657,6 +663,97 @@ def _eager_layouts(f, args, kwargs, specs: list) -> list:
     outs = res if isinstance(res, (tuple, list)) else (res,)
     return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
             else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)]
+
+
+# Note [Overlapping writes]
+# Eager refuses some writes from metadata alone, before any kernel runs: a written tensor whose
+# elements share memory (an expanded tensor: "more than one element of the written-to tensor
+# refers to a single memory location"), or one that partly shares memory with an input
+# (``x[1:].add_(x[:-1])``, ``x.add_(x.t())``: "some elements of the input tensor and the written-to
+# tensor refer to a single memory location"). Which ops check is the kernel's own choice (``fill_``
+# of an expanded tensor is fine, ``add_`` is not), so the op is run on zero stand-ins with the same
+# geometry and, for the second case, the same sharing of storage among its arguments; if that run
+# raises eager's overlap error, so does the op, at its line, with nothing recorded (``_record``).
+# The stand-in run happens only when the metadata says eager could refuse: a written tensor with
+# internal overlap (a function of its sizes and strides, so found once per signature at a
+# meta-cache miss and kept as a ``_Raises`` entry), or another tensor argument over the written
+# one's storage whose memory range meets it (checked per op, for mutating ops only, and only when
+# another TensorImpl holds the written storage: its use count counts each TensorImpl and its one
+# Python storage object, which the lookup of its id has made, as ``fuser.replay._bind`` reads it;
+# so one use-count read per written tensor, then one storage lookup per further tensor argument;
+# the in-place fast path leaves such ops to the general path).
+_has_internal_overlap = torch._debug_has_internal_overlap  # 0: no, 1: yes, 2: too hard to tell
+
+
+class _Raises:
+    """A meta-cache entry for a signature eager rejects from metadata: raise its error at each op."""
+
+    __slots__ = ("exception",)
+
+    def __init__(self, exception: BaseException):
+        self.exception = exception
+
+    def error(self) -> BaseException:
+        e = self.exception
+        return type(e)(*e.args)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from a tensor's first to its last, past its storage offset."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+
+
+def _shares_written(window: Window, args, kwargs, written: list) -> bool:
+    """Whether a tensor argument, other than a written one itself, lies in the memory of a written
+    one: eager's overlap status FULL or PARTIAL (``get_overlap_status`` in ATen's MemoryOverlap.cpp:
+    two non-empty, non-overlapping and dense tensors whose byte ranges in one storage meet; for
+    any other pair eager cannot tell and does not check). Note [Overlapping writes]."""
+    # a storage held only by the written tensor and its storage object is shared with no argument
+    storages = {sid for _, sid in written if _storage_use_count(sid) > 2}
+    for a in _tensors(args, kwargs):
+        if any(a is t for t, _ in written) or not a.numel() or _has_internal_overlap(a) != 0:
+            continue
+        o = getattr(a, "_ae", None)
+        sid = o.storage if o is not None and o.win is window.token and o.kind == FRESH else _untyped_storage(a)._cdata
+        if sid not in storages:
+            continue
+        start = a.storage_offset() * a.element_size()
+        for t, s in written:
+            if s == sid and t.numel() and _has_internal_overlap(t) == 0:
+                begin = t.storage_offset() * t.element_size()
+                if start < begin + t.numel() * t.element_size() and begin < start + a.numel() * a.element_size():
+                    return True
+    return False
+
+
+def _overlap_error(f, args, kwargs, shared: bool) -> BaseException | None:
+    """Eager's overlap error for this op, from a run on zero stand-ins of its arguments' geometry
+    (over one buffer per storage they share when ``shared``), or None (Note [Overlapping writes])."""
+    tensors = list(_tensors(args, kwargs))
+    key = (lambda t: _untyped_storage(t)._cdata) if shared else id
+    sizes: dict = {}  # buffer key -> (bytes, device)
+    for t in tensors:
+        k = key(t)
+        sizes[k] = (max(sizes.get(k, (0,))[0], (t.storage_offset() + _extent(t)) * t.element_size()), t.device)
+    buffers = {k: torch.zeros(n, dtype=torch.uint8, device=d).untyped_storage() for k, (n, d) in sizes.items()}
+
+    def stand_in(t):
+        if not isinstance(t, _Tensor):
+            return t
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(buffers[key(t)], t.storage_offset(), t.shape,
+                                                                    t.stride())
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f.func(*[[stand_in(x) for x in a] if type(a) in (list, tuple) else stand_in(a) for a in args],
+                   **{k: stand_in(v) for k, v in kwargs.items()})
+    except RuntimeError as e:
+        if str(e).startswith("unsupported operation:"):  # eager's overlap checks (MemoryOverlap.cpp)
+            return type(e)(*e.args)
+    except Exception:  # noqa: BLE001 - a failure of the stand-ins' values is not eager's answer
+        pass
+    return None
 
 
 _META_CACHE: dict = {}
@@ -789,18 +886,26 @@ def _record_fast(st: TracerState, f, args, kwargs):
         entry = _META_CACHE.get((f, tuple(sig), ksig))
     except TypeError:  # an unhashable keyword value: the general path runs it eagerly
         return _decline(window, n0)
-    if entry is None or entry is _FAILED:
+    if entry.__class__ is not tuple:  # a miss, _FAILED or _Raises: the general path
         return _decline(window, n0)
     specs, nbytes, _, eid = entry
+    if f.fast_inplace:
+        res = args[0]
+        written = _untyped_storage(res)._cdata
+        if _storage_use_count(written) > 2:  # another tensor over its memory: Note [Overlapping writes]
+            for i in f.tensor_pos[1:]:
+                if i < n:
+                    a = args[i]
+                    if isinstance(a, _Tensor) and a is not res and _untyped_storage(a)._cdata == written:
+                        return _decline(window, n0)  # the general path decides
     if nargs is None:
         nargs = list(args)
     node = Node(f.func, nargs, kwargs, inputs, _user_source(3), len(window.nodes))
     uid = (node.index + 1) * OUTS_PER_NODE
     if f.fast_inplace:
         node.mutates = True
-        res = args[0]
         o = _alias_out(window, node, res, nargs[0], uid)
-        window.written.add(_untyped_storage(res)._cdata)
+        window.written.add(written)
         if o.slot >= 0:
             window.mutated.add(o.slot)
     else:
@@ -988,6 +1093,22 @@ def _record(st: TracerState, f, args, kwargs):
         ksig = (ksig, torch.get_default_dtype(), "default-device")
     elif st.device_in_key:
         ksig = (ksig, device)
+    written = ()  # (tensor, storage id) of every written argument, returned or not
+    if f.mutates:
+        written = []
+        shared = False  # another TensorImpl holds a written storage: Note [Overlapping writes]
+        for pos in f.write_pos:
+            w = kwargs.get(pos) if type(pos) is str else (args[pos] if pos < n else None)
+            for t in (w if type(w) in (list, tuple) else (w,)):
+                if isinstance(t, _Tensor):
+                    sid = _untyped_storage(t)._cdata
+                    written.append((t, sid))
+                    if _storage_use_count(sid) > 2:
+                        shared = True
+        if shared and _shares_written(window, args, kwargs, written):
+            error = _overlap_error(f, args, kwargs, shared=True)
+            if error is not None:
+                raise error
     key = (f, tuple(sig), ksig)
     try:
         entry = _META_CACHE.get(key)
@@ -995,15 +1116,18 @@ def _record(st: TracerState, f, args, kwargs):
         return _DECLINED
     if entry is None:
         try:
-            entry = _compute_meta(f, args, kwargs, device, sig, ksig)
+            entry = _compute_meta(f, args, kwargs, device, sig, ksig, written)
         except Exception as e:
             log.debug("cannot record %s: meta execution failed: %s", f.name, e)
             entry = _FAILED
         else:
-            _ARITY[entry[3]] = len(refs)  # Note [Window signature] in fuser.window
+            if entry.__class__ is tuple:
+                _ARITY[entry[3]] = len(refs)  # Note [Window signature] in fuser.window
         _META_CACHE[key] = entry
-    if entry is _FAILED:
-        return _DECLINED
+    if entry.__class__ is not tuple:
+        if entry is _FAILED:
+            return _DECLINED
+        raise entry.error()  # Note [Overlapping writes]
     specs, nbytes, returns_list, eid = entry
 
     if snaps:
@@ -1045,18 +1169,15 @@ def _record(st: TracerState, f, args, kwargs):
         window.fresh.append(o)
         results.append(p)
     if f.mutates:
-        # Every written argument, returned or not (BatchNorm's running stats are written but not
-        # returned; foreach ops write lists): later reads must flush, compiled regions write back.
-        for pos in f.write_pos:
-            written = kwargs.get(pos) if type(pos) is str else (args[pos] if pos < n else None)
-            for t in (written if type(written) in (list, tuple) else (written,)):
-                if isinstance(t, _Tensor):
-                    window.written.add(_untyped_storage(t)._cdata)
-                    o = getattr(t, "_ae", None)
-                    live = o is not None and o.win is window.token
-                    slot = o.slot if live else window.slot_of(t)
-                    if slot >= 0:
-                        window.mutated.add(slot)
+        # Every written argument (BatchNorm's running stats are written but not returned; foreach
+        # ops write lists): later reads must flush, compiled regions write back.
+        for t, sid in written:
+            window.written.add(sid)
+            o = getattr(t, "_ae", None)
+            live = o is not None and o.win is window.token
+            slot = o.slot if live else window.slot_of(t)
+            if slot >= 0:
+                window.mutated.add(slot)
     sigs = window.sigs
     sigs.append(eid)
     sigs.extend(refs)
@@ -1176,8 +1297,8 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     n0 = len(window.real_inputs)
     try:
         res = _record(st, f, args, kwargs)
-    except _Elsewhere:
-        _decline(window, n0)
+    except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
+        _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
         raise
     if (res is _SCALAR or res is _DECLINED) and len(window.real_inputs) != n0:
         _unslot(window, n0)

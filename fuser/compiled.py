@@ -895,6 +895,8 @@ def _checks(window: Window) -> bool:
 def _not_compilable(window: Window) -> str | None:
     if _inputs_alias(window):
         return "aliased_inputs"
+    if _writes_overlapping(window):
+        return "overlapping_write"
     return None
 
 
@@ -917,6 +919,32 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
     else:
         STATS.not_compiled["failed_before"] += 1
     _blacklist(entry, f"{what}: {reason}")
+
+
+_WRITES: dict = {}  # OpOverload -> the positions (and keyword names) of the arguments it writes
+
+
+def _writes_overlapping(window: Window) -> bool:
+    """Whether a node writes through a tensor whose elements share memory (a dimension of stride 0:
+    ``x[0].expand(3, 4).fill_(2)``, which eager allows for ``fill_`` and ``zero_``). The functional
+    graph makes that one value per element and writes them back through the expand's inverse, which
+    sums them (``fill_(2)`` of a 3-row expand stored 6), so such windows replay. Eager refuses the
+    other ops that would write so (Note [Overlapping writes] in adaptive_eager._tracer)."""
+    for node in window.nodes:
+        if not node.mutates or node.is_view:
+            continue
+        positions = _WRITES.get(node.func)
+        if positions is None:
+            positions = _WRITES[node.func] = tuple(
+                a.name if a.kwarg_only else i for i, a in enumerate(node.func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write)
+        for p in positions:
+            arg = node.kwargs.get(p) if type(p) is str else (node.args[p] if p < len(node.args) else None)
+            for x in (arg if type(arg) in (list, tuple) else (arg,)):
+                meta = x.meta if type(x) is Out else (x.shape, x.stride()) if isinstance(x, torch.Tensor) else None
+                if meta is not None and any(st == 0 and n > 1 for n, st in zip(meta[0], meta[1])):
+                    return True
+    return False
 
 
 def _blacklist(entry: _Entry, why: str) -> None:

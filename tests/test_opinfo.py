@@ -5,9 +5,10 @@ from ops that are merely random) and once under ``adaptive_eager()``. Everything
 observe must match: outputs (values, dtype, shape, strides, also while pending), the inputs after
 the call (in-place ops), which outputs alias which inputs, and the exception type when eager raises.
 Every sample also runs with its inputs made inside the window (pending placeholders), with OpInfo's
-in-place form of the op where there is one, and with its 4-d tensors in channels_last. OpInfo's
-error inputs must raise the eager exception, at the call when the op's meta kernel can see the
-error, else no later than the sync point.
+in-place form of the op where there is one (also writing an expanded tensor, which eager refuses or
+allows at the call), and with its 4-d tensors in channels_last. OpInfo's error inputs must raise
+the eager exception, at the call when the op's meta kernel can see the error, else no later than
+the sync point.
 """
 
 from __future__ import annotations
@@ -190,6 +191,18 @@ def check_op_samples(op, tally: Tally) -> None:
             for pending_inputs in (False, True):
                 label = f"{name} [channels_last{', pending inputs' if pending_inputs else ''}]"
                 check_sample(op, nhwc, label, op.name, pending_inputs, tally)
+        expanded = expanded_input(sample) if op.inplace_variant is not None else None
+        if expanded is not None:  # a write eager refuses (or allows) from metadata: Note [Overlapping writes]
+            check_sample(op.inplace_variant, expanded, f"{name} (in-place) [expanded input]", op.name, False, tally,
+                         errors_at_call=True)
+
+
+def expanded_input(sample):
+    """``sample`` with its input (what an in-place op writes) an expand of its first row, or None."""
+    x = sample.input
+    if not isinstance(x, torch.Tensor) or x.layout is not torch.strided or x.dim() == 0 or x.shape[0] < 2:
+        return None
+    return types.SimpleNamespace(input=x[:1].expand(x.shape), args=sample.args, kwargs=sample.kwargs)
 
 
 def channels_last(sample):
@@ -206,7 +219,9 @@ def channels_last(sample):
     return types.SimpleNamespace(input=converted[0], args=converted[1], kwargs=converted[2]) if found else None
 
 
-def check_sample(call, sample, label: str, op_name: str, pending_inputs: bool, tally: Tally) -> None:
+def check_sample(call, sample, label: str, op_name: str, pending_inputs: bool, tally: Tally,
+                 errors_at_call: bool = False) -> None:
+    """``errors_at_call``: an error eager raises must come at the call, with eager's message."""
     eager = run_sample(call, sample, lazy=False, pending_inputs=pending_inputs)
     if is_sparse(eager.result):
         tally.skipped.setdefault(label, "sparse layout (out of scope)")
@@ -217,6 +232,11 @@ def check_sample(call, sample, label: str, op_name: str, pending_inputs: bool, t
     lazy = run_sample(call, sample, lazy=True, pending_inputs=pending_inputs)
     tally.count_recording(before)
     diff = compare(eager, lazy, values)
+    if diff is None and errors_at_call and eager.error is not None:
+        if lazy.raised_at_sync:
+            diff = f"raised at the sync point, not at the call: {_short(lazy.error)}"
+        elif str(lazy.error) != str(eager.error):
+            diff = f"message {_short(lazy.error)!r}, eager {_short(eager.error)!r}"
     if diff is not None:
         tally.disagreements[label].append(diff)
     elif values:
