@@ -1503,7 +1503,7 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
 # did, when the main thread left the compile running). So an atexit hook stops the thread first: it raises ``_Shutdown`` in it (at
 # its next Python bytecode: a running compile unwinds, releasing its claim, and a subprocess it
 # waits on is killed by ``subprocess.run``) and waits up to ``_STOP_S`` for it to end. And the
-# flushing thread waits for a result in slices (``_result``): the kernel may deliver a Ctrl-C's
+# flushing thread waits for a result in slices (``_result``, ``_collect``): the kernel may deliver a Ctrl-C's
 # SIGINT to the compile thread, which does not wake the main thread from a lock wait, so an
 # unbounded wait would not raise KeyboardInterrupt until the compile ended.
 _QUEUE: queue.SimpleQueue | None = None
@@ -1670,7 +1670,8 @@ def _collect(entry: _Entry) -> None:
     if not future.done():
         _LOCK.release()
         try:
-            futures_wait((future,))
+            while not futures_wait((future,), timeout=0.1).done:
+                pass  # in slices, as ``_result`` (Note [Compile thread]): a Ctrl-C is seen within 0.1 s
         finally:
             _LOCK.acquire()
         if entry.future is not future:

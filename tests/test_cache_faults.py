@@ -389,7 +389,10 @@ def test_compile_of_a_program_that_exits_first_lands_in_the_cache_for_the_next_r
 
 INTERRUPTED = textwrap.dedent(
     """
-    import sys, torch
+    import signal, sys, torch
+    # Ctrl-C as at a terminal, whatever this test's own process inherited (a shell's background job
+    # starts with SIGINT ignored, and so would the child, which would then never see the interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import adaptive_eager as ae
     import fuser.compiled as fc
     from neff_cache import ArtifactStore
