@@ -113,8 +113,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "window": (_parse_int, "op cap of a window (default 1024)"),
     "window_mb": (_parse_float, "pending-bytes cap of a window in MiB (default 1024)"),
     "backend": (_parse_choice(BACKENDS), "how windows run: `inductor` (default on cpu and cuda), `replay` (op by op; "
-                "default elsewhere) or `stablehlo` (lowered by torch-mlir as for Trainium, compiled by XLA on cpu; "
-                "needs `pip install -e \".[neuron]\"`)"),
+                "default elsewhere), `stablehlo` (lowered by torch-mlir as for Trainium, compiled by XLA on cpu; "
+                "needs `pip install -e \".[neuron]\"`) or `neuron` (that lowering compiled to NEFFs by torch-neuronx; "
+                "default on a neuron device where it is installed; not run on hardware yet)"),
     "cache_dir": (_parse_str, "persistent cache directory (default ~/.cache/adaptive_eager)"),
     "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
     "cache_shared": (_parse_choice(CACHE_SHARING), "`no` (default): only you may write the cache directory, else it is "
@@ -215,28 +216,40 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
     if "device" not in values:
         values["device"] = default_device_type()
     if "backend" not in values:
-        values["backend"] = "inductor" if values["device"] in ("cpu", "cuda") else "replay"
+        values["backend"] = _default_backend(values["device"])
     if values["backend"] == "neuron":
-        raise ConfigError(
-            "backend 'neuron' needs torch-neuronx's compiler, which adaptive eager does not drive yet; "
-            "use NEURON_EAGER_BACKEND=replay (op by op) on Trainium for now"
-        )
+        _check_backend("neuron", values["device"], "neuron")
     if values["backend"] == "inductor" and values["device"] not in ("cpu", "cuda"):
         raise ConfigError(f"backend 'inductor' compiles for cpu and cuda, not {values['device']!r}; use backend='replay'")
     if values["backend"] == "stablehlo":
-        _check_stablehlo(values["device"])
+        _check_backend("stablehlo", values["device"], "cpu")
     return Options(**values)
 
 
-def _check_stablehlo(device: str) -> None:
+def _default_backend(device: str) -> str:
+    """inductor on cpu and cuda; on neuron the neuron backend where its packages are installed (it
+    has not run on hardware yet: fuser/backends/neuron.py), else replay (one NEFF per op)."""
+    if device in ("cpu", "cuda"):
+        return "inductor"
+    if device == "neuron":
+        from fuser.backends.neuron import NeuronBackend
+        from fuser.backends.stablehlo import missing_requirements
+
+        if not missing_requirements(NeuronBackend.requirements):
+            return "neuron"
+    return "replay"
+
+
+def _check_backend(name: str, device: str, compiles_for: str) -> None:
     # at enable(), not at the first compile: a missing package must not surface in the middle of a run
+    from fuser.backends import get_backend_class
     from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
 
-    missing = missing_requirements()
+    missing = missing_requirements(get_backend_class(name).requirements)
     if missing:
-        raise ConfigError(f"backend 'stablehlo' needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}")
-    if device != "cpu":
-        raise ConfigError(f"backend 'stablehlo' compiles for cpu, not {device!r}; use backend='replay'")
+        raise ConfigError(f"backend {name!r} needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}")
+    if device != compiles_for:
+        raise ConfigError(f"backend {name!r} compiles for {compiles_for}, not {device!r}; use backend='replay'")
 
 
 def _check_types(values: dict[str, Any]) -> None:

@@ -297,7 +297,7 @@ def test_load_rejects_foreign_and_corrupt_artifacts(backend):
 
 
 def test_get_backend_names_the_valid_choices():
-    with pytest.raises(ValueError, match="inductor, replay"):
+    with pytest.raises(ValueError, match="inductor, neuron, replay, stablehlo"):
         get_backend("tensorrt", "cpu")
     with pytest.raises(ValueError, match="cpu, cuda"):
         get_backend("inductor", "neuron")

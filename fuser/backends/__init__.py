@@ -23,6 +23,7 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "inductor": ("fuser.backends.inductor", "InductorBackend"),
     "replay": ("fuser.backends.replay", "ReplayBackend"),
     "stablehlo": ("fuser.backends.stablehlo", "StablehloBackend"),  # needs the [neuron] extra
+    "neuron": ("fuser.backends.neuron", "NeuronBackend"),  # needs torch-neuronx too; not run on hardware
 }
 
 
@@ -75,7 +76,7 @@ class Backend(Protocol):
 
 
 def get_backend(name: str, device_type: str) -> Backend:
-    """The backend called ``name`` ("inductor", "replay" or "stablehlo") for tensors on ``device_type``.
+    """The backend called ``name`` ("inductor", "replay", "stablehlo" or "neuron") for tensors on ``device_type``.
 
     Instances are shared: a backend holds no per-graph state.
     """
@@ -84,10 +85,15 @@ def get_backend(name: str, device_type: str) -> Backend:
     return _make_backend(name, device_type)
 
 
+def get_backend_class(name: str) -> type:
+    """The class of the backend called ``name`` (its module imported)."""
+    module_name, class_name = _BACKENDS[name]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
 @functools.cache
 def _make_backend(name: str, device_type: str) -> Backend:
-    module_name, class_name = _BACKENDS[name]
-    return getattr(importlib.import_module(module_name), class_name)(device_type)
+    return get_backend_class(name)(device_type)
 
 
-__all__ = ["Backend", "BackendCompileError", "get_backend"]
+__all__ = ["Backend", "BackendCompileError", "get_backend", "get_backend_class"]

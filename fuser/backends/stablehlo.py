@@ -121,42 +121,54 @@ def _miscompiled(node: torch.fx.Node) -> str | None:
     return entry[1]
 
 
-def missing_requirements() -> list[str]:
-    """The distributions this backend needs that are not installed (found without importing them)."""
-    return [dist for module, dist in _REQUIREMENTS.items() if importlib.util.find_spec(module) is None]
+def missing_requirements(requirements: dict[str, str] = _REQUIREMENTS) -> list[str]:
+    """The distributions of ``requirements`` (module -> distribution; default: this backend's) that
+    are not installed, found without importing them."""
+    return [dist for module, dist in requirements.items() if importlib.util.find_spec(module) is None]
 
 
 class StablehloBackend:
-    """Lowers with torch-mlir, compiles with XLA's CPU client; see the module notes."""
+    """Lowers with torch-mlir, compiles with XLA's CPU client; see the module notes.
+
+    The lowering (``unsupported``, the checks and the output plan of ``compile``) is shared with the
+    neuron backend (``fuser.backends.neuron``), which overrides only what turns StableHLO text into
+    an executable and runs it: ``_build``, ``_callable``, ``_identity``."""
 
     name = "stablehlo"
+    device_types: tuple[str, ...] = _DEVICE_TYPES
+    requirements: dict[str, str] = _REQUIREMENTS
+    magic = _MAGIC
 
     def __init__(self, device_type: str, *, narrow_64bit: bool = False) -> None:
-        if device_type not in _DEVICE_TYPES:
+        if device_type not in self.device_types:
             raise ValueError(
-                f"the stablehlo backend supports device types {', '.join(_DEVICE_TYPES)}, not {device_type!r}"
+                f"the {self.name} backend supports device types {', '.join(self.device_types)}, not {device_type!r}"
             )
-        missing = missing_requirements()
+        missing = missing_requirements(self.requirements)
         if missing:
             raise ImportError(
-                f"the stablehlo backend needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}"
+                f"the {self.name} backend needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}"
             )
         self.device_type = device_type
         self.narrow_64bit = narrow_64bit
         self._fingerprint = "|".join([
-            f"stablehlo-{_FORMAT}",
+            f"{self.name}-{_FORMAT}",
             f"torch-{torch.__version__}",
             f"torch-mlir-{importlib.metadata.version('torch-mlir')}",
-            f"jaxlib-{importlib.metadata.version('jaxlib')}",
-            f"{device_type}-{platform.machine()}-{_cpu_features()}",  # XLA compiles for the host's ISA
+            *self._identity(),
             "narrow64" if narrow_64bit else "exact64",
         ])
         # Note [Ops that run alone]: op signature -> reason or None; the last graph ``unsupported`` lowered
         self._lowerable: dict[tuple, str | None] = {}
         self._lowered: tuple | None = None
 
+    def _identity(self) -> list[str]:
+        """What else makes the executables this backend produces: the compiler and its target."""
+        return [f"jaxlib-{importlib.metadata.version('jaxlib')}",
+                f"{self.device_type}-{platform.machine()}-{_cpu_features()}"]  # XLA compiles for the host's ISA
+
     def fingerprint(self) -> str:
-        """Format, torch / torch-mlir / jaxlib versions, the machine's ISA, and the 64-bit option."""
+        """Format, torch / torch-mlir / compiler versions, the target, and the 64-bit option."""
         return self._fingerprint
 
     def unsupported(self, node: torch.fx.Node) -> str | None:
@@ -241,6 +253,22 @@ class StablehloBackend:
                 e.target = self._culprit(gm)  # the fuser compiles the rest with it run alone
                 raise
         lowered = time.perf_counter()
+        blob, extra = self._build(text, results)
+        header = {
+            "format": _FORMAT,
+            "fingerprint": self._fingerprint,
+            "inputs": [_wire(t.dtype, self.narrow_64bit) for t in example_inputs],
+            "results": results,
+            "outputs": outputs,
+            **extra,
+        }
+        artifact = _pack(header, blob, self.magic)
+        log.debug("%s: lowered %d nodes in %.2f s, compiled in %.2f s, %d bytes", self.name, len(gm.graph.nodes),
+                  lowered - start, time.perf_counter() - lowered, len(artifact))
+        return artifact
+
+    def _build(self, text: str, results: list[dict]) -> tuple[bytes, dict]:
+        """The executable of StableHLO ``text`` as bytes, and what else its header holds."""
         client = _client()
         try:
             executable = client.compile_and_load(text, client.devices()[:1], _xla().CompileOptions())
@@ -251,31 +279,47 @@ class StablehloBackend:
             rank = len(results[i]["shape"])
             if str(layout) != "{" + ",".join(str(d) for d in reversed(range(rank))) + "}":
                 raise BackendCompileError(f"stablehlo: XLA returns result {i} in layout {layout}, not row-major")
-        header = {
-            "format": _FORMAT,
-            "fingerprint": self._fingerprint,
-            "inputs": [_wire(t.dtype, self.narrow_64bit) for t in example_inputs],
-            "results": results,
-            "outputs": outputs,
-        }
-        artifact = _pack(header, blob)
-        log.debug("stablehlo: lowered %d nodes in %.2f s, compiled in %.2f s, %d bytes", len(gm.graph.nodes),
-                  lowered - start, time.perf_counter() - lowered, len(artifact))
-        return artifact
+        return blob, {}
 
     def load(self, artifact: bytes) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
-        """Deserialize the executable (no compile) and wrap it in the ``Backend`` calling convention."""
-        header, blob = _unpack(artifact)
+        """Load the executable (no compile) and wrap it in the ``Backend`` calling convention."""
+        header, blob = _unpack(artifact, self.magic, self.name)
         if header.get("fingerprint") != self._fingerprint:
             raise BackendCompileError(
-                f"stablehlo: artifact was made for {header.get('fingerprint')!r}, this process is {self._fingerprint!r}"
+                f"{self.name}: artifact was made for {header.get('fingerprint')!r}, this process is {self._fingerprint!r}"
             )
-        client = _client()
         try:
-            executable = client.deserialize_executable(blob, client.devices()[:1], _xla().CompileOptions())
-            return below_autograd(_caller(executable, client.devices()[0], header))
+            return below_autograd(caller(self._callable(blob, header), header))
+        except BackendCompileError:
+            raise
         except Exception as e:
-            raise BackendCompileError(f"stablehlo: artifact does not load: {type(e).__name__}: {e}") from e
+            raise BackendCompileError(f"{self.name}: artifact does not load: {type(e).__name__}: {e}") from e
+
+    def _callable(self, blob: bytes, header: dict) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        """``blob`` loaded: a function from the inputs (in the wire dtypes) to the results (root values
+        in the wire dtypes, row-major), Note [Outputs that share storage]."""
+        client = _client()
+        executable = client.deserialize_executable(blob, client.devices()[:1], _xla().CompileOptions())
+        device = client.devices()[0]
+        # jaxlib's own DLPack calls: jax.dlpack.from_dlpack would make int64 int32 (jax's default
+        # dtypes), and jax.Array.__dlpack__ costs ~20 us of Python checks per result
+        to_buffer = _xla().dlpack_managed_tensor_to_buffer
+        to_capsule = _xla().buffer_to_dlpack_managed_tensor
+        from_dlpack = torch.from_dlpack
+        execute = executable.execute
+
+        def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
+            buffers = []
+            for t in args:
+                if t.requires_grad:  # DLPack refuses tensors that require grad; the call runs below autograd
+                    t = t.detach()
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                buffers.append(to_buffer(t.__dlpack__(), device, None, None, _DLPACK_CPU))
+            # exporting a result waits for the execution to finish (it reads the inputs in place until then)
+            return [from_dlpack(to_capsule(r)) for r in execute(buffers)]
+
+        return results
 
 
 # ---------------------------------------------------------------------------------------- lowering
@@ -587,15 +631,11 @@ def _alone(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.Tensor
 # ----------------------------------------------------------------------------------------- calling
 
 
-def _caller(executable, device, header: dict) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
-    """The executable in the ``Backend`` calling convention (Notes [Outputs that share storage], [64-bit types])."""
-    # jaxlib's own DLPack calls: jax.dlpack.from_dlpack would make int64 int32 (jax's default
-    # dtypes), and jax.Array.__dlpack__ costs ~20 us of Python checks per result
-    to_buffer = _xla().dlpack_managed_tensor_to_buffer
-    to_capsule = _xla().buffer_to_dlpack_managed_tensor
-    from_dlpack = torch.from_dlpack
+def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: dict
+           ) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
+    """``execute`` (inputs in wire dtypes -> row-major roots in wire dtypes) in the ``Backend``
+    calling convention (Notes [Outputs that share storage], [64-bit types])."""
     as_strided = torch.as_strided
-    execute = executable.execute
 
     casts_in = [(i, _dtype(wire)) for i, (dtype, wire) in enumerate(header["inputs"]) if dtype != wire]
     casts_out = [(k, _dtype(r["dtype"])) for k, r in enumerate(header["results"]) if r["wire"] != r["dtype"]]
@@ -604,16 +644,8 @@ def _caller(executable, device, header: dict) -> Callable[[list[torch.Tensor]], 
                for kind, k, view in header["outputs"]]
 
     def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The executable's results as tensors of eager's dtypes, in XLA's row-major layout."""
-        buffers = []
-        for t in args:
-            if t.requires_grad:  # DLPack refuses tensors that require grad; the call runs below autograd
-                t = t.detach()
-            if not t.is_contiguous():
-                t = t.contiguous()
-            buffers.append(to_buffer(t.__dlpack__(), device, None, None, _DLPACK_CPU))
-        # exporting a result waits for the execution to finish (it reads the inputs in place until then)
-        roots = [from_dlpack(to_capsule(r)) for r in execute(buffers)]
+        """The executable's results as tensors of eager's dtypes, in the row-major layout."""
+        roots = execute(args)
         for k, dtype in casts_out:
             roots[k] = roots[k].to(dtype)
         return roots
@@ -641,21 +673,21 @@ def _caller(executable, device, header: dict) -> Callable[[list[torch.Tensor]], 
 # ---------------------------------------------------------------------------------------- artifact
 
 
-def _pack(header: dict, executable: bytes) -> bytes:
+def _pack(header: dict, executable: bytes, magic: bytes = _MAGIC) -> bytes:
     """magic, header length, JSON header, executable; the header holds the executable's CRC-32."""
     header = {**header, "executable_crc32": zlib.crc32(executable), "executable_size": len(executable)}
     data = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return _MAGIC + struct.pack("<I", len(data)) + data + executable
+    return magic + struct.pack("<I", len(data)) + data + executable
 
 
-def _unpack(artifact: bytes) -> tuple[dict, bytes]:
+def _unpack(artifact: bytes, magic: bytes = _MAGIC, name: str = "stablehlo") -> tuple[dict, bytes]:
     """The header and the executable; checks that they are whole (a damaged executable must never
     reach ``deserialize_executable``, which trusts its input)."""
     try:
-        if not artifact.startswith(_MAGIC):
-            raise ValueError("no stablehlo magic")
-        start = len(_MAGIC) + 4
-        (size,) = struct.unpack_from("<I", artifact, len(_MAGIC))
+        if not artifact.startswith(magic):
+            raise ValueError(f"no {name} magic")
+        start = len(magic) + 4
+        (size,) = struct.unpack_from("<I", artifact, len(magic))
         header = json.loads(artifact[start:start + size])
         executable = artifact[start + size:]
         if not isinstance(header, dict) or header.get("format") != _FORMAT:
@@ -663,7 +695,7 @@ def _unpack(artifact: bytes) -> tuple[dict, bytes]:
         if len(executable) != header["executable_size"] or zlib.crc32(executable) != header["executable_crc32"]:
             raise ValueError("the executable is damaged (size or CRC-32)")
     except (ValueError, KeyError, TypeError, struct.error) as e:
-        raise BackendCompileError(f"stablehlo: artifact is corrupt or not a stablehlo artifact: {e}") from e
+        raise BackendCompileError(f"{name}: artifact is corrupt or not a {name} artifact: {e}") from e
     return header, executable
 
 
