@@ -125,13 +125,13 @@ def is_enabled() -> bool:
 
 def metrics() -> dict:
     """Counters since the last ``reset_metrics()`` (process-wide, all threads)."""
-    from fuser.compiled import STATS
+    from fuser.stats import STATS
 
     return {**METRICS.as_dict(), **STATS.as_dict()}
 
 
 def reset_metrics() -> None:
-    from fuser.compiled import STATS
+    from fuser.stats import STATS
 
     METRICS.reset()
     STATS.reset()
@@ -140,7 +140,7 @@ def reset_metrics() -> None:
 def report(explain: bool = False) -> str:
     """A readable table of ``metrics()`` and the persistent cache in use; with ``explain=True``,
     followed by ``explain()``."""
-    from fuser.compiled import _JOBS, _STORES
+    from fuser.artifacts import _JOBS, _STORES
 
     lines = [format_report(metrics())]
     for store in list(_STORES.values()):  # another thread may add one

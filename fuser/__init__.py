@@ -20,10 +20,10 @@ def run_window(window: Window, options) -> tuple[int, int, int]:
         # no region key is built on this path (nothing is looked up), so ``window.region`` stays None
         window.outcome = "replayed" if dead < len(window.nodes) else "dead"
         return replay_window(window), _computed(window), dead
-    from . import compiled
+    from . import regions
     from .backends import get_backend
 
-    return compiled.run(window, get_backend(options.backend, options.device), options)
+    return regions.run(window, get_backend(options.backend, options.device), options)
 
 
 def _computed(window: Window) -> int:

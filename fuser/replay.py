@@ -53,7 +53,7 @@ def read_liveness(window: Window) -> list[Out]:
     allocation, which the ops replayed or the compile of the window's region make plenty of.
     Nothing can observe such a value any more, so ``_bind`` drops it (its result stays the
     ``Out``'s value for the window's later ops). It must not fail: a compiled region that writes
-    its inputs in place (Note [In-place regions] in ``fuser.compiled``) has already written them
+    its inputs in place (Note [In-place regions] in ``fuser.compilable``) has already written them
     when its outputs are bound, and the replay that follows a failed run would write them twice."""
     live = window.live = []
     expired = _expired

@@ -22,8 +22,10 @@ def _fresh_metrics():
 def fresh_regions():
     """No in-memory region, shape class or scalar group of an earlier test answers for this one
     (tests that count compiles or replays need a cold process's view)."""
-    import fuser.compiled as fc
+    import fuser.regions
+    import fuser.scalars
+    import fuser.shapes
 
-    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS):
+    for table in (fuser.regions.CACHE.entries, fuser.shapes._CLASSES, fuser.shapes._FAMILIES, fuser.scalars._GROUPS):
         table.clear()
     yield

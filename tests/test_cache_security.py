@@ -27,7 +27,10 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.compiled as fc
+import fuser.artifacts
+import fuser.regions
+import fuser.scalars
+import fuser.shapes
 from fuser import partition
 from adaptive_eager import adaptive_eager
 from fuser.backends._common import BackendCompileError
@@ -64,7 +67,7 @@ class Payload:
 
 def forget_regions():
     """A new process's view: no compiled region in memory, no store open (metrics() counts theirs)."""
-    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS, fc._STORES):
+    for table in (fuser.regions.CACHE.entries, fuser.shapes._CLASSES, fuser.shapes._FAMILIES, fuser.scalars._GROUPS, fuser.artifacts._STORES):
         table.clear()
 
 

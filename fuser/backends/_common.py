@@ -18,7 +18,7 @@ class BackendCompileError(RuntimeError):
     ``target``: the op the backend blames, when it can tell (the fuser then runs that op alone
     and compiles the rest: Note [Partitions] in ``fuser.partition``). ``inplace``: the backend
     cannot write the graph's inputs itself (the fuser then compiles the region again with a
-    write-back: Note [In-place regions] in ``fuser.compiled``).
+    write-back: Note [In-place regions] in ``fuser.compilable``).
     """
 
     target = None

@@ -27,7 +27,7 @@ no guards (~2 us of Python on tiny inputs; Inductor's ``CompiledArtifact`` costs
 sound only when the wrapper's calling convention is the graph's: ``compile`` checks that the graph
 Inductor compiled has one input per example input and outputs whose shape, stride, storage offset
 and dtype are what eager gives, that it holds no constants, and that it writes exactly the inputs
-the graph writes (Note [In-place regions] in ``fuser.compiled``). Of the skipped
+the graph writes (Note [In-place regions] in ``fuser.compilable``). Of the skipped
 wrappers' work, the backend redoes the two parts a functional inference graph needs: grad mode and
 autocast off (``below_autograd``), and on CUDA a copy of any input whose address breaks the
 alignment the kernels were compiled to assume (``inputs_to_check``).
@@ -152,7 +152,7 @@ class InductorBackend:
     """Compiles with ``torch._inductor.standalone_compile``; see the module notes for the format."""
 
     name = "inductor"
-    writes_inputs = True  # graphs may copy_ into their inputs (Note [In-place regions] in fuser.compiled)
+    writes_inputs = True  # graphs may copy_ into their inputs (Note [In-place regions] in fuser.compilable)
     dynamic_shapes = True  # compiles symbolically traced graphs (Note [Dynamic shapes])
 
     def __init__(self, device_type: str) -> None:
