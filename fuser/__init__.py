@@ -26,9 +26,50 @@ def run_window(window: Window, options) -> tuple[int, int, int]:
     return regions.run(window, get_backend(options.backend, options.device), options)
 
 
+def metrics() -> dict:
+    """The fuser's counters since ``reset_metrics()`` (process-wide), with the artifacts the
+    stores in use found corrupt or incompatible."""
+    from .artifacts import stores
+    from .stats import STATS
+
+    corrupt = sum(s.corrupt_entries + s.incompatible_entries for s in stores())
+    return {"corrupt_entries": corrupt, **STATS.as_dict()}
+
+
+def reset_metrics() -> None:
+    from .stats import STATS
+
+    STATS.reset()
+
+
+def stores() -> list:
+    """The persistent artifact stores this process has opened (one per cache directory)."""
+    from .artifacts import stores
+
+    return stores()
+
+
+def compile_jobs() -> list:
+    """The background compile jobs (``neff_cache.CompileJobs``), one per store that has had one."""
+    from .artifacts import compile_jobs
+
+    return compile_jobs()
+
+
+def cache_clear(store_handles: bool = False) -> None:
+    """Forget every region, shape class and scalar group in memory: what a new process knows is
+    only the persistent cache, which is untouched. With ``store_handles``, also forget the open store
+    handles (each is opened again at its next use)."""
+    from . import artifacts, regions
+
+    regions.cache_clear()
+    if store_handles:
+        artifacts.forget_stores()
+
+
 def _computed(window: Window) -> int:
     return sum(1 for n in window.nodes if n.needed and not n.is_view)
 
 
 __all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError", "value_is_dead",
-           "placeholder_of"]
+           "placeholder_of", "metrics", "reset_metrics", "stores", "compile_jobs", "cache_clear"]

@@ -15,8 +15,13 @@ from concurrent.futures import Future
 # With async_compile, a hot region is compiled in a worker *process* (neff_cache.CompileJobs),
 # never a thread of this process: Inductor saves and restores the global RNG state around a
 # compile, which would rewind the random numbers the program draws meanwhile. The program keeps
-# replaying; the artifact lands in the store, and the region's next window loads it.
+# replaying; the artifact lands in the store, and the region's next window loads it. A worker
+# must not record its own compile: ``import torch`` turns adaptive eager on in any process whose
+# environment says ``NEURON_EAGER=adaptive`` (the user's, inherited), so the worker is started
+# with ``NEURON_EAGER=eager`` (``WORKER_ENV``) and ``fuser.compile.compile_job`` needs no import of
+# the tracer (imports go one way: adaptive_eager -> fuser -> neff_cache).
 _JOBS: dict = {}
+WORKER_ENV = {"NEURON_EAGER": "eager"}  # adaptive_eager.config.ENV_SWITCH, off
 
 
 def _jobs(store, options):
@@ -24,7 +29,8 @@ def _jobs(store, options):
 
     jobs = _JOBS.get(id(store))
     if jobs is None:
-        jobs = _JOBS[id(store)] = CompileJobs(store, max_workers=1, finish_after_exit_s=options.compile_after_exit_s)
+        jobs = _JOBS[id(store)] = CompileJobs(store, max_workers=1, finish_after_exit_s=options.compile_after_exit_s,
+                                              worker_env=WORKER_ENV)
     return jobs
 
 
@@ -105,7 +111,6 @@ def _stop_compile_thread() -> None:
     thread.join(_STOP_S)
 
 
-
 _STORES: dict = {}
 
 
@@ -119,3 +124,15 @@ def _store(options):
         store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=options.cache_size_mb,
                                                shared=options.cache_shared)
     return store
+
+
+def stores() -> list:
+    return list(_STORES.values())  # a copy: another thread may open one meanwhile
+
+
+def forget_stores() -> None:
+    _STORES.clear()
+
+
+def compile_jobs() -> list:
+    return list(_JOBS.values())

@@ -43,10 +43,8 @@ class _Unverified:
 
 def compile_job(payload: bytes) -> bytes:
     """Compile-worker entry point (named by import path in neff_cache.CompileJobs): a serialized
-    Program and backend name in, the packed artifact out."""
-    import adaptive_eager
-
-    adaptive_eager.disable()  # NEURON_EAGER=adaptive in the environment turned it on at import
+    Program and backend name in, the packed artifact out. The worker runs with adaptive eager off
+    (Note [Background compiles] in fuser.artifacts)."""
     doc = json.loads(payload)
     from .backends import get_backend
 

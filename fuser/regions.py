@@ -31,14 +31,14 @@ from concurrent.futures import wait as futures_wait
 
 import torch
 
-from .artifacts import _JOBS, _jobs, _result, _store, _submit
+from .artifacts import _jobs, _result, _store, _submit, compile_jobs
 from .compilable import _checks, _not_compilable
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load
 from .launch import _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, read_liveness, replay_window
 from .program import Program
-from .scalars import _LIFT_ERROR, _scalar_key
-from .shapes import _CLASSES, _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols, _ShapeClass
+from .scalars import _GROUPS, _LIFT_ERROR, _scalar_key
+from .shapes import _CLASSES, _FAMILIES, _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols, _ShapeClass
 from .partition import is_check
 from .stats import STATS, _recompile
 from .window import Out, Window
@@ -106,6 +106,15 @@ class RegionCache:
 
 
 CACHE = RegionCache()
+
+
+def cache_clear() -> None:
+    """Forget the regions, shape classes and scalar groups in memory (``fuser.cache_clear``)."""
+    with _LOCK:
+        CACHE.clear()
+        _CLASSES.clear()
+        _FAMILIES.clear()
+        _GROUPS.clear()
 
 
 # Note [One lock for the region tables]
@@ -375,7 +384,7 @@ def _submit_job(entry: _Entry, backend, store, options) -> None:
 
 def poll_jobs() -> None:
     """Collect finished background compiles (their artifacts are then in the store)."""
-    for jobs in _JOBS.values():
+    for jobs in compile_jobs():
         for result in jobs.poll():
             entry = _PENDING.pop(result.key, None)
             STATS.compile_seconds += result.seconds

@@ -5,13 +5,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from .artifacts import _STORES
-
 log = logging.getLogger("adaptive_eager.fuser")
 
 
 class RegionStats:
-    """Counters the tracer folds into ``metrics()``."""
+    """The fuser's counters (``fuser.metrics()`` adds the stores' ``corrupt_entries``)."""
 
     def __init__(self):
         self.reset()
@@ -34,7 +32,6 @@ class RegionStats:
 
     def as_dict(self) -> dict:
         return {
-            "corrupt_entries": sum(s.corrupt_entries + s.incompatible_entries for s in list(_STORES.values())),
             "regions_compiled": self.regions_compiled,
             "compile_seconds": round(self.compile_seconds, 3),
             "cache_hits_memory": self.cache_hits_memory,

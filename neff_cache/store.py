@@ -102,11 +102,11 @@ from diskcache.core import DBNAME, MODE_BINARY, MODE_RAW
 import xxhash
 
 from neff_cache.access import _VALUE_NAME, SafeDisk, UnsafeEntry, UntrustedCache, open_directory
+from neff_cache.settings import SHARING
 
 log = logging.getLogger("neff_cache")
 
 FORMAT_VERSION = 1
-SHARING = ("no", "group")  # who may write the directory besides the user: Note [Cache trust]
 BYTES_PER_MB = 2**20  # sizes in MB here are MiB, as NEURON_EAGER_CACHE_SIZE_MB
 
 _KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")

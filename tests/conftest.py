@@ -22,10 +22,7 @@ def _fresh_metrics():
 def fresh_regions():
     """No in-memory region, shape class or scalar group of an earlier test answers for this one
     (tests that count compiles or replays need a cold process's view)."""
-    import fuser.regions
-    import fuser.scalars
-    import fuser.shapes
+    import fuser
 
-    for table in (fuser.regions.CACHE.entries, fuser.shapes._CLASSES, fuser.shapes._FAMILIES, fuser.scalars._GROUPS):
-        table.clear()
+    fuser.cache_clear()
     yield

@@ -26,11 +26,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.artifacts
-import fuser.compile
-import fuser.regions
-import fuser.scalars
-import fuser.shapes
+import fuser
 from adaptive_eager import adaptive_eager
 from fuser.backends import inductor
 from neff_cache import ArtifactStore
@@ -54,9 +50,7 @@ def program(c: float) -> torch.Tensor:
 
 def new_process() -> None:
     """What a new process starts with: no region, shape class, scalar group or store handle in memory."""
-    for table in (fuser.regions.CACHE.entries, fuser.shapes._CLASSES, fuser.shapes._FAMILIES, fuser.scalars._GROUPS, fuser.artifacts._STORES):
-        table.clear()
-    fuser.regions.CACHE._last = None
+    fuser.cache_clear(store_handles=True)
     ae.reset_metrics()
 
 

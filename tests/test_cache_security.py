@@ -27,10 +27,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.artifacts
-import fuser.regions
-import fuser.scalars
-import fuser.shapes
+import fuser
 from fuser import partition
 from adaptive_eager import adaptive_eager
 from fuser.backends._common import BackendCompileError
@@ -67,8 +64,7 @@ class Payload:
 
 def forget_regions():
     """A new process's view: no compiled region in memory, no store open (metrics() counts theirs)."""
-    for table in (fuser.regions.CACHE.entries, fuser.shapes._CLASSES, fuser.shapes._FAMILIES, fuser.scalars._GROUPS, fuser.artifacts._STORES):
-        table.clear()
+    fuser.cache_clear(store_handles=True)
 
 
 def warnings_of(caplog) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.artifacts
+import fuser
 import fuser.launch
 import fuser.regions
 from fuser.window import OUTS_PER_NODE
@@ -265,8 +265,7 @@ def test_corrupt_cache_entry_is_evicted_recompiled_and_results_unaffected(tmp_pa
     # a new process: nothing in memory; then damage the stored artifact (small ones live in sqlite)
     import diskcache
 
-    fuser.regions.CACHE.clear()
-    fuser.artifacts._STORES.clear()
+    fuser.cache_clear(store_handles=True)
     with diskcache.Cache(str(tmp_path)) as raw:
         (stored_key,) = [k for k in raw.iterkeys()]
         value, tag = raw.get(stored_key, tag=True)
@@ -325,7 +324,7 @@ def test_window_outcome_and_region_for_the_flush_log(monkeypatch):
     assert [o for o, _ in seen] == ["replayed", "compiled", "compiled", "dead"], seen
     (region,) = {r for _, r in seen[:3]}
     assert isinstance(region, str) and len(region) == 8 and int(region, 16) >= 0
-    fuser.regions.CACHE.clear()  # a new process: the region comes from the store
+    fuser.cache_clear()  # a new process: the region comes from the store
     seen.clear()
     with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=cache_dir):
         y = (x + 2).sin() * 3
