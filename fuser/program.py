@@ -9,9 +9,9 @@ import torch
 import xxhash
 
 from . import partition
-from .backends._common import decode_torch_value, encode_torch_value
+from .backends._common import decode_value, encode_value, resolve_op
 from .compilable import _may_raise
-from .scalars import LiftError, _scalar_tensor, _sentinel, _sentinel_index
+from .scalars import _scalar_tensor, _sentinel, lift
 from .window import ALIAS, Out, Window
 
 FORMAT = 5  # bump when Program's encoding or the artifact packing changes
@@ -130,11 +130,12 @@ class Program:
         return cls(ops, inputs, [o.uid for o in live], mutated, tuple(lifted), scalars,
                    inplace=inplace and bool(mutated))
 
-    def to_bytes(self) -> bytes:
-        """JSON (OpOverloads and torch enums do not pickle): what a compile worker process gets."""
-        doc = {
+    def _document(self) -> dict:
+        """The program as JSON data: its one encoding (Note [One codec] in fuser.backends._common)."""
+        return {
             "format": FORMAT,
-            "ops": [[str(func), _enc(args), _enc(kwargs), [None if o is None else [o[0], o[1], _enc(o[2])] for o in outs]]
+            "ops": [[str(func), encode_value(args, _leaf), encode_value(kwargs, _leaf),
+                     [None if o is None else [o[0], o[1], encode_value(o[2], _leaf)] for o in outs]]
                     for func, args, kwargs, outs in self.ops],
             "inputs": [[list(shape), list(stride), str(dtype).removeprefix("torch."), device]
                        for shape, stride, dtype, device in self.inputs],
@@ -143,35 +144,39 @@ class Program:
             "dynamic": [list(d) for d in self.dynamic], "dims": [list(d) for d in self.dims],
             "inplace": self.inplace,
         }
-        return json.dumps(doc).encode()
+
+    def to_bytes(self) -> bytes:
+        """JSON (OpOverloads and torch enums do not pickle): what a compile worker process gets."""
+        return json.dumps(self._document()).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Program:
         doc = json.loads(data)
         if doc.get("format") != FORMAT:
             raise ValueError(f"program format {doc.get('format')} is not {FORMAT}")
-        ops = [(_op(name), _dec(args), _dec(kwargs), [None if o is None else (o[0], o[1], _dec(o[2])) for o in outs])
+        ops = [(resolve_op(name, "program"), decode_value(args, _TAGS), decode_value(kwargs, _TAGS),
+                [None if o is None else (o[0], o[1], decode_value(o[2], _TAGS)) for o in outs])
                for name, args, kwargs, outs in doc["ops"]]
         inputs = [(tuple(shape), tuple(stride), getattr(torch, dtype), device) for shape, stride, dtype, device in doc["inputs"]]
         return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]),
-                   [tuple(d) for d in doc.get("dynamic", ())], [tuple(d) for d in doc.get("dims", ())],
-                   doc.get("inplace", False))
+                   [tuple(d) for d in doc["dynamic"]], [tuple(d) for d in doc["dims"]], doc["inplace"])
 
     def digest(self, fingerprint: str) -> str:
-        """The persistent region key: xxh3_128 of the program's structure (ops, arguments, input
-        metadata, outputs, lifted floats) and the backend fingerprint. Never tensor data; the
-        same in every process (Note [Region key])."""
-        if not self.dims:
-            text = repr((FORMAT, fingerprint, self.ops, self.inputs, self.live, self.mutated, self.lifted,
-                         self.inplace))
-            return xxhash.xxh3_128_hexdigest(text.encode())
-        # symbolic: the sizes of the window it was made from are only hints, so not part of the key
-        symbolic = {(slot, d): f"s{k}" for slot, d, k in self.dims}
-        inputs = [(tuple(symbolic.get((slot, d), n) for d, n in enumerate(shape)),
-                   "contiguous" if any((slot, d) in symbolic for d in range(len(shape))) else stride, dtype, device)
-                  for slot, (shape, stride, dtype, device) in enumerate(self.inputs)]
-        text = repr((FORMAT, fingerprint, self.ops, inputs, self.live, self.mutated, self.lifted, self.dims))
-        return xxhash.xxh3_128_hexdigest(text.encode())
+        """The persistent region key: xxh3_128 of the program's one encoding (``to_bytes``'s, keys
+        sorted) and the backend fingerprint. Left out is what does not change the compiled code:
+        the lifted floats' values in the window it was made from (example inputs only) and, for a
+        symbolic program, that window's sizes of its symbolic dims (hints). Never tensor data; the
+        same in every process (Note [Region key]). TypeError for an argument the codec cannot
+        describe (such a window has no persistent key and is not compiled)."""
+        doc = self._document()
+        del doc["scalars"]
+        if self.dims:
+            symbolic = {(slot, d): f"s{k}" for slot, d, k in self.dims}
+            doc["inputs"] = [[[symbolic.get((slot, d), n) for d, n in enumerate(shape)],
+                              "contiguous" if any((slot, d) in symbolic for d in range(len(shape))) else stride,
+                              dtype, device]
+                             for slot, (shape, stride, dtype, device) in enumerate(doc["inputs"])]
+        return xxhash.xxh3_128_hexdigest(json.dumps([fingerprint, doc], sort_keys=True).encode())
 
     def example_inputs(self) -> list[torch.Tensor]:
         return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -235,7 +240,7 @@ class Program:
                 if n.args[0].op == "placeholder" and not self.inplace:
                     gm.graph.erase_node(n)
         gm.graph.eliminate_dead_code(is_impure_node=partition.keep_checks)  # Note [Partitions]
-        self.lifted_inputs = self._lift(gm) if self.lifted else []
+        self.lifted_inputs = lift(gm, self.lifted) if self.lifted else []
         if self.lifted_inputs:
             # the new placeholders carry a value like make_fx's: partition.split and backends read it
             from torch._guards import detect_fake_mode
@@ -265,111 +270,23 @@ class Program:
             fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes)))
         return fakes, mode
 
-    def _lift(self, gm: torch.fx.GraphModule) -> list[tuple[int, torch.dtype]]:
-        """Replace the sentinel floats by new placeholders; return (scalar index, dtype) per new
-        input, in order. Raises LiftError when a sentinel cannot become a tensor input."""
-        graph = gm.graph
-        last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        made: dict[tuple[int, torch.dtype], torch.fx.Node] = {}
-        spec: list[tuple[int, torch.dtype]] = []
-        for name, buf in list(gm.named_buffers()) + list(gm.named_parameters()):
-            if buf.is_floating_point() and torch.isnan(buf).any():
-                raise LiftError(f"a lifted float was folded into the constant {name}")
-        for node in list(graph.nodes):
-            if node.op != "call_function":
-                continue
-            schema = getattr(node.target, "_schema", None)
-            for where, arg in list(enumerate(node.args)) + list(node.kwargs.items()):
-                k = _sentinel_index(arg)
-                if k is None:
-                    continue
-                if k < 0:
-                    raise LiftError(f"{node.target} uses a value derived from a lifted float")
-                argument = None
-                if schema is not None:
-                    for a in schema.arguments:
-                        if (a.name == where) if type(where) is str else (schema.arguments.index(a) == where):
-                            argument = a
-                alpha = where == "alpha" and node.target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
-                if not alpha and (argument is None or str(argument.type) not in ("Tensor", "Optional[Tensor]")):
-                    raise LiftError(f"{node.target} needs a lifted float as a Python number")
-                first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
-                other = first.meta.get("val") if first is not None else None
-                dtype = torch.float64 if getattr(other, "dtype", None) is torch.float64 else torch.float32
-                ph = made.get((k, dtype))
-                if ph is None:
-                    with graph.inserting_after(last_input):
-                        ph = made[(k, dtype)] = graph.placeholder(f"lifted_{k}_{len(made)}")
-                    last_input = ph
-                    spec.append((k, dtype))
-                if alpha:
-                    # x + alpha * y with alpha an input: the Scalar alpha becomes a multiply
-                    with graph.inserting_before(node):
-                        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], ph))
-                    scaled.meta["val"] = node.meta.get("val")
-                    node.update_arg(1, scaled)
-                    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
-                elif type(where) is str:
-                    node.update_kwarg(where, ph)
-                else:
-                    node.update_arg(where, ph)
-        found = {k for k, _ in spec}
-        if found != set(self.lifted):
-            raise LiftError("a lifted float disappeared from the graph")
-        return spec
-
     def lifted_examples(self) -> list[torch.Tensor]:
         values = dict(zip(self.lifted, self.scalars))
         return [_scalar_tensor(values[k], dtype=dt) for k, dt in self.lifted_inputs]
 
 
-
-
-def _enc(x):
-    # JSON keeps 1, 1.0 and True apart; everything else is tagged
-    if x is None or type(x) in (bool, int, float, str):
-        return x
-    if type(x) is list:
-        return [_enc(v) for v in x]
-    if type(x) is tuple:
-        return {"$tuple": [_enc(v) for v in x]}
-    if type(x) is dict:
-        return {"$dict": {k: _enc(v) for k, v in x.items()}}
-    if type(x) is _Ref:
+def _leaf(x) -> dict | None:
+    """The Program's own argument kinds, tagged for ``encode_value``."""
+    t = type(x)
+    if t is _Ref:
         return {"$ref": x.uid}
-    if type(x) is _In:
+    if t is _In:
         return {"$in": x.slot}
-    if type(x) is _Lifted:
+    if t is _Lifted:
         return {"$lifted": x.index}
-    if type(x) is _Sym:
+    if t is _Sym:
         return {"$sym": [x.k, x.factor]}
-    tagged = encode_torch_value(x)
-    if tagged is None:
-        raise TypeError(f"cannot send {x!r} ({type(x).__name__}) to a compile worker")
-    return tagged
+    return None
 
 
-def _dec(x):
-    if type(x) is list:
-        return [_dec(v) for v in x]
-    if type(x) is not dict:
-        return x
-    ((tag, v),) = x.items()
-    if tag == "$tuple":
-        return tuple(_dec(e) for e in v)
-    if tag == "$dict":
-        return {k: _dec(e) for k, e in v.items()}
-    if tag == "$ref":
-        return _Ref(v)
-    if tag == "$in":
-        return _In(v)
-    if tag == "$lifted":
-        return _Lifted(v)
-    if tag == "$sym":
-        return _Sym(*v)
-    return decode_torch_value(tag, v)
-
-
-def _op(name: str):
-    namespace, packet, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+_TAGS = {"$ref": _Ref, "$in": _In, "$lifted": _Lifted, "$sym": lambda v: _Sym(*v)}  # ``_leaf``'s, back

@@ -119,7 +119,7 @@ def cache_clear() -> None:
 
 # Note [One lock for the region tables]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Threads with the mode on share this module's tables (CACHE and its entries, _GROUPS, _CLASSES,
+# Threads with the mode on share the fuser's tables (CACHE and its entries, _GROUPS, _CLASSES,
 # _FAMILIES, _PENDING, _JOBS, _STORES, STATS, the compile queue), and update them in several
 # steps: ``_describe`` sets an entry's ``program`` before its ``pkey`` (a second thread claimed the
 # key ``None`` and died), ``_collect`` publishes ``run`` before ``lifted_inputs`` and ``inplace``,
@@ -182,8 +182,8 @@ def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backe
             entry.blacklisted = True
             return _replay(window)
         store = _store(options)
-        if entry.program is None:
-            _describe(entry, window, live, mutated, lifted, backend)
+        if entry.program is None and not _describe(entry, window, live, mutated, lifted, backend):
+            return _replay(window)
         data = store.get(entry.pkey, fingerprint=backend.fingerprint())
         if data is None and entry.other_process and _abandoned(entry, store):
             entry.other_process = False  # compiled below, by this process
@@ -204,8 +204,8 @@ def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backe
     if entry.seen >= options.hot_after and not entry.blacklisted and not entry.other_process:
         STATS.cache_misses += 1
         store = _store(options)
-        if entry.program is None:
-            _describe(entry, window, live, mutated, lifted, backend)
+        if entry.program is None and not _describe(entry, window, live, mutated, lifted, backend):
+            return _replay(window)
         if _failed_before(entry, store, backend):
             return _replay(window)
         if not store.claim(entry.pkey):
@@ -229,17 +229,25 @@ def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backe
     return _replay(window)
 
 
-def _describe(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backend) -> None:
-    """What a compile needs (the Program and its persistent key), built once per structure."""
+def _describe(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backend) -> bool:
+    """What a compile needs (the Program and its persistent key), built once per structure; False
+    (the entry blacklisted) for a program the codec cannot describe, which has no persistent key."""
     dead = mark_needed(window)
     entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
-    entry.program = Program.from_window(window, live, mutated, lifted,
-                                        inplace=getattr(backend, "writes_inputs", False))
-    entry.pkey = entry.program.digest(backend.fingerprint())
+    program = Program.from_window(window, live, mutated, lifted, inplace=getattr(backend, "writes_inputs", False))
+    try:
+        pkey = program.digest(backend.fingerprint())
+    except TypeError as e:
+        STATS.not_compiled["unencodable_argument"] += 1
+        entry.blacklisted = True
+        log.info("adaptive_eager: a window is replayed, not compiled: %s", e)
+        return False
+    entry.program, entry.pkey = program, pkey
     entry.region = entry.pkey[:8]
     entry.n_live, entry.mutated = len(live), mutated
     window.region = entry.region
     _classify(entry)
+    return True
 
 
 def _compile_here(entry: _Entry, backend, store) -> None:
@@ -372,7 +380,7 @@ def _submit_job(entry: _Entry, backend, store, options) -> None:
         submitted = _jobs(store, options).submit(
             entry.pkey, "fuser.compile:compile_job", payload, fingerprint=backend.fingerprint(), backend=backend.name
         )
-    except Exception as e:  # noqa: BLE001 - an unserializable argument: compile synchronously instead
+    except Exception as e:  # noqa: BLE001 - the jobs cannot take it (shut down at exit): compile here instead
         log.info("adaptive_eager: compiling in this process: %s", e)
         _compile_here(entry, backend, store)
         return

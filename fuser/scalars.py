@@ -1,5 +1,28 @@
 """Scalar lifting: a float argument that changes between windows of one structure becomes a
-runtime input of the compiled region instead of a constant baked into it (Note [Scalar lifting])."""
+runtime input of the compiled region instead of a constant baked into it.
+
+Note [Scalar lifting]
+~~~~~~~~~~~~~~~~~~~~~
+A learning-rate schedule or Adam's bias correction passes a new Python float every step; baked into
+the compiled code, each value would be a region of its own, compiled again every step. So floats
+are kept apart from the structure from recording on: an op's float arguments (where its schema
+takes a Scalar or a Tensor that a Python float may stand for, ``OpFacts.liftable``) are recorded as
+the type ``float`` in the op's signature and their values appended to ``Window.scalars``
+(``Node.fbase``/``Node.fpos`` say where each sits in the op's arguments). Ops whose floats decide an
+output shape (``arange``, ``interpolate``, ...) keep them in the signature instead (``_ops``).
+At the flush, ``_scalar_key`` finds the structure's ``_Group`` and compares the values with those of
+its last window: a position whose value changed ``LIFT_AFTER`` times is lifted (counted as a
+``scalar_lifted`` recompile). The region key is (group, lifted positions, the values not lifted):
+values that stay put are still baked in, so a constant ``0.9`` costs nothing at run time.
+In the Program a lifted float is ``_Lifted(index)``; the graph is traced with a quiet-NaN sentinel
+carrying the index in its payload (``_sentinel``), and ``lift`` turns each sentinel into a 0-dim
+tensor placeholder (float64 next to a float64 operand, else float32: what eager's scalar promotion
+computes with). Anything that transformed the sentinel (a NaN without our payload), an op that needs
+the float as a Python number, or a sentinel folded into a constant raises ``LiftError``: the group
+is marked ``unliftable`` and its windows go back to one region per value (``not_compiled``
+"unliftable_scalars"). At run time each lifted float is passed as ``torch.scalar_tensor`` of the
+dtype the compile chose (``launch._inputs``), one per run, after the real inputs.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +34,8 @@ import torch
 
 from .stats import _recompile
 
-# a lifted scalar's 0-dim input (Note [Scalar lifting]): torch.tensor's argument parsing and type
-# inference cost twice as much, per scalar per run (AdamW lifts 2 per parameter)
+# a lifted scalar's 0-dim input: torch.tensor's argument parsing and type inference cost twice as
+# much, per scalar per run (AdamW lifts 2 per parameter)
 _scalar_tensor = torch.scalar_tensor
 GROUPS_MAX = 1024  # scalar groups kept (as many as the region LRU holds regions)
 
@@ -102,3 +125,57 @@ class LiftError(Exception):
 
 
 _LIFT_ERROR = f"{LiftError.__module__}.{LiftError.__qualname__}:"  # how a LiftError's reason begins
+
+
+def lift(gm: torch.fx.GraphModule, lifted) -> list[tuple[int, torch.dtype]]:
+    """Replace the sentinel floats by new placeholders; return (scalar index, dtype) per new
+    input, in order. Raises LiftError when a sentinel cannot become a tensor input."""
+    graph = gm.graph
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    made: dict[tuple[int, torch.dtype], torch.fx.Node] = {}
+    spec: list[tuple[int, torch.dtype]] = []
+    for name, buf in list(gm.named_buffers()) + list(gm.named_parameters()):
+        if buf.is_floating_point() and torch.isnan(buf).any():
+            raise LiftError(f"a lifted float was folded into the constant {name}")
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        for where, arg in list(enumerate(node.args)) + list(node.kwargs.items()):
+            k = _sentinel_index(arg)
+            if k is None:
+                continue
+            if k < 0:
+                raise LiftError(f"{node.target} uses a value derived from a lifted float")
+            argument = None
+            if schema is not None:
+                for a in schema.arguments:
+                    if (a.name == where) if type(where) is str else (schema.arguments.index(a) == where):
+                        argument = a
+            alpha = where == "alpha" and node.target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+            if not alpha and (argument is None or str(argument.type) not in ("Tensor", "Optional[Tensor]")):
+                raise LiftError(f"{node.target} needs a lifted float as a Python number")
+            first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+            other = first.meta.get("val") if first is not None else None
+            dtype = torch.float64 if getattr(other, "dtype", None) is torch.float64 else torch.float32
+            ph = made.get((k, dtype))
+            if ph is None:
+                with graph.inserting_after(last_input):
+                    ph = made[(k, dtype)] = graph.placeholder(f"lifted_{k}_{len(made)}")
+                last_input = ph
+                spec.append((k, dtype))
+            if alpha:
+                # x + alpha * y with alpha an input: the Scalar alpha becomes a multiply
+                with graph.inserting_before(node):
+                    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], ph))
+                scaled.meta["val"] = node.meta.get("val")
+                node.update_arg(1, scaled)
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
+            elif type(where) is str:
+                node.update_kwarg(where, ph)
+            else:
+                node.update_arg(where, ph)
+    found = {k for k, _ in spec}
+    if found != set(lifted):
+        raise LiftError("a lifted float disappeared from the graph")
+    return spec
