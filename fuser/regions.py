@@ -391,7 +391,9 @@ def _submit_job(entry: _Entry, backend, store, options) -> None:
 
 
 def poll_jobs() -> None:
-    """Collect finished background compiles (their artifacts are then in the store)."""
+    """Collect finished background compiles (their artifacts are then in the store): called when a
+    region waits for one, as nothing else collects them (Note [Results are collected by poll] in
+    neff_cache.jobs)."""
     for jobs in compile_jobs():
         for result in jobs.poll():
             entry = _PENDING.pop(result.key, None)

@@ -158,7 +158,7 @@ def _bind(out: Out, result: torch.Tensor) -> int:
             out.value = placeholder
             return 0
         # Views of the placeholder, a stolen gradient, or autograd's saved copy of an output
-        # share its storage.
+        # share its storage: Note [Storage swap].
         if _swap_storages(storage, result, out.meta):
             out.value = placeholder_of(out, storage)
             return 0

@@ -5,7 +5,7 @@ The compile function is ``f(payload: bytes) -> bytes``, named ``"package.module:
 runner measures its wall time in the worker (not counting the first import of its module) and
 records it as the artifact's compile seconds.
 
-Note [Worker processes]
+Note [Compile worker processes]
 Workers are fresh interpreters started with ``subprocess`` (``python -c``): not forked, since torch
 is not fork-safe, and not multiprocessing's "spawn" either, because spawn re-imports the parent's
 ``__main__`` in every worker, so a training script without an ``if __name__ == "__main__"`` guard
@@ -103,7 +103,7 @@ class _Worker:
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env={**os.environ, **env} if env else None,  # Note [Worker processes]
+                env={**os.environ, **env} if env else None,  # Note [Compile worker processes]
             )
         except BaseException:
             connection.close()
@@ -174,7 +174,7 @@ class CompileJobs:
         self.max_workers = max_workers
         self.claim_ttl_s = claim_ttl_s
         self.finish_after_exit_s = float(finish_after_exit_s)
-        self.worker_env = dict(worker_env or {})  # set in each worker's environment: Note [Worker processes]
+        self.worker_env = dict(worker_env or {})  # set in each worker's environment: Note [Compile worker processes]
         self._queue: collections.deque[_Job] = collections.deque()
         self._workers: list[_Worker] = []
         self._finished: list[JobResult] = []

@@ -272,7 +272,7 @@ class _DiskBackend:
 
     def read(self, stored_key: str) -> tuple[bytes | None, str | None, int] | None:
         """(data or None if the value cannot be read, metadata text, row handle), or None if absent."""
-        # Note [Reading without Cache.get]
+        # Note [Reading without Cache.get] (above)
         rows = self._artifacts._sql(_SELECT_ENTRY, (stored_key, True)).fetchall()
         if not rows:
             return None

@@ -653,7 +653,7 @@ def finished_within(jobs: CompileJobs, seconds: float, with_seconds: bool = Fals
 
 
 def test_workers_start_with_the_environment_the_caller_gives(store):
-    """Note [Worker processes]: ``worker_env`` is set over the parent's environment in each worker
+    """Note [Compile worker processes]: ``worker_env`` is set over the parent's environment in each worker
     (the fuser starts its compile workers with adaptive eager switched off this way)."""
     names = ["NEFF_CACHE_TEST_GIVEN", "PATH"]
     jobs = CompileJobs(store, worker_env={"NEFF_CACHE_TEST_GIVEN": "given"})

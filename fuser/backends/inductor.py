@@ -57,8 +57,8 @@ would show through the other. The calling-convention check lists every output th
 earlier one (or is an input) in the manifest's ``relayout`` with no layout of its own, and the
 callable from ``load`` copies it into a buffer of its own in the layout it came back in.
 
-Note [Dynamic shapes]
-~~~~~~~~~~~~~~~~~~~~~
+Note [Symbolic Inductor artifacts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A graph whose placeholders carry only concrete sizes is compiled statically
 (``dynamic_shapes="from_example_inputs"`` specializes on the example shapes; the wrapper's
 ``assert_size_stride`` rejects others). A graph traced symbolically (the fuser's ``Program`` with
@@ -153,7 +153,7 @@ class InductorBackend:
 
     name = "inductor"
     writes_inputs = True  # graphs may copy_ into their inputs (Note [In-place regions] in fuser.compilable)
-    dynamic_shapes = True  # compiles symbolically traced graphs (Note [Dynamic shapes])
+    dynamic_shapes = True  # compiles symbolically traced graphs (Note [Symbolic Inductor artifacts]; the fuser's side: Note [Dynamic shapes] in fuser.shapes)
 
     def __init__(self, device_type: str) -> None:
         if device_type not in _DEVICE_TYPES:
