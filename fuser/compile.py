@@ -25,7 +25,10 @@ log = logging.getLogger("adaptive_eager.fuser")
 # and the region is replayed in this process. A static region loaded from disk is also
 # ``_Unverified`` until its first run succeeds: the count, shapes, strides and dtypes of its
 # outputs must be the placeholders' before anything is written, else the window is replayed and
-# the artifact evicted. (A symbolic region's outputs are checked at each shape's first run:
+# the artifact evicted. An artifact that writes its inputs in place (Note [In-place regions])
+# would have written them by then, and the replay would apply the update twice: its first run
+# writes copies of them instead, copied into the inputs once the check passed (``_run_compiled``).
+# (A symbolic region never writes in place; its outputs are checked at each shape's first run:
 # ``_run_checked``.) No check catches an artifact edited to compute other values with the same
 # metadata: within the cache's trust boundary, that is the writer's power.
 class _Unverified:

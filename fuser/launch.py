@@ -54,15 +54,25 @@ def _run_checked(sym: _Entry, window: Window, live: list[Out]):
 
 
 def _run_compiled(entry: _Entry, window: Window, live: list[Out], check: bool = False) -> int:
-    # Only the call can fail (a compiled kernel's check, e.g. an out-of-range index); nothing is
-    # written before it returns, so a failure leaves the window intact for replay, which raises
-    # eager's own error. ``check``: the outputs' metadata is checked first (Note [Artifacts from disk]).
+    # What can fail is the call (a compiled kernel's check, e.g. an out-of-range index) and, with
+    # ``check``, the check of its outputs' metadata (Note [Artifacts from disk]). Outputs are bound
+    # only after both, so a failure leaves the window's pending values to the replay, which raises
+    # eager's own error. A region compiled in place writes its inputs during the call; it is
+    # compiled so only for windows that cannot fail at run time (Note [In-place regions]), and at
+    # its unverified first run it writes copies of them (below), so the replay never applies an
+    # update twice.
     inputs = _inputs(entry, window)
+    copies = entry.mutated if check and entry.inplace else ()
     with as_recorded():
+        for slot in copies:
+            inputs[slot] = inputs[slot].clone()
         outs = entry.run(inputs)
         if check:
             _check_outputs(entry, window, live, outs)
-        return _write(entry, window, live, outs)
+        real = window.real_inputs
+        for slot in copies:
+            real[slot].copy_(inputs[slot])
+        return _write(entry, window, live, outs) + len(copies)
 
 
 def _inputs(entry: _Entry, window: Window) -> list[torch.Tensor]:
