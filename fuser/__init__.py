@@ -67,9 +67,19 @@ def cache_clear(store_handles: bool = False) -> None:
         artifacts.forget_stores()
 
 
+def cache_info() -> dict:
+    """The bounded in-memory tables, each as ``CacheInfo(hits, misses, maxsize, currsize)``:
+    ``regions`` (by window structure, Note [Region key]) and ``scalar_groups`` (Note [Scalar
+    lifting]). ``cache_clear()`` empties both and zeroes their counts."""
+    from .regions import CACHE
+    from .scalars import GROUPS
+
+    return {"regions": CACHE.cache_info(), "scalar_groups": GROUPS.cache_info()}
+
+
 def _computed(window: Window) -> int:
     return sum(1 for n in window.nodes if n.needed and not n.is_view)
 
 
 __all__ = ["Window", "Node", "Out", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError", "value_is_dead",
-           "placeholder_of", "metrics", "reset_metrics", "stores", "compile_jobs", "cache_clear"]
+           "placeholder_of", "metrics", "reset_metrics", "stores", "compile_jobs", "cache_clear", "cache_info"]

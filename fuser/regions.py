@@ -13,7 +13,7 @@ its dataflow refs), which values are still observable (live placeholders), and w
 are written. It is exact (a tuple compared in full on a hit) and costs nothing to build at
 flush. That structure is hashed once per flush: it finds its scalar ``_Group`` (Note [Scalar
 lifting]), and the region is keyed by that group object (hashed by identity), the lifted
-positions and the baked scalar values. (A group dropped from ``_GROUPS`` leaves its regions
+positions and the baked scalar values. (A group dropped from ``GROUPS`` leaves its regions
 unreachable; they age out of the LRU, and the structure starts a new group.) The persistent,
 process-independent key (for neff_cache) is a digest of the compiled graph's code and input
 metadata plus the backend fingerprint, computed only on a compile.
@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import threading
-from collections import OrderedDict
 from concurrent.futures import wait as futures_wait
 
 import torch
@@ -35,9 +34,10 @@ from .artifacts import _jobs, _result, _store, _submit, compile_jobs
 from .compilable import _checks, _not_compilable
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load
 from .launch import _Mismatch, _run_checked, _run_compiled
+from .lru import LRU
 from .replay import mark_needed, read_liveness, replay_window
 from .program import Program
-from .scalars import _GROUPS, _LIFT_ERROR, _scalar_key
+from .scalars import GROUPS, _LIFT_ERROR, _scalar_key
 from .shapes import _CLASSES, _FAMILIES, _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols, _ShapeClass
 from .partition import is_check
 from .stats import STATS, _recompile
@@ -78,34 +78,7 @@ class _Entry:
         self.counts = (0, 0)  # (ops computed, ops dead) of this structure, for metrics()
 
 
-class RegionCache:
-    """In-memory LRU of regions by key (Note [Region key])."""
-
-    def __init__(self, max_entries: int = 1024):
-        self.entries: OrderedDict = OrderedDict()
-        self.max_entries = max_entries
-        self._last: _Entry | None = None  # the entry the last get returned: the most recent one
-
-    def get(self, key) -> _Entry:
-        e = self.entries.get(key)
-        if e is None:
-            e = self.entries[key] = _Entry()
-            if len(self.entries) > self.max_entries:
-                self.entries.popitem(last=False)
-        elif e is not self._last:
-            # move_to_end hashes and compares the key again (a whole window's signature); a loop
-            # that hits one region every flush finds it last already. Only get inserts or moves
-            # entries, each a distinct object, so an entry found that is ``_last`` is the last one.
-            self.entries.move_to_end(key)
-        self._last = e
-        return e
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self._last = None
-
-
-CACHE = RegionCache()
+CACHE = LRU(_Entry)  # in-memory regions by key (Note [Region key])
 
 
 def cache_clear() -> None:
@@ -114,12 +87,12 @@ def cache_clear() -> None:
         CACHE.clear()
         _CLASSES.clear()
         _FAMILIES.clear()
-        _GROUPS.clear()
+        GROUPS.clear()
 
 
 # Note [One lock for the region tables]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Threads with the mode on share the fuser's tables (CACHE and its entries, _GROUPS, _CLASSES,
+# Threads with the mode on share the fuser's tables (CACHE and its entries, GROUPS, _CLASSES,
 # _FAMILIES, _PENDING, _JOBS, _STORES, STATS, the compile queue), and update them in several
 # steps: ``_describe`` sets an entry's ``program`` before its ``pkey`` (a second thread claimed the
 # key ``None`` and died), ``_collect`` publishes ``run`` before ``lifted_inputs`` and ``inplace``,

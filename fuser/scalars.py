@@ -27,17 +27,17 @@ dtype the compile chose (``launch._inputs``), one per run, after the real inputs
 from __future__ import annotations
 
 import struct
-from collections import Counter, OrderedDict
+from collections import Counter
 from itertools import compress as _compress
 
 import torch
 
+from .lru import LRU
 from .stats import _recompile
 
 # a lifted scalar's 0-dim input: torch.tensor's argument parsing and type inference cost twice as
 # much, per scalar per run (AdamW lifts 2 per parameter)
 _scalar_tensor = torch.scalar_tensor
-GROUPS_MAX = 1024  # scalar groups kept (as many as the region LRU holds regions)
 
 
 LIFT_AFTER = 2  # a float argument that changed this many times becomes a runtime input
@@ -56,16 +56,12 @@ class _Group:
         self.keep: list[bool] | None = None  # per scalar: not lifted (the baked ones), for compress
 
 
-_GROUPS: OrderedDict = OrderedDict()
+GROUPS = LRU(_Group)  # structure -> its scalar group; as many as the region LRU holds regions
 
 
 def _scalar_key(structure, scalars: list) -> tuple:
     """The part of a region key that scalar values contribute, after lifting the ones that vary."""
-    group = _GROUPS.get(structure)
-    if group is None:
-        group = _GROUPS[structure] = _Group()
-        if len(_GROUPS) > GROUPS_MAX:
-            _GROUPS.popitem(last=False)
+    group = GROUPS.get(structure)
     values = tuple(scalars)
     last = group.last
     baked = None
