@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
+import logging
 import os
 import queue
 import threading
 from concurrent.futures import Future
+
+from .stats import STATS
+
+log = logging.getLogger("adaptive_eager.fuser")
 
 
 # Note [Background compiles]
@@ -24,6 +30,9 @@ _JOBS: dict = {}
 WORKER_ENV = {"NEURON_EAGER": "eager"}  # adaptive_eager.config.ENV_SWITCH, off
 
 
+_PENDING: dict = {}  # persistent key -> the region entry waiting for its background compile
+
+
 def _jobs(store, options):
     from neff_cache import CompileJobs
 
@@ -32,6 +41,53 @@ def _jobs(store, options):
         jobs = _JOBS[id(store)] = CompileJobs(store, max_workers=1, finish_after_exit_s=options.compile_after_exit_s,
                                               worker_env=WORKER_ENV)
     return jobs
+
+
+def submit_job(entry, backend, store, options) -> bool:
+    """Hand the compile of region ``entry`` (its key claimed) to a worker; False if the jobs cannot
+    take it (shut down at exit): the caller compiles it here instead. The region is then picked up
+    from the store at a later sight (``entry.other_process``)."""
+    store.release(entry.pkey)  # CompileJobs claims the key itself
+    payload = json.dumps({"backend": backend.name, "device": options.device, "key": entry.pkey,
+                          "program": entry.program.to_bytes().decode()}).encode()
+    try:
+        submitted = _jobs(store, options).submit(
+            entry.pkey, "fuser.compile:compile_job", payload, fingerprint=backend.fingerprint(), backend=backend.name
+        )
+    except Exception as e:  # noqa: BLE001 - no worker for it: compiled here instead
+        log.info("adaptive_eager: compiling in this process: %s", e)
+        return False
+    entry.other_process = True
+    _PENDING[entry.pkey] = entry
+    if not submitted:
+        STATS.waited_for_other_process += 1
+    return True
+
+
+def finished_jobs() -> list:
+    """The background compiles that failed since the last call, as (entry, JobResult); the others'
+    artifacts are in the store now, and are counted here."""
+    failed = []
+    for jobs in compile_jobs():
+        for result in jobs.poll():
+            entry = _PENDING.pop(result.key, None)
+            STATS.compile_seconds += result.seconds
+            if result.ok:
+                STATS.regions_compiled += 1
+                log.info("adaptive_eager: compiled region %s in a worker process in %.2fs (key %s)", result.key[:8],
+                         result.seconds, result.key)
+            elif entry is None:
+                STATS.compile_failures += 1
+            else:
+                failed.append((entry, result))
+    return failed
+
+
+def abandoned(pkey: str, store) -> bool:
+    """Whether the compile of region ``pkey`` that this process waits for will never land: no job
+    of ours runs it and nobody holds its claim (its holder failed or died: Note [Claim holders] in
+    neff_cache.store), so this process compiles it."""
+    return pkey not in _PENDING and not store.is_claimed(pkey)
 
 
 # Note [Compile thread]

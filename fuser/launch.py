@@ -114,3 +114,24 @@ def _check_outputs(entry: _Entry, window: Window, live: list[Out], outs) -> None
         if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
             raise _Mismatch(f"written input {slot}: {tuple(r.shape)} {r.dtype} for {tuple(real[slot].shape)} "
                             f"{real[slot].dtype}")
+
+
+def _adopt(entry: _Entry, source: _Entry, run) -> None:
+    """Register ``run`` (``source``'s compiled callable, or a wrapper of it) as ``entry``'s.
+
+    Note [Derived entries]
+    An entry's ``run`` is called, and its outputs written, by what the compile of ``run`` decided,
+    not by the program the entry was recorded with: which scalars it takes (``lifted_inputs``), how
+    many outputs are live values (``n_live``), which inputs follow them (``mutated``), and whether
+    the kernels write those inputs themselves (``inplace``: a symbolic region never does, the static
+    program of the same window may). An entry that takes a callable it did not compile takes all
+    of these with it, here; one that compiles or loads its own gets the compile's answers with
+    ``run`` (``_collect``), and ``n_live``/``mutated`` from its program (``_describe``). A symbolic
+    region starts from the structure of the entry that made it (``_run_dynamic``): its class key
+    holds the live outputs and written inputs, so they are the same for every exact key it serves.
+    """
+    entry.run = run
+    entry.lifted_inputs = source.lifted_inputs
+    entry.n_live, entry.mutated = source.n_live, source.mutated
+    entry.inplace = source.inplace
+    entry.region = source.region

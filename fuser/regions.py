@@ -22,26 +22,26 @@ metadata plus the backend fingerprint, computed only on a compile.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import threading
 from concurrent.futures import wait as futures_wait
+from typing import NamedTuple
 
 import torch
 
-from .artifacts import _jobs, _result, _store, _submit, compile_jobs
+from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submit_job
 from .compilable import _checks, _not_compilable
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load
-from .launch import _Mismatch, _run_checked, _run_compiled
+from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .lru import LRU
-from .replay import mark_needed, read_liveness, replay_window
+from .replay import mark_needed, replay_window
 from .program import Program
 from .scalars import GROUPS, _LIFT_ERROR, _scalar_key
 from .shapes import _CLASSES, _FAMILIES, _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols, _ShapeClass
 from .partition import is_check
 from .stats import STATS, _recompile
-from .window import Out, Window
+from .window import FlushResult, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
 
@@ -69,7 +69,7 @@ class _Entry:
         self.n_live = 0
         self.mutated: tuple[int, ...] = ()
         self.inplace = False  # the compiled region writes ``mutated`` itself (Note [In-place regions])
-        self.blacklisted = False
+        self.blacklisted: str | None = None  # why it is never compiled (a memoized failure: Note [Tiers])
         self.lifted_inputs: list[tuple[int, torch.dtype]] = []  # (index in Window.scalars, dtype)
         self.group = None
         self.program: Program | None = None
@@ -111,114 +111,188 @@ def cache_clear() -> None:
 _LOCK = threading.Lock()
 
 
-def run(window: Window, backend, options) -> tuple[int, int, int]:
-    """Run ``window`` (after ``mark_needed``) compiled when its key is hot or on disk, else by
-    replay; return the launches made. Leaves ``window.outcome`` and ``window.region``."""
+# Note [Tiers]
+# ~~~~~~~~~~~~
+# A window's run is decided, then acted on. ``_decide`` reads what is known of its region (the
+# entry: a loaded callable, a load or compile in flight, a memoized failure, how often it was
+# seen; at first sight the store: its artifact) and returns one ``_Plan``:
+#   run      the entry has its callable: run it
+#   load     the store has its artifact (at first sight, or while another process compiles it)
+#   dynamic  its shape class has, or is due for, a symbolic region (Note [Dynamic shapes]); a
+#            window that does not fit it goes on per shape: compile or replay, as below
+#   compile  it was seen ``hot_after`` times: claim its key, compile here or in a worker
+#   replay   with its reason, counted in ``replay_reasons``: "cold" (not hot yet), "compiling" (a
+#            load or compile in flight, here or in another process), or the entry's memoized
+#            failure (``_Entry.blacklisted``: why it is never compiled)
+# ``_execute`` acts. It holds the one replay exit (``_replay``), the one compiled run
+# (``_run_or_replay``: a run that fails while the replay succeeds means the compiled code was
+# wrong for the window: blacklisted) and, with ``_obtain``, the one way a region gets its
+# callable, for static and symbolic regions alike: load the store's artifact, else (unless the
+# compile failed in an earlier process, Note [Remembered failures] in neff_cache.store) claim
+# the key and compile. A claim another process holds means: replay, and load its artifact at a
+# later sight (Note [Claim holders] in neff_cache.store); a compile in a worker lands in the
+# store the same way (Note [Background compiles]).
+class _Plan(NamedTuple):
+    action: str  # "run", "load", "dynamic", "compile" or "replay" (Note [Tiers])
+    why: str = ""  # run: the outcome ("compiled", "loaded"); replay: the reason
+    data: bytes | None = None  # load: the artifact
+
+
+class _Flush:
+    """What the fuser reads of one window once per run: its liveness (read by ``fuser.run_window``:
+    Note [Liveness during a flush]), its written inputs, and which nodes are needed (marked at
+    most once, by the first step that needs them)."""
+
+    __slots__ = ("window", "live", "mutated", "lifted", "counts")
+
+    def __init__(self, window: Window, live: list[Out]):
+        self.window = window
+        self.live = live
+        self.mutated = tuple(sorted(window.mutated))
+        self.lifted: tuple[int, ...] = ()
+        self.counts: tuple[int, int] | None = None
+
+    def mark(self) -> tuple[int, int]:
+        """(ops computed, ops dead), marking the needed nodes the first time."""
+        if self.counts is None:
+            dead = mark_needed(self.window)
+            self.counts = (sum(1 for n in self.window.nodes if n.needed and not n.is_view), dead)
+        return self.counts
+
+
+def run(window: Window, live: list[Out], backend, options) -> FlushResult:
+    """Run ``window`` (``live``: its values the program can still observe) compiled when its key
+    is hot or on disk, else by replay (Note [Tiers])."""
     with _LOCK:  # Note [One lock for the region tables]
-        return _run_window(window, backend, options)
+        return _run_window(_Flush(window, live), backend, options)
 
 
-def _run_window(window: Window, backend, options) -> tuple[int, int, int]:
-    live = read_liveness(window)  # the region's outputs
-    mutated = tuple(sorted(window.mutated))
-    if not live and not mutated and not _checks(window):
-        window.outcome = "dead"
-        return 0, 0, len(window.nodes)  # nothing observable: every op is dead
+def _run_window(flush: _Flush, backend, options) -> FlushResult:
+    window = flush.window
+    if not flush.live and not flush.mutated and not _checks(window):
+        return FlushResult(0, 0, len(window.nodes), "dead", None)  # nothing observable: every op is dead
     wait = not options.async_compile
-    structure = (tuple(window.sigs), tuple(o.uid for o in live), mutated)
-    group, lifted, baked = _scalar_key(structure, window.scalars)
-    entry = CACHE.get((group, lifted, baked))  # the group stands for the structure: Note [Region key]
+    structure = (tuple(window.sigs), tuple(o.uid for o in flush.live), flush.mutated)
+    group, flush.lifted, baked = _scalar_key(structure, window.scalars)
+    entry = CACHE.get((group, flush.lifted, baked))  # the group stands for the structure: Note [Region key]
     entry.group = group
     if entry.future is not None and (wait or entry.future.done()):
         _collect(entry)
-    window.region = entry.region
+    return _execute(_decide(entry, flush, backend, options), entry, flush, backend, options, wait)
+
+
+def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
+    """What to do with this window of ``entry``'s region (Note [Tiers])."""
     if entry.run is not None:
         STATS.cache_hits_memory += 1
-        window.outcome = "compiled"
-        return _run_or_replay(entry, window, live)
-    return _miss(entry, window, live, mutated, lifted, backend, options, wait)
-
-
-def _miss(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backend, options, wait: bool):
+        return _Plan("run", "compiled")
     entry.seen += 1
     if entry.blacklisted:
-        return _replay(window)
+        return _Plan("replay", entry.blacklisted)
     if entry.future is not None:
-        return _replay(window, "compiling")
+        return _Plan("replay", "compiling")
     if entry.other_process:
         poll_jobs()
+        if entry.blacklisted:  # its background compile failed
+            return _Plan("replay", entry.blacklisted)
     if entry.seen == 1 or entry.other_process:
         # A region compiled by an earlier run or another process is used at first sight.
-        reason = _not_compilable(window)
+        reason = _not_compilable(flush.window)
         if reason is not None:
             STATS.not_compiled[reason] += 1
-            entry.blacklisted = True
-            return _replay(window)
+            entry.blacklisted = reason
+            return _Plan("replay", reason)
+        if entry.program is None and not _describe(entry, flush, backend):
+            return _Plan("replay", entry.blacklisted)
         store = _store(options)
-        if entry.program is None and not _describe(entry, window, live, mutated, lifted, backend):
-            return _replay(window)
         data = store.get(entry.pkey, fingerprint=backend.fingerprint())
-        if data is None and entry.other_process and _abandoned(entry, store):
-            entry.other_process = False  # compiled below, by this process
         if data is not None:
-            entry.other_process = False
-            entry.future = _submit(_load, data, backend, store, entry.pkey, False)
-            if not wait:
-                # the first load in a process imports Inductor (~1-2 s): replay meanwhile
-                return _replay(window, "compiling")
-            _collect(entry)
-            if entry.run is not None:
-                window.outcome = "loaded"
-                return _run_or_replay(entry, window, live)
+            return _Plan("load", data=data)
+        if entry.other_process and abandoned(entry.pkey, store):
+            entry.other_process = False  # compiled below, by this process
     if entry.shape is not None and entry.shape_class.dynamic_ok and getattr(backend, "dynamic_shapes", False):
-        done = _run_dynamic(entry, window, live, backend, options, wait)
+        return _Plan("dynamic")
+    return _per_shape(entry, options)
+
+
+def _per_shape(entry: _Entry, options) -> _Plan:
+    if entry.other_process:
+        return _Plan("replay", "compiling")  # by another process: picked up from the store later
+    if entry.seen < options.hot_after:
+        return _Plan("replay", "cold")
+    return _Plan("compile")
+
+
+def _execute(plan: _Plan, entry: _Entry, flush: _Flush, backend, options, wait: bool) -> FlushResult:
+    """Act on ``plan`` (Note [Tiers])."""
+    action = plan.action
+    if action == "dynamic":
+        done = _run_dynamic(entry, flush, backend, options, wait)
         if done is not None:
             return done
-    if entry.seen >= options.hot_after and not entry.blacklisted and not entry.other_process:
+        plan = _per_shape(entry, options)
+        action = plan.action
+    if action == "run":
+        return _run_or_replay(entry, flush, plan.why)
+    if action == "replay":
+        return _replay(flush, plan.why, entry.region)
+    store = _store(options)
+    if action == "compile":
         STATS.cache_misses += 1
-        store = _store(options)
-        if entry.program is None and not _describe(entry, window, live, mutated, lifted, backend):
-            return _replay(window)
-        if _failed_before(entry, store, backend):
-            return _replay(window)
-        if not store.claim(entry.pkey):
-            # another process is compiling this region: replay meanwhile, pick it up from disk
-            if not entry.other_process:
-                STATS.waited_for_other_process += 1
-            entry.other_process = True
-            return _replay(window, "compiling")
-        cause = _static_cause(entry)
-        if cause is not None:
-            _recompile(cause, entry.region)
+        if entry.program is None and not _describe(entry, flush, backend):
+            return _replay(flush, entry.blacklisted, entry.region)
+    _obtain(entry, store, backend, options, wait, plan.data)
+    if entry.run is not None:
+        return _run_or_replay(entry, flush, "loaded" if action == "load" else "compiled")
+    return _replay(flush, entry.blacklisted or "compiling", entry.region)
+
+
+def _obtain(entry: _Entry, store, backend, options, wait: bool, data: bytes | None = None) -> None:
+    """Give ``entry`` its callable (Note [Tiers]): load ``data``, its artifact from ``store``, else
+    claim its key and compile it, here (``wait``) or in a worker. Afterwards ``entry.run`` is set,
+    or a load or compile is in flight (``entry.future``; ``entry.other_process``: in another
+    process or a worker), or the entry is blacklisted."""
+    if data is not None:
+        entry.other_process = False
+        entry.future = _submit(_load, data, backend, store, entry.pkey, entry.dynamic)
         if wait:
-            _compile_here(entry, backend, store)
-            entry.program = None
-            if entry.run is not None:
-                window.outcome = "compiled"
-                return _run_or_replay(entry, window, live)
-        else:
-            _submit_job(entry, backend, store, options)
-            return _replay(window, "compiling")
-    return _replay(window)
+            _collect(entry)
+        # else the first load in a process imports Inductor (~1-2 s): replay meanwhile
+        return
+    if _failed_before(entry, store, backend):
+        return
+    if not store.claim(entry.pkey):
+        # another process is compiling this region: replay meanwhile, pick it up from disk
+        if not entry.other_process:
+            STATS.waited_for_other_process += 1
+        entry.other_process = True
+        return
+    cause = "dynamic" if entry.dynamic else _static_cause(entry)
+    if cause is not None:
+        _recompile(cause, entry.region)
+    if not wait and submit_job(entry, backend, store, options):
+        return
+    _compile_here(entry, backend, store)
+    if not entry.dynamic:
+        entry.program = None  # compiled: an exact key's program is not needed again
 
 
-def _describe(entry: _Entry, window: Window, live: list[Out], mutated, lifted, backend) -> bool:
+def _describe(entry: _Entry, flush: _Flush, backend) -> bool:
     """What a compile needs (the Program and its persistent key), built once per structure; False
     (the entry blacklisted) for a program the codec cannot describe, which has no persistent key."""
-    dead = mark_needed(window)
-    entry.counts = (sum(1 for n in window.nodes if n.needed and not n.is_view), dead)
-    program = Program.from_window(window, live, mutated, lifted, inplace=getattr(backend, "writes_inputs", False))
+    entry.counts = flush.mark()
+    program = Program.from_window(flush.window, flush.live, flush.mutated, flush.lifted,
+                                  inplace=getattr(backend, "writes_inputs", False))
     try:
         pkey = program.digest(backend.fingerprint())
     except TypeError as e:
         STATS.not_compiled["unencodable_argument"] += 1
-        entry.blacklisted = True
+        entry.blacklisted = "unencodable_argument"
         log.info("adaptive_eager: a window is replayed, not compiled: %s", e)
         return False
     entry.program, entry.pkey = program, pkey
     entry.region = entry.pkey[:8]
-    entry.n_live, entry.mutated = len(live), mutated
-    window.region = entry.region
+    entry.n_live, entry.mutated = len(flush.live), flush.mutated
     _classify(entry)
     return True
 
@@ -235,8 +309,8 @@ def _compile_here(entry: _Entry, backend, store) -> None:
 
 
 
-def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, options, wait: bool):
-    """Run ``window`` with its class's symbolic region (compiling it when due); None: per-shape."""
+def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> FlushResult | None:
+    """Run the window with its class's symbolic region (obtaining it when due); None: per shape."""
     cls = entry.shape_class
     sym = cls.sym
     if sym is None:
@@ -265,128 +339,51 @@ def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, option
     if sym.future is not None and (wait or sym.future.done()):
         _collect(sym)
     if sym.run is None and not sym.blacklisted and sym.future is None:
-        store = _store(options)
         if sym.other_process:
             poll_jobs()
-        data = store.get(sym.pkey, fingerprint=backend.fingerprint())
-        if data is None and sym.other_process and _abandoned(sym, store):
-            sym.other_process = False  # compiled below, by this process
-        if data is not None:
-            sym.other_process = False
-            sym.future = _submit(_load, data, backend, store, sym.pkey, True)
-            if wait:
-                _collect(sym)
-                outcome = "loaded"
-        elif not sym.other_process and not _failed_before(sym, store, backend):
-            if not store.claim(sym.pkey):
-                sym.other_process = True
-                STATS.waited_for_other_process += 1
-            else:
-                _recompile("dynamic", sym.region)
-                if wait:
-                    _compile_here(sym, backend, store)
-                else:
-                    _submit_job(sym, backend, store, options)
+        if not sym.blacklisted:
+            store = _store(options)
+            data = store.get(sym.pkey, fingerprint=backend.fingerprint())
+            if data is None and sym.other_process and abandoned(sym.pkey, store):
+                sym.other_process = False  # compiled below, by this process
+            if data is not None or not sym.other_process:
+                _obtain(sym, store, backend, options, wait, data)
+                outcome = "loaded" if data is not None else outcome
     if sym.blacklisted:
         entry.shape = None
         return None
     if sym.run is None:
-        return _replay(window, "compiling")
-    why = _fits(cls, entry.shape) or _guards_fail(sym.run, window)
+        return _replay(flush, "compiling", entry.region)
+    why = _fits(cls, entry.shape) or _guards_fail(sym.run, flush.window)
     if why is not None:
         STATS.not_dynamic[why] += 1
         entry.shape = None  # this exact key goes per-shape
         return None
-    window.region = sym.region
     try:
-        launched, sym_run = _run_checked(sym, window, live)
+        launched, sym_run = _run_checked(sym, flush.window, flush.live)
     except _Mismatch as e:
         STATS.not_dynamic["output_mismatch"] += 1
         log.info("adaptive_eager: region %s does not fit a shape it was routed: %s", sym.region, e)
         entry.shape = None
-        return _replay(window)
+        return _replay(flush, "output_mismatch", sym.region)
     except Exception as e:  # noqa: BLE001 - never the program's problem: replay
         # as in _run_or_replay: a replay that raises too means the data is at fault (eager's
         # error, the symbolic region stays); one that succeeds means the region was wrong here
-        done = _replay(window)
-        _blacklist(sym, f"run failed: {type(e).__name__}: {e}")
+        done = _replay(flush, "run_failed", sym.region)
+        _blacklist(sym, f"run failed: {type(e).__name__}: {e}", "run_failed")
         entry.shape = None  # the class goes per-shape
         return done
     _adopt(entry, sym, sym_run)  # registered: this exact key's next window is a plain hit
-    window.outcome = outcome
-    return (launched, *entry.counts)
-
-
-
-def _adopt(entry: _Entry, source: _Entry, run) -> None:
-    """Register ``run`` (``source``'s compiled callable, or a wrapper of it) as ``entry``'s.
-
-    Note [Derived entries]
-    An entry's ``run`` is called, and its outputs written, by what the compile of ``run`` decided,
-    not by the program the entry was recorded with: which scalars it takes (``lifted_inputs``), how
-    many outputs are live values (``n_live``), which inputs follow them (``mutated``), and whether
-    the kernels write those inputs themselves (``inplace``: a symbolic region never does, the static
-    program of the same window may). An entry that takes a callable it did not compile takes all
-    of these with it, here; one that compiles or loads its own gets the compile's answers with
-    ``run`` (``_collect``), and ``n_live``/``mutated`` from its program (``_describe``). A symbolic
-    region starts from the structure of the entry that made it (``_run_dynamic``): its class key
-    holds the live outputs and written inputs, so they are the same for every exact key it serves.
-    """
-    entry.run = run
-    entry.lifted_inputs = source.lifted_inputs
-    entry.n_live, entry.mutated = source.n_live, source.mutated
-    entry.inplace = source.inplace
-    entry.region = source.region
-
-
-
-
-
-_PENDING: dict = {}  # persistent key -> entry waiting for a background compile
-
-
-def _submit_job(entry: _Entry, backend, store, options) -> None:
-    store.release(entry.pkey)  # CompileJobs claims the key itself
-    payload = json.dumps({"backend": backend.name, "device": options.device, "key": entry.pkey,
-                          "program": entry.program.to_bytes().decode()}).encode()
-    try:
-        submitted = _jobs(store, options).submit(
-            entry.pkey, "fuser.compile:compile_job", payload, fingerprint=backend.fingerprint(), backend=backend.name
-        )
-    except Exception as e:  # noqa: BLE001 - the jobs cannot take it (shut down at exit): compile here instead
-        log.info("adaptive_eager: compiling in this process: %s", e)
-        _compile_here(entry, backend, store)
-        return
-    entry.other_process = True  # picked up from the store at a later sight
-    _PENDING[entry.pkey] = entry
-    if not submitted:
-        STATS.waited_for_other_process += 1
+    return FlushResult(launched, *entry.counts, outcome, sym.region)
 
 
 def poll_jobs() -> None:
-    """Collect finished background compiles (their artifacts are then in the store): called when a
+    """Take the background compiles that failed (the others are then in the store): called when a
     region waits for one, as nothing else collects them (Note [Results are collected by poll] in
     neff_cache.jobs)."""
-    for jobs in compile_jobs():
-        for result in jobs.poll():
-            entry = _PENDING.pop(result.key, None)
-            STATS.compile_seconds += result.seconds
-            if result.ok:
-                STATS.regions_compiled += 1
-                log.info("adaptive_eager: compiled region %s in a worker process in %.2fs (key %s)", result.key[:8],
-                         result.seconds, result.key)
-            elif entry is None:
-                STATS.compile_failures += 1
-            else:
-                entry.other_process = False
-                _compile_failed(entry, result.failure or result.error.splitlines()[0], "background compile failed")
-
-
-def _abandoned(entry: _Entry, store) -> bool:
-    """Whether the compile of ``entry`` that this process waits for will never land: no job of ours
-    runs it and nobody holds its claim (its holder failed or died: Note [Claim holders] in
-    neff_cache.store), so this process compiles it."""
-    return entry.pkey not in _PENDING and not store.is_claimed(entry.pkey)
+    for entry, result in finished_jobs():
+        entry.other_process = False
+        _compile_failed(entry, result.failure or result.error.splitlines()[0], "background compile failed")
 
 
 def _failed_before(entry: _Entry, store, backend) -> bool:
@@ -401,35 +398,36 @@ def _failed_before(entry: _Entry, store, backend) -> bool:
 
 
 
-def _replay(window: Window, outcome: str = "replayed") -> tuple[int, int, int]:
-    window.outcome = outcome
+def _replay(flush: _Flush, reason: str, region: str | None) -> FlushResult:
+    """The one replay exit (Note [Tiers]), counted by ``reason``."""
     STATS.replayed_regions += 1
-    dead = mark_needed(window)
-    launched = replay_window(window)
-    return launched, sum(1 for n in window.nodes if n.needed and not n.is_view), dead
+    STATS.replay_reasons[reason] += 1
+    computed, dead = flush.mark()
+    launched = replay_window(flush.window)
+    return FlushResult(launched, computed, dead, "compiling" if reason == "compiling" else "replayed", region)
 
 
-def _run_or_replay(entry: _Entry, window: Window, live: list[Out]) -> tuple[int, int, int]:
+def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str) -> FlushResult:
+    """The one compiled run (Note [Tiers])."""
     check = type(entry.run) is _Unverified  # Note [Artifacts from disk]
     try:
         if _profiler._is_profiler_enabled:
             with _record_function(f"adaptive_eager.region[{entry.region}]"):
-                launched = _run_compiled(entry, window, live, check)
+                launched = _run_compiled(entry, flush.window, flush.live, check)
         else:
-            launched = _run_compiled(entry, window, live, check)
+            launched = _run_compiled(entry, flush.window, flush.live, check)
     except Exception as e:  # never the program's problem: replay
         # Replay raises eager's own error when the data is at fault (an index out of range, a
         # singular matrix's check): the region is sound and stays. If replay succeeds, the
         # compiled code was wrong for this window: blacklist it.
-        done = _replay(window)
+        done = _replay(flush, "run_failed", entry.region)
         if check:
             entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
-        _blacklist(entry, f"run failed: {type(e).__name__}: {e}")
+        _blacklist(entry, f"run failed: {type(e).__name__}: {e}", "run_failed")
         return done
     if check:
         entry.run = entry.run.run
-    return (launched, *entry.counts)
-
+    return FlushResult(launched, *entry.counts, outcome, entry.region)
 
 
 def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = True) -> None:
@@ -440,7 +438,7 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
         # their values (each value compiles once it is hot) instead.
         log.info("adaptive_eager: float arguments stay compile-time constants: %s", reason)
         STATS.not_compiled["unliftable_scalars"] += 1
-        entry.blacklisted = True
+        entry.blacklisted = "unliftable_scalars"
         if entry.group is not None:
             entry.group.unliftable = True
             entry.group.lifted = ()
@@ -450,15 +448,16 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
         STATS.compile_failures += 1
     else:
         STATS.not_compiled["failed_before"] += 1
-    _blacklist(entry, f"{what}: {reason}")
+    _blacklist(entry, f"{what}: {reason}", "compile_failed" if attempted else "failed_before")
 
 
-def _blacklist(entry: _Entry, why: str) -> None:
+def _blacklist(entry: _Entry, why: str, reason: str) -> None:
+    """``entry`` is never compiled or run compiled again in this process; its windows replay,
+    counted under ``reason`` in ``replay_reasons`` (``why`` is the warning's detail)."""
     entry.run = None
-    entry.blacklisted = True
+    entry.blacklisted = reason
     STATS.blacklisted += 1
     log.warning("adaptive_eager: a region was blacklisted and will be replayed: %s", why)
-
 
 
 def _collect(entry: _Entry) -> None:

@@ -70,10 +70,10 @@ def mark_needed(window: Window) -> int:
     """Mark the nodes whose results can be observed; return how many compute nodes are dead.
 
     A node is needed if it mutates something (the program sees its arguments), if one of its fresh
-    values can still be observed (``read_liveness``), or if a needed node reads one of its values.
+    values can still be observed (``Out.live``, as ``read_liveness`` found it: read once per flush,
+    before this), or if a needed node reads one of its values.
     """
     dead = 0
-    read_liveness(window)
     for node in reversed(window.nodes):
         if node.is_view:
             needed = any(o.needed for o in node.outs)

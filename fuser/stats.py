@@ -29,6 +29,7 @@ class RegionStats:
         self.not_compiled: Counter[str] = Counter()  # why a window stayed on replay
         self.not_dynamic: Counter[str] = Counter()  # why a varying shape stayed per-shape
         self.run_alone: Counter[str] = Counter()  # nodes of compiled regions run outside compiled code
+        self.replay_reasons: Counter[str] = Counter()  # replayed windows by reason (Note [Tiers] in fuser.regions)
 
     def as_dict(self) -> dict:
         return {
@@ -47,6 +48,7 @@ class RegionStats:
             "not_compiled": dict(self.not_compiled),
             "not_dynamic": dict(self.not_dynamic),
             "run_alone": dict(self.run_alone),
+            "replay_reasons": dict(self.replay_reasons),
         }
 
 

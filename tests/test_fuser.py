@@ -84,6 +84,7 @@ def test_a_region_that_fails_to_compile_is_blacklisted_and_replayed(monkeypatch,
     torch.testing.assert_close(y, (x * 7 + 3).cos(), rtol=0, atol=0)  # replayed: bitwise eager
     m = ae.metrics()
     assert m["compile_failures"] == 1 and m["blacklisted"] == 1 and m["compiled_runs"] == 0
+    assert m["replay_reasons"] == {"compile_failed": 3}  # the memoized failure, counted at each window
     assert "compiler crashed" in caplog.text
 
 
@@ -303,13 +304,13 @@ def test_background_compile_never_blocks_the_program(tmp_path):
     torch.testing.assert_close(y, ((x * 1.5).cos() - 0.25).tanh())
 
 
-def test_window_outcome_and_region_for_the_flush_log(monkeypatch):
+def test_flush_result_outcome_and_region_for_the_flush_log(monkeypatch):
     seen = []
     real_run = fuser.regions.run
 
-    def spy(window, backend, options):
-        result = real_run(window, backend, options)
-        seen.append((window.outcome, window.region))
+    def spy(window, live, backend, options):
+        result = real_run(window, live, backend, options)
+        seen.append((result.outcome, result.region))
         return result
 
     monkeypatch.setattr(fuser.regions, "run", spy)
@@ -341,7 +342,7 @@ def test_replay_backend_leaves_an_outcome(monkeypatch):
 
     def spy(window, options):
         result = real(window, options)
-        seen.append(window.outcome)
+        seen.append(result.outcome)
         return result
 
     monkeypatch.setattr(fuser, "run_window", spy)
@@ -492,7 +493,7 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
     opt_e, opt_l = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     want = [step(eager, opt_e).item() for _ in range(6)]
     outputs, recorded = [], []
-    live_outs = fuser.regions.read_liveness
+    live_outs = fuser.read_liveness
 
     def spy(window):
         live = live_outs(window)
@@ -500,7 +501,7 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
         recorded.append({str(n.func) for n in window.nodes})
         return live
 
-    monkeypatch.setattr(fuser.regions, "read_liveness", spy)
+    monkeypatch.setattr(fuser, "read_liveness", spy)
     with adaptive_eager(**SYNC):
         got = [step(model, opt_l) for _ in range(3)]
         copies = _count_bind_copies(monkeypatch)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+import fuser
 import fuser.launch
-import fuser.regions
 import fuser.replay
 from adaptive_eager import adaptive_eager
 
@@ -59,7 +59,7 @@ def _fail_after(monkeypatch, target, name, error, calls):
     # Ctrl-C while a compiled region's outputs are bound: two were
     ("inductor", fuser.launch, "_bind", KeyboardInterrupt(), 2),
     # an internal error before the region runs: nothing was computed
-    ("inductor", fuser.regions, "read_liveness", RuntimeError("internal"), 0),
+    ("inductor", fuser, "read_liveness", RuntimeError("internal"), 0),
 ])
 def test_an_exception_mid_run_poisons_what_was_not_computed(monkeypatch, tmp_path, backend, target, name, error,
                                                            computed):

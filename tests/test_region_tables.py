@@ -38,6 +38,7 @@ def test_the_region_table_is_bounded_and_counts_its_lookups(fresh_regions, monke
     monkeypatch.setattr(fuser.regions.CACHE, "max_entries", 2)
     run([(1, 2.0), (2, 2.0), (1, 2.0), (3, 2.0), (4, 2.0)])
     assert fuser.cache_info()["regions"] == (1, 4, 2, 2)  # hits, misses, maxsize, currsize
+    assert ae.metrics()["replay_reasons"] == {"cold": 5}
     fuser.cache_clear()
     assert fuser.cache_info()["regions"] == (0, 0, 2, 0)
 
