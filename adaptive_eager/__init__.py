@@ -125,30 +125,30 @@ def is_enabled() -> bool:
 
 def metrics() -> dict:
     """Counters since the last ``reset_metrics()`` (process-wide, all threads)."""
-    from fuser.compiled import STATS
+    import fuser
 
-    return {**METRICS.as_dict(), **STATS.as_dict()}
+    return {**METRICS.as_dict(), **fuser.metrics()}
 
 
 def reset_metrics() -> None:
-    from fuser.compiled import STATS
+    import fuser
 
     METRICS.reset()
-    STATS.reset()
+    fuser.reset_metrics()
 
 
 def report(explain: bool = False) -> str:
     """A readable table of ``metrics()`` and the persistent cache in use; with ``explain=True``,
     followed by ``explain()``."""
-    from fuser.compiled import _JOBS, _STORES
+    import fuser
 
     lines = [format_report(metrics())]
-    for store in list(_STORES.values()):  # another thread may add one
+    for store in fuser.stores():
         s = store.stats()
         lines.append(f"cache {s['directory']}: {s['entries']} entries, {s['bytes'] / 2**20:.1f} MiB, {s['hits']} hits"
                      f"{' (in memory: the directory is not usable)' if s.get('in_memory') else ''}"
                      f"{' (read-only: new compiles stay in memory)' if s.get('read_only') else ''}")
-    for jobs in _JOBS.values():
+    for jobs in fuser.compile_jobs():
         pending, running = jobs.pending(), jobs.running()
         if pending:
             after = (f"go on after the program exits, for up to {jobs.finish_after_exit_s:.0f} s "

@@ -226,7 +226,7 @@ def _run(st: TracerState, reason: str) -> None:
 def _run_window(st: TracerState, window: Window, reason: str) -> None:
     window.closed = True
     ran = False
-    site = None
+    site = result = None
     try:
         per = st.periodicity
         per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
@@ -237,11 +237,11 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         METRICS.flush_sites[(reason, site)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
               else contextlib.nullcontext()), _disable_current_modes():
-            launched, materialized, eliminated = fuser.run_window(window, st.options)
+            result = fuser.run_window(window, st.options)
         ran = True  # ``Window.live`` is read: Note [Window release]
-        METRICS.launches += launched
-        METRICS.ops_materialized += materialized
-        METRICS.ops_eliminated += eliminated
+        METRICS.launches += result.launches
+        METRICS.ops_materialized += result.computed
+        METRICS.ops_eliminated += result.dead
     except fuser.ReplayError as e:
         _poison(window)
         raise _user_error(e, reason) from e.error
@@ -255,7 +255,7 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
     finally:
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops, region %s %s; triggered at %s", reason, len(window.nodes),
-                     getattr(window, "region", None) or "-", getattr(window, "outcome", None) or "replayed",
+                     (result and result.region) or "-", result.outcome if result else "failed",
                      where(site))
         if not ran:
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor

@@ -16,12 +16,14 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from neff_cache.settings import DEFAULT_DIRECTORY, DEFAULT_SHARING, SHARING
+
 ENV_PREFIX = "NEURON_EAGER_"
 ENV_SWITCH = "NEURON_EAGER"  # adaptive | eager (unset = eager)
 SWITCH_VALUES = ("adaptive", "eager")
 BACKENDS = ("replay", "inductor", "stablehlo", "neuron")
 LOG_LEVELS = ("warning", "info", "debug")
-CACHE_SHARING = ("no", "group")  # neff_cache.store.SHARING
+CACHE_SHARING = SHARING
 
 
 class ConfigError(ValueError):
@@ -36,9 +38,9 @@ class Options:
     window: int = 1024  # op cap: a window holding this many ops is flushed
     window_mb: float = 1024.0  # pending-bytes cap: outputs of pending ops, in MiB
     backend: str = "replay"  # load_options picks inductor for cpu and cuda
-    cache_dir: str = os.path.join("~", ".cache", "adaptive_eager")
+    cache_dir: str = DEFAULT_DIRECTORY
     cache_size_mb: int = 4096
-    cache_shared: str = "no"  # who besides the user may write the cache: Note [Cache trust] in neff_cache.access
+    cache_shared: str = DEFAULT_SHARING  # who besides the user may write the cache: Note [Cache trust] in neff_cache.access
     hot_after: int = 2
     async_compile: bool = True
     compile_after_exit_s: float = 300.0  # Note [Compiles that outlive the program] in neff_cache.jobs
@@ -264,13 +266,6 @@ def _check_types(values: dict[str, Any]) -> None:
     for name in ("async_compile", "tune_gc", "workers"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
-
-
-def cache_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """One setting from the environment, else its default (for ``python -m neff_cache``: no torch import)."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(_env(name))
-    return getattr(Options, name) if raw is None else SETTINGS[name][0](name, raw)
 
 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:

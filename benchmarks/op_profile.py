@@ -9,7 +9,7 @@ prints, per variant, the ops with the most self CPU time per iteration. Under ad
 region's own code (Inductor kernels; extern kernels such as ``aten::mm`` are listed apart), and
 ops appear once more at dispatch (recorded, not run: their self time is ~0). Also prints the
 wall time per iteration of each variant and of the compiled regions alone (a timer around
-``fuser.compiled._run_compiled``), eager and adaptive interleaved, medians.
+``fuser.regions._run_compiled``), eager and adaptive interleaved, medians.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
-import fuser.compiled as fc  # noqa: E402
+import fuser.regions  # noqa: E402
 from suite import BUILDERS  # noqa: E402
 
 OPTIONS = dict(backend="inductor", hot_after=2, async_compile=False)
@@ -52,7 +52,7 @@ def main() -> None:
         wl.eager()
 
     region: list[float] = []
-    run_compiled = fc._run_compiled
+    run_compiled = fuser.regions._run_compiled
 
     def timed(*a):
         t0 = time.perf_counter()
@@ -61,7 +61,7 @@ def main() -> None:
         finally:
             region.append(time.perf_counter() - t0)
 
-    fc._run_compiled = timed
+    fuser.regions._run_compiled = timed
     times: dict[str, list[float]] = {"eager": [], "adaptive": [], "compiled regions alone": []}
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -75,7 +75,7 @@ def main() -> None:
                 adaptive_iter()
             times["adaptive"].append((time.perf_counter() - t0) / args.iters)
         times["compiled regions alone"].append(sum(region) / args.iters)
-    fc._run_compiled = run_compiled
+    fuser.regions._run_compiled = run_compiled
     print(f"{wl.title}: ms per {wl.unit}, medians of {args.repeats} interleaved samples of {args.iters}")
     for name, v in times.items():
         print(f"  {name:<24}{statistics.median(v) * 1e3:9.2f}")

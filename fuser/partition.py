@@ -25,7 +25,7 @@ plan as an FX graph calling the loaded pieces: one callable with the backend's c
 convention, so the fuser runs a split region like any other. A graph with no such node is not split: the backend gets it whole.
 
 Nodes that run alone are counted by reason per region compiled or loaded (``metrics()["run_alone"]``).
-A split region is never compiled in place (Note [In-place regions] in ``fuser.compiled``): a check
+A split region is never compiled in place (Note [In-place regions] in ``fuser.compilable``): a check
 can fail part way, after a piece has run.
 """
 

@@ -53,7 +53,7 @@ def read_liveness(window: Window) -> list[Out]:
     allocation, which the ops replayed or the compile of the window's region make plenty of.
     Nothing can observe such a value any more, so ``_bind`` drops it (its result stays the
     ``Out``'s value for the window's later ops). It must not fail: a compiled region that writes
-    its inputs in place (Note [In-place regions] in ``fuser.compiled``) has already written them
+    its inputs in place (Note [In-place regions] in ``fuser.compilable``) has already written them
     when its outputs are bound, and the replay that follows a failed run would write them twice."""
     live = window.live = []
     expired = _expired
@@ -70,10 +70,10 @@ def mark_needed(window: Window) -> int:
     """Mark the nodes whose results can be observed; return how many compute nodes are dead.
 
     A node is needed if it mutates something (the program sees its arguments), if one of its fresh
-    values can still be observed (``read_liveness``), or if a needed node reads one of its values.
+    values can still be observed (``Out.live``, as ``read_liveness`` found it: read once per flush,
+    before this), or if a needed node reads one of its values.
     """
     dead = 0
-    read_liveness(window)
     for node in reversed(window.nodes):
         if node.is_view:
             needed = any(o.needed for o in node.outs)
@@ -158,7 +158,7 @@ def _bind(out: Out, result: torch.Tensor) -> int:
             out.value = placeholder
             return 0
         # Views of the placeholder, a stolen gradient, or autograd's saved copy of an output
-        # share its storage.
+        # share its storage: Note [Storage swap].
         if _swap_storages(storage, result, out.meta):
             out.value = placeholder_of(out, storage)
             return 0

@@ -55,6 +55,8 @@ intermediates is thus released in one pass over its handles.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 FRESH, ALIAS, VIEW = 0, 1, 2
 OUTS_PER_NODE = 1 << 16  # uid = (node index + 1) * OUTS_PER_NODE + output index
 
@@ -119,6 +121,16 @@ def where(source) -> str:
     return f"{code.co_filename}:{line} (in {code.co_name})"
 
 
+class FlushResult(NamedTuple):
+    """What ``fuser.run_window`` did with a window (for ``metrics()`` and the flush log line)."""
+
+    launches: int  # device launches: ops replayed, compiled runs and their copies
+    computed: int  # ops computed (a compiled region counts its ops: the compiler does its own dead-code elimination)
+    dead: int  # ops found dead (nothing observes their values)
+    outcome: str  # "compiled", "loaded" (from disk), "replayed", "compiling" (replayed meanwhile), "dead"
+    region: str | None  # a short stable hex id of its region; None on the replay backend
+
+
 class Token:
     """What the Outs of one window carry as ``Out.win`` (Note [Window release]). ``owner`` is
     whatever records the window (the tracer's per-thread state), so that any thread holding a mark
@@ -134,7 +146,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "others", "fresh", "live", "viewed", "outcome", "region", "token")
+                 "others", "fresh", "live", "viewed", "token")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -157,11 +169,6 @@ class Window:
         self.others: list[Out] = []  # the ALIAS and VIEW Outs
         self.live: list[Out] = []  # the FRESH Outs found live at the flush (``Out.live``)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
-        # left by the fuser for the flush log line: how the window ran ("compiled", "replayed",
-        # "loaded" from disk, "compiling" (replayed while its compile is in flight), "dead") and a
-        # short stable hex id of its region
-        self.outcome: str | None = None
-        self.region: str | None = None
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

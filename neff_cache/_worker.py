@@ -2,7 +2,7 @@
 result.
 
 Started by ``neff_cache.jobs`` as ``python -c BOOTSTRAP <fd> <sys.path as JSON> <parent pid>``; see
-Note [Worker processes] there. It imports nothing heavy itself: the compile function's module does. With a
+Note [Compile worker processes] there. It imports nothing heavy itself: the compile function's module does. With a
 destination (the store the parent uses), the worker stores the artifact, or the failure, itself, so
 that a compile that outlives its program still lands (Note [Compiles that outlive the program]).
 """

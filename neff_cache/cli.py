@@ -13,10 +13,9 @@ from typing import Any
 
 from diskcache.core import DBNAME
 
+from neff_cache.settings import from_environment
 from neff_cache.store import BYTES_PER_MB, ArtifactStore, repair
 
-FALLBACK_CACHE_DIR = os.path.join("~", ".cache", "adaptive_eager")
-FALLBACK_SHARED = "no"
 _AGE_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)")
 _SECONDS_PER_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -101,20 +100,8 @@ def _parse_age_s(text: str) -> float:
 
 def _settings(parser: argparse.ArgumentParser) -> tuple[str, str]:
     """The cache directory and who shares it (NEURON_EAGER_CACHE_DIR, NEURON_EAGER_CACHE_SHARED)."""
-    # Only adaptive_eager.config reads the environment; neff_cache must work without it, so it is
-    # imported here and only here.
     try:
-        from adaptive_eager.config import cache_setting
-    except ImportError as error:
-        if getattr(error, "name", None) not in ("adaptive_eager", "adaptive_eager.config"):
-            print(
-                f"warning: could not import adaptive_eager.config ({type(error).__name__}: {error}); "
-                f"using {FALLBACK_CACHE_DIR}, not shared; pass --cache-dir DIR to choose",
-                file=sys.stderr,
-            )
-        return FALLBACK_CACHE_DIR, FALLBACK_SHARED
-    try:
-        return str(cache_setting("cache_dir")), cache_setting("cache_shared")
+        return from_environment(os.environ)  # this program's own settings: neff_cache.settings
     except ValueError as error:  # a bad NEURON_EAGER_* value: the message names it
         parser.error(f"{error} (or pass --cache-dir DIR)")
 

@@ -5,13 +5,16 @@ The compile function is ``f(payload: bytes) -> bytes``, named ``"package.module:
 runner measures its wall time in the worker (not counting the first import of its module) and
 records it as the artifact's compile seconds.
 
-Note [Worker processes]
+Note [Compile worker processes]
 Workers are fresh interpreters started with ``subprocess`` (``python -c``): not forked, since torch
 is not fork-safe, and not multiprocessing's "spawn" either, because spawn re-imports the parent's
 ``__main__`` in every worker, so a training script without an ``if __name__ == "__main__"`` guard
 (common, and adaptive eager is switched on by an environment variable with no code change) would
 run again inside each worker. A worker gets the parent's ``sys.path`` so that "module:function"
-resolves as it would in the parent. Each worker runs one job at a time over its own pipe, so when a
+resolves as it would in the parent, and the parent's environment with the caller's ``worker_env``
+over it: whatever a worker must not inherit (the switch that turns adaptive eager on at ``import
+torch``: a compile must not itself be recorded) is set by the code that starts it, so that the
+compile function need not import the package that submitted it. Each worker runs one job at a time over its own pipe, so when a
 worker dies the job it was running is known exactly; that job is retried once, alone (no other job
 runs beside it, so a second death is its own), and then reported as failed. Workers run in a
 session of their own: Ctrl-C reaches only the user's program, and killing a worker's process group
@@ -19,8 +22,8 @@ also stops the compilers it started.
 
 Note [Results are collected by poll]
 No thread runs in the background: ``submit`` starts jobs and ``poll`` collects finished ones,
-releases their claims and starts queued jobs; the fuser polls at every flush. So nothing can hold
-the interpreter at exit.
+releases their claims and starts queued jobs. The fuser polls when a window's region waits for
+a compile elsewhere, not at every flush. So nothing can hold the interpreter at exit.
 
 Note [Compiles that outlive the program]
 A program shorter than its first compile (a test, a 20-step run on a loaded machine) would never
@@ -52,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from neff_cache._worker import BOOTSTRAP
@@ -90,7 +94,7 @@ class _Job:
 class _Worker:
     """One worker process and the pipe to it; it runs at most one job at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         connection, child_end = multiprocessing.Pipe()
         parent_sys_path = json.dumps([str(entry) for entry in sys.path])
         try:
@@ -99,6 +103,7 @@ class _Worker:
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, **env} if env else None,  # Note [Compile worker processes]
             )
         except BaseException:
             connection.close()
@@ -157,7 +162,7 @@ class CompileJobs:
 
     def __init__(
         self, store: ArtifactStore, max_workers: int = 1, *, claim_ttl_s: float = 900.0,
-        finish_after_exit_s: float = 0.0,
+        finish_after_exit_s: float = 0.0, worker_env: Mapping[str, str] | None = None,
     ):
         if type(max_workers) is not int or max_workers < 1:
             raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
@@ -169,6 +174,7 @@ class CompileJobs:
         self.max_workers = max_workers
         self.claim_ttl_s = claim_ttl_s
         self.finish_after_exit_s = float(finish_after_exit_s)
+        self.worker_env = dict(worker_env or {})  # set in each worker's environment: Note [Compile worker processes]
         self._queue: collections.deque[_Job] = collections.deque()
         self._workers: list[_Worker] = []
         self._finished: list[JobResult] = []
@@ -274,7 +280,7 @@ class CompileJobs:
             worker = next((w for w in self._workers if w.job is None), None)
             if worker is None:
                 try:
-                    worker = _Worker()
+                    worker = _Worker(self.worker_env)
                 except OSError as error:
                     self._finish(job, f"could not start a compile worker: {type(error).__name__}: {error}")
                     continue

@@ -102,11 +102,11 @@ from diskcache.core import DBNAME, MODE_BINARY, MODE_RAW
 import xxhash
 
 from neff_cache.access import _VALUE_NAME, SafeDisk, UnsafeEntry, UntrustedCache, open_directory
+from neff_cache.settings import SHARING
 
 log = logging.getLogger("neff_cache")
 
 FORMAT_VERSION = 1
-SHARING = ("no", "group")  # who may write the directory besides the user: Note [Cache trust]
 BYTES_PER_MB = 2**20  # sizes in MB here are MiB, as NEURON_EAGER_CACHE_SIZE_MB
 
 _KEY_PATTERN = re.compile(r"[0-9a-f]{8,128}")
@@ -272,7 +272,7 @@ class _DiskBackend:
 
     def read(self, stored_key: str) -> tuple[bytes | None, str | None, int] | None:
         """(data or None if the value cannot be read, metadata text, row handle), or None if absent."""
-        # Note [Reading without Cache.get]
+        # Note [Reading without Cache.get] (above)
         rows = self._artifacts._sql(_SELECT_ENTRY, (stored_key, True)).fetchall()
         if not rows:
             return None

@@ -22,8 +22,7 @@ def _fresh_metrics():
 def fresh_regions():
     """No in-memory region, shape class or scalar group of an earlier test answers for this one
     (tests that count compiles or replays need a cold process's view)."""
-    import fuser.compiled as fc
+    import fuser
 
-    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS):
-        table.clear()
+    fuser.cache_clear()
     yield

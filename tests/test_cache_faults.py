@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.compiled as fc
+import fuser
 from adaptive_eager import adaptive_eager
 from fuser.backends import inductor
 from neff_cache import ArtifactStore
@@ -50,9 +50,7 @@ def program(c: float) -> torch.Tensor:
 
 def new_process() -> None:
     """What a new process starts with: no region, shape class, scalar group or store handle in memory."""
-    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS, fc._STORES):
-        table.clear()
-    fc.CACHE._last = None
+    fuser.cache_clear(store_handles=True)
     ae.reset_metrics()
 
 
@@ -85,7 +83,7 @@ KILLED_CHILD = textwrap.dedent(
     """
     import os, shlex, signal, sys, torch
     import adaptive_eager as ae
-    import fuser.compiled as fc
+    import fuser.compile
     from neff_cache import ArtifactStore
     cache_dir, stage, c = sys.argv[1], sys.argv[2], float(sys.argv[3])
 
@@ -93,7 +91,7 @@ KILLED_CHILD = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     if stage == "trace":  # the claim is taken and the compile has begun
-        fc.compile_program = lambda *args: die()
+        fuser.compile.compile_program = lambda *args: die()
     elif stage == "build":  # the C++ compiler has written half of the region's kernel library
         import torch._inductor.cpp_builder as cpp_builder
         run = cpp_builder.run_compile_cmd
@@ -394,7 +392,8 @@ INTERRUPTED = textwrap.dedent(
     # starts with SIGINT ignored, and so would the child, which would then never see the interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import adaptive_eager as ae
-    import fuser.compiled as fc
+    import fuser.compile
+    import fuser.regions
     from neff_cache import ArtifactStore
     torch.set_num_threads(1)
     a = torch.randn(256, 256)
@@ -406,10 +405,10 @@ INTERRUPTED = textwrap.dedent(
 
     mode = sys.argv[2]
     if mode == "in-process":
-        fc.compile_program = in_torch
+        fuser.compile.compile_program = in_torch
     else:  # loads of artifacts on the compile thread, while the program goes on
         ArtifactStore.get = lambda self, key, fingerprint=None: b"an artifact"
-        fc._load = in_torch
+        fuser.regions._load = in_torch
     x = torch.randn(64)
     with ae.adaptive_eager(cache_dir=sys.argv[1], hot_after=1, async_compile=mode == "thread"):
         while True:

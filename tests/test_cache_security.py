@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.compiled as fc
+import fuser
+import fuser.regions
 from fuser import partition
 from adaptive_eager import adaptive_eager
 from fuser.backends._common import BackendCompileError
@@ -64,8 +65,7 @@ class Payload:
 
 def forget_regions():
     """A new process's view: no compiled region in memory, no store open (metrics() counts theirs)."""
-    for table in (fc.CACHE.entries, fc._CLASSES, fc._FAMILIES, fc._GROUPS, fc._STORES):
-        table.clear()
+    fuser.cache_clear(store_handles=True)
 
 
 def warnings_of(caplog) -> list[str]:
@@ -381,6 +381,43 @@ def test_an_edited_artifact_is_evicted_and_replayed(cache, template, edit, caplo
     assert m["corrupt_entries"] == 1 and m["blacklisted"] == 1
     assert not ArtifactStore(cache).contains(template["wide"])
     assert any("evicted corrupt artifact" in w for w in warnings_of(caplog))
+
+
+def _writes_rows(p: torch.Tensor) -> torch.Tensor:
+    p.mul_(0.5).add_(1)  # compiled in place: the kernels write ``p`` (Note [In-place regions])
+    return (p * 2).sum(1)  # shape (8,)
+
+
+def _writes_columns(p: torch.Tensor) -> torch.Tensor:
+    p.mul_(0.5).add_(1)
+    return (p * 2).sum(0)  # shape (4,)
+
+
+def test_an_edited_in_place_artifact_writes_nothing_before_its_check(tmp_path, fresh_regions):
+    """Note [Artifacts from disk]: the first run of an artifact from disk is checked before anything
+    is written, also when its kernels write the window's inputs in place: a mismatch replays the
+    window, and the replay must not apply the update a second time."""
+    directory, p0 = tmp_path / "cache", torch.randn(8, 4)
+    keys = {}
+    for program in (_writes_rows, _writes_columns):
+        before, p = {e["key"] for e in ArtifactStore(directory).entries()}, p0.clone()  # a real input
+        with adaptive_eager(**SYNC, cache_dir=str(directory)):
+            kept = program(p)  # noqa: F841 - a value nobody keeps is dead: nothing would compile
+        (keys[program],) = {e["key"] for e in ArtifactStore(directory).entries()} - before
+    assert all(e.inplace for e in fuser.regions.CACHE.entries.values() if e.run is not None)
+    from fuser.backends._common import pack_sections, unpack_sections
+
+    header, sections = unpack_sections(artifact(directory, keys[_writes_columns]), "test")
+    (fingerprint,) = {e["fingerprint"] for e in ArtifactStore(directory).entries()}
+    plant(directory, keys[_writes_rows], pack_sections({**header, "key": keys[_writes_rows]}, sections), fingerprint)
+    forget_regions()
+    got, want = p0.clone(), p0.clone()
+    with adaptive_eager(**SYNC, cache_dir=str(directory)):
+        out = _writes_rows(got)
+    torch.testing.assert_close(out, _writes_rows(want))
+    torch.testing.assert_close(got, want)  # updated once
+    m = ae.metrics()
+    assert m["corrupt_entries"] == 1 and m["blacklisted"] == 1
 
 
 def test_malformed_graphs_are_refused_at_load():

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.compiled
+import fuser
+import fuser.launch
+import fuser.regions
 from fuser.window import OUTS_PER_NODE
 from adaptive_eager import adaptive_eager
 
@@ -36,7 +38,7 @@ def test_dead_intermediate_is_not_an_output_of_the_region():
         mid = x.exp()
         out = (mid * 2).sin()
         del mid
-    (entry,) = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None and e.n_live == 1][-1:]
+    (entry,) = [e for e in fuser.regions.CACHE.entries.values() if e.run is not None and e.n_live == 1][-1:]
     assert entry.n_live == 1  # only `out` leaves the region: `mid` is never written to memory
     torch.testing.assert_close(out, (x.exp() * 2).sin())
 
@@ -82,6 +84,7 @@ def test_a_region_that_fails_to_compile_is_blacklisted_and_replayed(monkeypatch,
     torch.testing.assert_close(y, (x * 7 + 3).cos(), rtol=0, atol=0)  # replayed: bitwise eager
     m = ae.metrics()
     assert m["compile_failures"] == 1 and m["blacklisted"] == 1 and m["compiled_runs"] == 0
+    assert m["replay_reasons"] == {"compile_failed": 3}  # the memoized failure, counted at each window
     assert "compiler crashed" in caplog.text
 
 
@@ -263,8 +266,7 @@ def test_corrupt_cache_entry_is_evicted_recompiled_and_results_unaffected(tmp_pa
     # a new process: nothing in memory; then damage the stored artifact (small ones live in sqlite)
     import diskcache
 
-    fuser.compiled.CACHE.clear()
-    fuser.compiled._STORES.clear()
+    fuser.cache_clear(store_handles=True)
     with diskcache.Cache(str(tmp_path)) as raw:
         (stored_key,) = [k for k in raw.iterkeys()]
         value, tag = raw.get(stored_key, tag=True)
@@ -302,16 +304,16 @@ def test_background_compile_never_blocks_the_program(tmp_path):
     torch.testing.assert_close(y, ((x * 1.5).cos() - 0.25).tanh())
 
 
-def test_window_outcome_and_region_for_the_flush_log(monkeypatch):
+def test_flush_result_outcome_and_region_for_the_flush_log(monkeypatch):
     seen = []
-    real_run = fuser.compiled.run
+    real_run = fuser.regions.run
 
-    def spy(window, backend, options):
-        result = real_run(window, backend, options)
-        seen.append((window.outcome, window.region))
+    def spy(window, live, backend, options):
+        result = real_run(window, live, backend, options)
+        seen.append((result.outcome, result.region))
         return result
 
-    monkeypatch.setattr(fuser.compiled, "run", spy)
+    monkeypatch.setattr(fuser.regions, "run", spy)
     x = torch.randn(32)
     cache_dir = str(_fresh_dir())
     with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=cache_dir):
@@ -323,7 +325,7 @@ def test_window_outcome_and_region_for_the_flush_log(monkeypatch):
     assert [o for o, _ in seen] == ["replayed", "compiled", "compiled", "dead"], seen
     (region,) = {r for _, r in seen[:3]}
     assert isinstance(region, str) and len(region) == 8 and int(region, 16) >= 0
-    fuser.compiled.CACHE.clear()  # a new process: the region comes from the store
+    fuser.cache_clear()  # a new process: the region comes from the store
     seen.clear()
     with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=cache_dir):
         y = (x + 2).sin() * 3
@@ -340,7 +342,7 @@ def test_replay_backend_leaves_an_outcome(monkeypatch):
 
     def spy(window, options):
         result = real(window, options)
-        seen.append(window.outcome)
+        seen.append(result.outcome)
         return result
 
     monkeypatch.setattr(fuser, "run_window", spy)
@@ -405,7 +407,7 @@ def test_a_region_that_writes_parameters_and_state_writes_them_in_place(fresh_re
     opt = _adamw_steps(lazy, 12, x, lazy=True, **SYNC, cache_dir=str(tmp_path))
     for a, b in zip(lazy.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b)
-    entries = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None]
+    entries = [e for e in fuser.regions.CACHE.entries.values() if e.run is not None]
     assert entries and all(e.inplace for e in entries)
     assert any(len(e.mutated) >= 12 for e in entries)  # 4 parameters x (param, exp_avg, exp_avg_sq)
     # the writes are visible to the optimizer's state and bump version counters as eager's do
@@ -448,7 +450,7 @@ def test_a_window_with_index_ops_keeps_copy_back_and_fails_like_eager(fresh_regi
     with adaptive_eager(**SYNC):
         for _ in range(3):
             step(torch.tensor([1, 2]))
-    entries = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None]
+    entries = [e for e in fuser.regions.CACHE.entries.values() if e.run is not None]
     assert entries and not any(e.inplace for e in entries)
     before = acc.clone()
     with pytest.raises(IndexError):
@@ -464,14 +466,14 @@ def test_a_window_with_index_ops_keeps_copy_back_and_fails_like_eager(fresh_regi
 
 def _count_bind_copies(monkeypatch):
     copies = []
-    original = fuser.compiled._bind
+    original = fuser.launch._bind
 
     def spy(out, result):
         n = original(out, result)
         copies.append(n)
         return n
 
-    monkeypatch.setattr(fuser.compiled, "_bind", spy)
+    monkeypatch.setattr(fuser.launch, "_bind", spy)
     return copies
 
 
@@ -491,7 +493,7 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
     opt_e, opt_l = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     want = [step(eager, opt_e).item() for _ in range(6)]
     outputs, recorded = [], []
-    live_outs = fuser.compiled.read_liveness
+    live_outs = fuser.read_liveness
 
     def spy(window):
         live = live_outs(window)
@@ -499,7 +501,7 @@ def test_gradients_are_stolen_and_bound_without_copies(monkeypatch, fresh_region
         recorded.append({str(n.func) for n in window.nodes})
         return live
 
-    monkeypatch.setattr(fuser.compiled, "read_liveness", spy)
+    monkeypatch.setattr(fuser, "read_liveness", spy)
     with adaptive_eager(**SYNC):
         got = [step(model, opt_l) for _ in range(3)]
         copies = _count_bind_copies(monkeypatch)
@@ -603,7 +605,7 @@ def test_a_region_whose_run_fails_but_replay_succeeds_is_blacklisted(fresh_regio
     with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
         y = (x * 3).exp()
         ae.sync()
-        (entry,) = [e for e in fuser.compiled.CACHE.entries.values() if e.run is not None]
+        (entry,) = [e for e in fuser.regions.CACHE.entries.values() if e.run is not None]
 
         def broken(inputs):
             raise RuntimeError("bad kernel")

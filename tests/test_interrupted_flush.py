@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.compiled
+import fuser
+import fuser.launch
 import fuser.replay
 from adaptive_eager import adaptive_eager
 
@@ -56,9 +57,9 @@ def _fail_after(monkeypatch, target, name, error, calls):
     # an internal error in the replay loop (outside the op's own call: not the program's error)
     ("replay", fuser.replay, "_finish", RuntimeError("internal"), 3),
     # Ctrl-C while a compiled region's outputs are bound: two were
-    ("inductor", fuser.compiled, "_bind", KeyboardInterrupt(), 2),
+    ("inductor", fuser.launch, "_bind", KeyboardInterrupt(), 2),
     # an internal error before the region runs: nothing was computed
-    ("inductor", fuser.compiled, "read_liveness", RuntimeError("internal"), 0),
+    ("inductor", fuser, "read_liveness", RuntimeError("internal"), 0),
 ])
 def test_an_exception_mid_run_poisons_what_was_not_computed(monkeypatch, tmp_path, backend, target, name, error,
                                                            computed):

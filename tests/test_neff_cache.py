@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import multiprocessing
 import os
@@ -649,6 +650,20 @@ def finished_within(jobs: CompileJobs, seconds: float, with_seconds: bool = Fals
         results += jobs.poll(timeout_s=0.5)
     results += jobs.poll()
     return results if with_seconds else [tuple(r[:3]) for r in results]
+
+
+def test_workers_start_with_the_environment_the_caller_gives(store):
+    """Note [Compile worker processes]: ``worker_env`` is set over the parent's environment in each worker
+    (the fuser starts its compile workers with adaptive eager switched off this way)."""
+    names = ["NEFF_CACHE_TEST_GIVEN", "PATH"]
+    jobs = CompileJobs(store, worker_env={"NEFF_CACHE_TEST_GIVEN": "given"})
+    try:
+        assert jobs.submit(KEY_A, FN + "environment_of", json.dumps(names).encode(), fingerprint="fp", backend="b")
+        assert [r[:2] for r in finished_within(jobs, 60)] == [(KEY_A, True)]
+    finally:
+        jobs.shutdown()
+    assert json.loads(store.get(KEY_A)) == {"NEFF_CACHE_TEST_GIVEN": "given", "PATH": os.environ.get("PATH")}
+    assert "NEFF_CACHE_TEST_GIVEN" not in os.environ
 
 
 def test_job_runs_in_a_worker_and_stores_the_artifact(store):

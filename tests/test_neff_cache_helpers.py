@@ -5,6 +5,7 @@ Kept apart from the tests so those processes import nothing heavy; this module h
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -51,6 +52,11 @@ def exit_on_first_call(payload: bytes) -> bytes:
 def raise_compile_error(payload: bytes) -> bytes:
     compile_and_log_call(payload)
     raise RuntimeError("lowering failed: op aten::frobnicate has no kernel")
+
+
+def environment_of(payload: bytes) -> bytes:
+    """The worker's values of the environment variables named in the payload (JSON in, JSON out)."""
+    return json.dumps({name: os.environ.get(name) for name in json.loads(payload)}).encode()
 
 
 def return_text(payload: bytes) -> bytes:

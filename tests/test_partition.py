@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-import fuser.compiled as fc
+import fuser
+import fuser.regions
 from adaptive_eager import adaptive_eager
 from fuser import partition
 from fuser.backends import get_backend
@@ -103,7 +104,7 @@ def test_split_region_with_writes_to_real_tensors(no_sin, fresh_regions):
     torch.testing.assert_close(p, p_eager)
     m = ae.metrics()
     assert m["compiled_runs"] == 4 and m["run_alone"] == {"not_lowerable": 1} and m["blacklisted"] == 0
-    (entry,) = [e for e in fc.CACHE.entries.values() if e.run is not None]
+    (entry,) = [e for e in fuser.regions.CACHE.entries.values() if e.run is not None]
     assert not entry.inplace
 
 
@@ -114,7 +115,7 @@ def test_split_artifact_loads_from_disk(no_sin, fresh_regions):
         for _ in range(3):
             y = (x.sin() + 1).sqrt()
             ae.sync()
-    fc.CACHE.entries.clear()
+    fuser.cache_clear()
     ae.reset_metrics()
     with adaptive_eager(**options):
         y = (x.sin() + 1).sqrt()
@@ -199,7 +200,7 @@ def test_an_op_the_compiler_fails_on_runs_alone_and_the_rest_compiles(monkeypatc
 
 def test_split_region_with_a_lifted_float(no_sin, fresh_regions):
     """A float that changes every window becomes an input of the region (Note [Scalar lifting] in
-    fuser.compiled); a piece that takes it is compiled like any other."""
+    fuser.scalars); a piece that takes it is compiled like any other."""
     x = torch.randn(100)
     got = []
     with adaptive_eager(**_options()):

@@ -1,6 +1,6 @@
 """Threads: a pending value read in another thread (Note [Reads from other threads] in
 adaptive_eager._tracer), and several threads recording and compiling at once (Note [One lock for
-the region tables] in fuser.compiled). Plain eager is the oracle; every thread is joined with a
+the region tables] in fuser.regions). Plain eager is the oracle; every thread is joined with a
 timeout, so a deadlock fails the test instead of hanging it."""
 
 import contextlib
@@ -240,12 +240,12 @@ def _train(seed: int, kind: int, activation, steps: int, start=None, **options):
 @pytest.fixture
 def no_background_compiles_left():
     """Stop the compile workers a test started (ten rounds queue more compiles than they finish)."""
-    import fuser.compiled as fc
+    import fuser.artifacts
 
     yield
-    for jobs in list(fc._JOBS.values()):
+    for jobs in list(fuser.artifacts._JOBS.values()):
         jobs.shutdown()
-    fc._JOBS.clear()
+    fuser.artifacts._JOBS.clear()
 
 
 @pytest.mark.parametrize("async_compile, window, rounds", [(False, 1024, 1), (True, 24, 10)],

@@ -45,7 +45,7 @@ class Backend(Protocol):
     A backend with ``dynamic_shapes = True`` also compiles graphs traced symbolically (placeholders'
     ``meta["val"]`` have SymInt sizes): its callable then takes inputs of other sizes too, and has a
     ``guards`` attribute (a code object over ``L['t0']``, ``L['t1']``, ... that must evaluate true for
-    the inputs before the call; None for static graphs). See Note [Dynamic shapes] in ``inductor``.
+    the inputs before the call; None for static graphs). See Note [Symbolic Inductor artifacts] in ``inductor``.
 
     A backend that cannot compile some ops defines ``unsupported(node) -> str | None``: for an FX
     ``call_function`` node of a region's graph, the reason it cannot compile it ("not_lowerable"),

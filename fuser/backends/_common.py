@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import operator
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.fx.node import _get_qualified_name, map_arg
@@ -18,7 +18,7 @@ class BackendCompileError(RuntimeError):
     ``target``: the op the backend blames, when it can tell (the fuser then runs that op alone
     and compiles the rest: Note [Partitions] in ``fuser.partition``). ``inplace``: the backend
     cannot write the graph's inputs itself (the fuser then compiles the region again with a
-    write-back: Note [In-place regions] in ``fuser.compiled``).
+    write-back: Note [In-place regions] in ``fuser.compilable``).
     """
 
     target = None
@@ -206,39 +206,77 @@ def encode_torch_value(x: object) -> dict | None:
     return None
 
 
-def encode_arg(x: object, index: dict, backend: str, op: str) -> object:
-    """An FX node argument as JSON: nodes as ``{"$n": position in index}``; JSON keeps 1, 1.0 and
-    True apart, so scalar types survive; torch values are tagged (``encode_torch_value``)."""
+# Note [One codec]
+# A Program (``fuser.program``, for compile workers and the persistent key) and the graphs the
+# replay backend and split regions store (``encode_arg``) are both ATen calls whose arguments are
+# JSON: None, bool, int, float and str as themselves (JSON keeps 1, 1.0 and True apart, so scalar
+# types survive; a float is written by ``repr``, which round-trips), lists as lists, tuples and
+# dicts tagged (``{"$tuple": [...]}``, ``{"$dict": {...}}``), torch values tagged by
+# ``encode_torch_value``, and what only the caller's IR holds (an FX node, a Program's reference to
+# an input) tagged by the caller (``leaf`` and ``tags``). One walker, so the two cannot drift apart,
+# and the encoding is canonical: the same arguments give the same bytes in every process, which is
+# what the persistent key hashes (``Program.digest``).
+def encode_value(x: object, leaf: Callable[[object], dict | None] | None = None) -> object:
+    """``x`` as JSON (Note [One codec]); TypeError for a value it cannot describe."""
     if x is None or type(x) in (bool, int, float, str):
         return x
-    if isinstance(x, torch.fx.Node):
-        return {"$n": index[x]}
     if isinstance(x, list):  # FX stores lists as immutable_list
-        return [encode_arg(v, index, backend, op) for v in x]
+        return [encode_value(v, leaf) for v in x]
     if isinstance(x, tuple):
-        return {"$tuple": [encode_arg(v, index, backend, op) for v in x]}
-    tagged = encode_torch_value(x)
+        return {"$tuple": [encode_value(v, leaf) for v in x]}
+    if type(x) is dict:
+        return {"$dict": {k: encode_value(v, leaf) for k, v in x.items()}}
+    tagged = None if leaf is None else leaf(x)
     if tagged is None:
-        raise BackendCompileError(f"{backend}: cannot compile {op}: argument {x!r} ({type(x).__name__}) cannot be stored")
+        tagged = encode_torch_value(x)
+    if tagged is None:
+        raise TypeError(f"cannot encode {x!r} ({type(x).__name__})")
     return tagged
+
+
+def decode_value(x: object, tags: Mapping[str, Callable[[object], object]] | None = None) -> object:
+    """``encode_value``'s value back; ``tags`` decode the caller's own tags. ValueError for a tag
+    or a value nobody knows."""
+    if type(x) is list:
+        return [decode_value(v, tags) for v in x]
+    if type(x) is not dict:
+        return x
+    if len(x) != 1:
+        raise ValueError(f"unknown value {x!r}")
+    ((tag, v),) = x.items()
+    if tag == "$tuple" and type(v) is list:
+        return tuple(decode_value(e, tags) for e in v)
+    if tag == "$dict" and type(v) is dict:
+        return {k: decode_value(e, tags) for k, e in v.items()}
+    if tags is not None and tag in tags:
+        return tags[tag](v)
+    return decode_torch_value(tag, v)
+
+
+def encode_arg(x: object, index: dict, backend: str, op: str) -> object:
+    """An FX node argument as JSON (Note [One codec]): nodes as ``{"$n": position in index}``."""
+
+    def node(v: object) -> dict | None:
+        return {"$n": index[v]} if isinstance(v, torch.fx.Node) else None
+
+    try:
+        return encode_value(x, node)
+    except TypeError:
+        raise BackendCompileError(f"{backend}: cannot compile {op}: argument {x!r} ({type(x).__name__}) "
+                                  "cannot be stored") from None
 
 
 def decode_arg(x: object, values: list, backend: str) -> object:
     """``encode_arg``'s argument back, with ``{"$n": i}`` as ``values[i]``."""
-    if type(x) is list:
-        return [decode_arg(v, values, backend) for v in x]
-    if type(x) is not dict:
-        return x
-    ((tag, v),) = x.items()
-    if tag == "$n":
+
+    def node(v: object) -> object:
         if type(v) is not int or not 0 <= v < len(values):
             # a stored graph only names values defined before (a negative index would wrap)
             raise BackendCompileError(f"{backend}: artifact names value {v!r} of {len(values)}")
         return values[v]
-    if tag == "$tuple":
-        return tuple(decode_arg(e, values, backend) for e in v)
+
     try:
-        return decode_torch_value(tag, v)
+        return decode_value(x, {"$n": node})
     except ValueError:
         raise BackendCompileError(f"{backend}: artifact holds an unknown value {x!r}") from None
 

@@ -27,7 +27,7 @@ no guards (~2 us of Python on tiny inputs; Inductor's ``CompiledArtifact`` costs
 sound only when the wrapper's calling convention is the graph's: ``compile`` checks that the graph
 Inductor compiled has one input per example input and outputs whose shape, stride, storage offset
 and dtype are what eager gives, that it holds no constants, and that it writes exactly the inputs
-the graph writes (Note [In-place regions] in ``fuser.compiled``). Of the skipped
+the graph writes (Note [In-place regions] in ``fuser.compilable``). Of the skipped
 wrappers' work, the backend redoes the two parts a functional inference graph needs: grad mode and
 autocast off (``below_autograd``), and on CUDA a copy of any input whose address breaks the
 alignment the kernels were compiled to assume (``inputs_to_check``).
@@ -57,8 +57,8 @@ would show through the other. The calling-convention check lists every output th
 earlier one (or is an input) in the manifest's ``relayout`` with no layout of its own, and the
 callable from ``load`` copies it into a buffer of its own in the layout it came back in.
 
-Note [Dynamic shapes]
-~~~~~~~~~~~~~~~~~~~~~
+Note [Symbolic Inductor artifacts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A graph whose placeholders carry only concrete sizes is compiled statically
 (``dynamic_shapes="from_example_inputs"`` specializes on the example shapes; the wrapper's
 ``assert_size_stride`` rejects others). A graph traced symbolically (the fuser's ``Program`` with
@@ -152,8 +152,8 @@ class InductorBackend:
     """Compiles with ``torch._inductor.standalone_compile``; see the module notes for the format."""
 
     name = "inductor"
-    writes_inputs = True  # graphs may copy_ into their inputs (Note [In-place regions] in fuser.compiled)
-    dynamic_shapes = True  # compiles symbolically traced graphs (Note [Dynamic shapes])
+    writes_inputs = True  # graphs may copy_ into their inputs (Note [In-place regions] in fuser.compilable)
+    dynamic_shapes = True  # compiles symbolically traced graphs (Note [Symbolic Inductor artifacts]; the fuser's side: Note [Dynamic shapes] in fuser.shapes)
 
     def __init__(self, device_type: str) -> None:
         if device_type not in _DEVICE_TYPES:

@@ -1,0 +1,194 @@
+"""Where compiles run and artifacts live: the store handle per cache directory, the compile
+thread of this process, and the background compile jobs (worker processes) per store."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import logging
+import os
+import queue
+import threading
+from concurrent.futures import Future
+
+from .stats import STATS
+
+log = logging.getLogger("adaptive_eager.fuser")
+
+
+# Note [Background compiles]
+# With async_compile, a hot region is compiled in a worker *process* (neff_cache.CompileJobs),
+# never a thread of this process: Inductor saves and restores the global RNG state around a
+# compile, which would rewind the random numbers the program draws meanwhile. The program keeps
+# replaying; the artifact lands in the store, and the region's next window loads it. A worker
+# must not record its own compile: ``import torch`` turns adaptive eager on in any process whose
+# environment says ``NEURON_EAGER=adaptive`` (the user's, inherited), so the worker is started
+# with ``NEURON_EAGER=eager`` (``WORKER_ENV``) and ``fuser.compile.compile_job`` needs no import of
+# the tracer (imports go one way: adaptive_eager -> fuser -> neff_cache).
+_JOBS: dict = {}
+WORKER_ENV = {"NEURON_EAGER": "eager"}  # adaptive_eager.config.ENV_SWITCH, off
+
+
+_PENDING: dict = {}  # persistent key -> the region entry waiting for its background compile
+
+
+def _jobs(store, options):
+    from neff_cache import CompileJobs
+
+    jobs = _JOBS.get(id(store))
+    if jobs is None:
+        jobs = _JOBS[id(store)] = CompileJobs(store, max_workers=1, finish_after_exit_s=options.compile_after_exit_s,
+                                              worker_env=WORKER_ENV)
+    return jobs
+
+
+def submit_job(entry, backend, store, options) -> bool:
+    """Hand the compile of region ``entry`` (its key claimed) to a worker; False if the jobs cannot
+    take it (shut down at exit): the caller compiles it here instead. The region is then picked up
+    from the store at a later sight (``entry.other_process``)."""
+    store.release(entry.pkey)  # CompileJobs claims the key itself
+    payload = json.dumps({"backend": backend.name, "device": options.device, "key": entry.pkey,
+                          "program": entry.program.to_bytes().decode()}).encode()
+    try:
+        submitted = _jobs(store, options).submit(
+            entry.pkey, "fuser.compile:compile_job", payload, fingerprint=backend.fingerprint(), backend=backend.name
+        )
+    except Exception as e:  # noqa: BLE001 - no worker for it: compiled here instead
+        log.info("adaptive_eager: compiling in this process: %s", e)
+        return False
+    entry.other_process = True
+    _PENDING[entry.pkey] = entry
+    if not submitted:
+        STATS.waited_for_other_process += 1
+    return True
+
+
+def finished_jobs() -> list:
+    """The background compiles that failed since the last call, as (entry, JobResult); the others'
+    artifacts are in the store now, and are counted here."""
+    failed = []
+    for jobs in compile_jobs():
+        for result in jobs.poll():
+            entry = _PENDING.pop(result.key, None)
+            STATS.compile_seconds += result.seconds
+            if result.ok:
+                STATS.regions_compiled += 1
+                log.info("adaptive_eager: compiled region %s in a worker process in %.2fs (key %s)", result.key[:8],
+                         result.seconds, result.key)
+            elif entry is None:
+                STATS.compile_failures += 1
+            else:
+                failed.append((entry, result))
+    return failed
+
+
+def abandoned(pkey: str, store) -> bool:
+    """Whether the compile of region ``pkey`` that this process waits for will never land: no job
+    of ours runs it and nobody holds its claim (its holder failed or died: Note [Claim holders] in
+    neff_cache.store), so this process compiles it."""
+    return pkey not in _PENDING and not store.is_claimed(pkey)
+
+
+# Note [Compile thread]
+# Compiles (and artifact loads) run on a thread of their own: a flush often happens inside the
+# dispatch mode's __torch_dispatch__, where Python dispatch is off for the calling thread and graph
+# tracing (make_fx, functionalization) cannot work; a fresh thread has clean dispatch state. The
+# thread is a daemon, so a pending compile never holds the interpreter at exit. But a daemon thread
+# must not still be inside torch at exit: the interpreter ends a daemon thread that wants the GIL
+# back after finalization began with pthread_exit, whose unwinding through a C++ frame that
+# released the GIL (every ATen call from Python does) calls std::terminate: "terminate called
+# without an active exception", and the process aborts (as a Ctrl-C during an in-process compile
+# did, when the main thread left the compile running). So an atexit hook stops the thread first: it raises ``_Shutdown`` in it (at
+# its next Python bytecode: a running compile unwinds, releasing its claim, and a subprocess it
+# waits on is killed by ``subprocess.run``) and waits up to ``_STOP_S`` for it to end. And the
+# flushing thread waits for a result in slices (``_result``, ``regions._collect``): the kernel may deliver a Ctrl-C's
+# SIGINT to the compile thread, which does not wake the main thread from a lock wait, so an
+# unbounded wait would not raise KeyboardInterrupt until the compile ended.
+_QUEUE: queue.SimpleQueue | None = None
+_THREAD: threading.Thread | None = None
+_PID = os.getpid()  # the process the thread runs in (a forked child has the queue, not the thread)
+_STOP_S = 30.0  # longer than one step of a compile can hold the thread in C code (one g++ run)
+
+
+class _Shutdown(BaseException):
+    """Raised in the compile thread at interpreter exit (Note [Compile thread])."""
+
+
+def _worker() -> None:
+    try:
+        while True:
+            task = _QUEUE.get()
+            if task is None:
+                return
+            future, fn, args = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to the flushing thread
+                    future.set_exception(e)
+                    if isinstance(e, _Shutdown):
+                        return
+    except _Shutdown:
+        return
+
+
+def _submit(fn, *args) -> Future:
+    if _THREAD is None or _PID != os.getpid():
+        _start_compile_thread()
+    future: Future = Future()
+    _QUEUE.put((future, fn, args))
+    return future
+
+
+def _result(future: Future):
+    while True:
+        try:
+            return future.result(timeout=0.1)  # Note [Compile thread]: a Ctrl-C is seen within 0.1 s
+        except TimeoutError:
+            pass
+
+
+def _start_compile_thread() -> None:
+    global _QUEUE, _THREAD, _PID
+    _QUEUE, _PID = queue.SimpleQueue(), os.getpid()
+    _THREAD = threading.Thread(target=_worker, name="adaptive_eager_compile", daemon=True)
+    _THREAD.start()
+    atexit.register(_stop_compile_thread)
+
+
+def _stop_compile_thread() -> None:
+    """Note [Compile thread]: no thread of ours may be inside torch when the interpreter finalizes."""
+    thread = _THREAD
+    if thread is None or _PID != os.getpid() or not thread.is_alive():
+        return
+    _QUEUE.put(None)  # an idle thread ends at once; a busy one is interrupted
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Shutdown))
+    thread.join(_STOP_S)
+
+
+_STORES: dict = {}
+
+
+def _store(options):
+    """The persistent artifact store of ``options.cache_dir`` (one per directory and process)."""
+    from neff_cache import ArtifactStore
+
+    where = (os.path.expanduser(options.cache_dir), options.cache_size_mb, options.cache_shared, os.getpid())
+    store = _STORES.get(where)
+    if store is None:
+        store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=options.cache_size_mb,
+                                               shared=options.cache_shared)
+    return store
+
+
+def stores() -> list:
+    return list(_STORES.values())  # a copy: another thread may open one meanwhile
+
+
+def forget_stores() -> None:
+    _STORES.clear()
+
+
+def compile_jobs() -> list:
+    return list(_JOBS.values())

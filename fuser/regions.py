@@ -1,0 +1,505 @@
+"""Compiled regions: a window becomes one functional FX graph, compiled once, reused by key.
+Nodes that must not be compiled run alone between compiled pieces of it (``fuser.partition``).
+
+Tiers (DESIGN.md "Adaptivity"): a window structure seen for the first time runs by replay; once
+its key has been seen ``hot_after`` times it is compiled and every later window with the same key
+runs the compiled region. A region that fails to compile or run is blacklisted for its key and
+replayed; the program never sees a compiler error or a wrong value.
+
+Note [Region key]
+The in-memory key is the window's structure as recorded (``Window.sigs``: per node the id of its
+op signature, which covers the op, input shapes/strides/dtypes/devices and scalar arguments, and
+its dataflow refs), which values are still observable (live placeholders), and which real inputs
+are written. It is exact (a tuple compared in full on a hit) and costs nothing to build at
+flush. That structure is hashed once per flush: it finds its scalar ``_Group`` (Note [Scalar
+lifting]), and the region is keyed by that group object (hashed by identity), the lifted
+positions and the baked scalar values. (A group dropped from ``GROUPS`` leaves its regions
+unreachable; they age out of the LRU, and the structure starts a new group.) The persistent,
+process-independent key (for neff_cache) is a digest of the compiled graph's code and input
+metadata plus the backend fingerprint, computed only on a compile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import wait as futures_wait
+from typing import NamedTuple
+
+import torch
+
+from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submit_job
+from .compilable import _checks, _not_compilable
+from .compile import _Unverified, _compile_and_store, _failure_reason, _load
+from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
+from .lru import LRU
+from .replay import mark_needed, replay_window
+from .program import Program
+from .scalars import GROUPS, _LIFT_ERROR, _scalar_key
+from .shapes import _CLASSES, _FAMILIES, _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols, _ShapeClass
+from .partition import is_check
+from .stats import STATS, _recompile
+from .window import FlushResult, Out, Window
+
+log = logging.getLogger("adaptive_eager.fuser")
+
+# ``_profiler._is_profiler_enabled`` is a module flag torch.profiler sets on start and clears on stop
+# (``_run_on_profiler_start``): one attribute read, so a run pays ~nothing while no profiler records.
+_profiler = torch.autograd.profiler
+_record_function = torch.autograd.profiler.record_function
+_REGION_IDS = itertools.count(1)
+
+
+class _Entry:
+    __slots__ = ("seen", "run", "n_live", "mutated", "inplace", "blacklisted", "future", "lifted_inputs", "group",
+                 "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic")
+
+    def __init__(self):
+        # short id for logs and the profiler: pkey[:8] once the persistent key is known
+        self.region = f"{next(_REGION_IDS):08x}"
+        self.shape_class: _ShapeClass | None = None  # Note [Dynamic shapes]
+        # this structure's sizes and int arguments, in class order; None: not routed to a symbolic region
+        self.shape: tuple | None = None
+        self.dynamic = False  # a symbolic region (the compile of a _ShapeClass)
+        self.future = None  # a compile in flight
+        self.seen = 0
+        self.run = None  # the loaded compiled callable
+        self.n_live = 0
+        self.mutated: tuple[int, ...] = ()
+        self.inplace = False  # the compiled region writes ``mutated`` itself (Note [In-place regions])
+        self.blacklisted: str | None = None  # why it is never compiled (a memoized failure: Note [Tiers])
+        self.lifted_inputs: list[tuple[int, torch.dtype]] = []  # (index in Window.scalars, dtype)
+        self.group = None
+        self.program: Program | None = None
+        self.pkey: str | None = None  # persistent key (Program.digest), computed at first sight
+        self.other_process = False  # another process holds the compile claim for pkey
+        self.counts = (0, 0)  # (ops computed, ops dead) of this structure, for metrics()
+
+
+CACHE = LRU(_Entry)  # in-memory regions by key (Note [Region key])
+
+
+def cache_clear() -> None:
+    """Forget the regions, shape classes and scalar groups in memory (``fuser.cache_clear``)."""
+    with _LOCK:
+        CACHE.clear()
+        _CLASSES.clear()
+        _FAMILIES.clear()
+        GROUPS.clear()
+
+
+# Note [One lock for the region tables]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Threads with the mode on share the fuser's tables (CACHE and its entries, GROUPS, _CLASSES,
+# _FAMILIES, _PENDING, _JOBS, _STORES, STATS, the compile queue), and update them in several
+# steps: ``_describe`` sets an entry's ``program`` before its ``pkey`` (a second thread claimed the
+# key ``None`` and died), ``_collect`` publishes ``run`` before ``lifted_inputs`` and ``inplace``,
+# ``_scalar_key`` reads a group's lifted positions apart from its ``keep`` mask (a key whose baked
+# values miss a lifted float: a region hit with the wrong constants). So a window's run holds
+# ``_LOCK`` from its key to its last write-back.
+# One lock rather than tables per thread: threads that train one structure (data-parallel
+# threads, one model per thread) then share its regions' compiles, artifact loads and compiled
+# code instead of paying each once per thread; a single thread pays one uncontended acquire per
+# flush, well under a microsecond (benchmarks/flush_cost.py, a 1000-op window hitting its region,
+# five runs each on a loaded 2-core machine: median 6.08 ms before, 5.99 ms after, runs spread
+# over 1 ms). Windows of different threads run one at a time: on a CPU target their host work
+# is serialized by the GIL anyway, and on CUDA a compiled region only enqueues kernels. What
+# takes long without work of ours is waited for outside the lock, a compile or an artifact load
+# in flight (``_collect``): a thread waiting for its compile lets the others replay and run.
+_LOCK = threading.Lock()
+
+
+# Note [Tiers]
+# ~~~~~~~~~~~~
+# A window's run is decided, then acted on. ``_decide`` reads what is known of its region (the
+# entry: a loaded callable, a load or compile in flight, a memoized failure, how often it was
+# seen; at first sight the store: its artifact) and returns one ``_Plan``:
+#   run      the entry has its callable: run it
+#   load     the store has its artifact (at first sight, or while another process compiles it)
+#   dynamic  its shape class has, or is due for, a symbolic region (Note [Dynamic shapes]); a
+#            window that does not fit it goes on per shape: compile or replay, as below
+#   compile  it was seen ``hot_after`` times: claim its key, compile here or in a worker
+#   replay   with its reason, counted in ``replay_reasons``: "cold" (not hot yet), "compiling" (a
+#            load or compile in flight, here or in another process), or the entry's memoized
+#            failure (``_Entry.blacklisted``: why it is never compiled)
+# ``_execute`` acts. It holds the one replay exit (``_replay``), the one compiled run
+# (``_run_or_replay``: a run that fails while the replay succeeds means the compiled code was
+# wrong for the window: blacklisted) and, with ``_obtain``, the one way a region gets its
+# callable, for static and symbolic regions alike: load the store's artifact, else (unless the
+# compile failed in an earlier process, Note [Remembered failures] in neff_cache.store) claim
+# the key and compile. A claim another process holds means: replay, and load its artifact at a
+# later sight (Note [Claim holders] in neff_cache.store); a compile in a worker lands in the
+# store the same way (Note [Background compiles]).
+class _Plan(NamedTuple):
+    action: str  # "run", "load", "dynamic", "compile" or "replay" (Note [Tiers])
+    why: str = ""  # run: the outcome ("compiled", "loaded"); replay: the reason
+    data: bytes | None = None  # load: the artifact
+
+
+class _Flush:
+    """What the fuser reads of one window once per run: its liveness (read by ``fuser.run_window``:
+    Note [Liveness during a flush]), its written inputs, and which nodes are needed (marked at
+    most once, by the first step that needs them)."""
+
+    __slots__ = ("window", "live", "mutated", "lifted", "counts")
+
+    def __init__(self, window: Window, live: list[Out]):
+        self.window = window
+        self.live = live
+        self.mutated = tuple(sorted(window.mutated))
+        self.lifted: tuple[int, ...] = ()
+        self.counts: tuple[int, int] | None = None
+
+    def mark(self) -> tuple[int, int]:
+        """(ops computed, ops dead), marking the needed nodes the first time."""
+        if self.counts is None:
+            dead = mark_needed(self.window)
+            self.counts = (sum(1 for n in self.window.nodes if n.needed and not n.is_view), dead)
+        return self.counts
+
+
+def run(window: Window, live: list[Out], backend, options) -> FlushResult:
+    """Run ``window`` (``live``: its values the program can still observe) compiled when its key
+    is hot or on disk, else by replay (Note [Tiers])."""
+    with _LOCK:  # Note [One lock for the region tables]
+        return _run_window(_Flush(window, live), backend, options)
+
+
+def _run_window(flush: _Flush, backend, options) -> FlushResult:
+    window = flush.window
+    if not flush.live and not flush.mutated and not _checks(window):
+        return FlushResult(0, 0, len(window.nodes), "dead", None)  # nothing observable: every op is dead
+    wait = not options.async_compile
+    structure = (tuple(window.sigs), tuple(o.uid for o in flush.live), flush.mutated)
+    group, flush.lifted, baked = _scalar_key(structure, window.scalars)
+    entry = CACHE.get((group, flush.lifted, baked))  # the group stands for the structure: Note [Region key]
+    entry.group = group
+    if entry.future is not None and (wait or entry.future.done()):
+        _collect(entry)
+    return _execute(_decide(entry, flush, backend, options), entry, flush, backend, options, wait)
+
+
+def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
+    """What to do with this window of ``entry``'s region (Note [Tiers])."""
+    if entry.run is not None:
+        STATS.cache_hits_memory += 1
+        return _Plan("run", "compiled")
+    entry.seen += 1
+    if entry.blacklisted:
+        return _Plan("replay", entry.blacklisted)
+    if entry.future is not None:
+        return _Plan("replay", "compiling")
+    if entry.other_process:
+        poll_jobs()
+        if entry.blacklisted:  # its background compile failed
+            return _Plan("replay", entry.blacklisted)
+    if entry.seen == 1 or entry.other_process:
+        # A region compiled by an earlier run or another process is used at first sight.
+        reason = _not_compilable(flush.window)
+        if reason is not None:
+            STATS.not_compiled[reason] += 1
+            entry.blacklisted = reason
+            return _Plan("replay", reason)
+        if entry.program is None and not _describe(entry, flush, backend):
+            return _Plan("replay", entry.blacklisted)
+        store = _store(options)
+        data = store.get(entry.pkey, fingerprint=backend.fingerprint())
+        if data is not None:
+            return _Plan("load", data=data)
+        if entry.other_process and abandoned(entry.pkey, store):
+            entry.other_process = False  # compiled below, by this process
+    if entry.shape is not None and entry.shape_class.dynamic_ok and getattr(backend, "dynamic_shapes", False):
+        return _Plan("dynamic")
+    return _per_shape(entry, options)
+
+
+def _per_shape(entry: _Entry, options) -> _Plan:
+    if entry.other_process:
+        return _Plan("replay", "compiling")  # by another process: picked up from the store later
+    if entry.seen < options.hot_after:
+        return _Plan("replay", "cold")
+    return _Plan("compile")
+
+
+def _execute(plan: _Plan, entry: _Entry, flush: _Flush, backend, options, wait: bool) -> FlushResult:
+    """Act on ``plan`` (Note [Tiers])."""
+    action = plan.action
+    if action == "dynamic":
+        done = _run_dynamic(entry, flush, backend, options, wait)
+        if done is not None:
+            return done
+        plan = _per_shape(entry, options)
+        action = plan.action
+    if action == "run":
+        return _run_or_replay(entry, flush, plan.why)
+    if action == "replay":
+        return _replay(flush, plan.why, entry.region)
+    store = _store(options)
+    if action == "compile":
+        STATS.cache_misses += 1
+        if entry.program is None and not _describe(entry, flush, backend):
+            return _replay(flush, entry.blacklisted, entry.region)
+    _obtain(entry, store, backend, options, wait, plan.data)
+    if entry.run is not None:
+        return _run_or_replay(entry, flush, "loaded" if action == "load" else "compiled")
+    return _replay(flush, entry.blacklisted or "compiling", entry.region)
+
+
+def _obtain(entry: _Entry, store, backend, options, wait: bool, data: bytes | None = None) -> None:
+    """Give ``entry`` its callable (Note [Tiers]): load ``data``, its artifact from ``store``, else
+    claim its key and compile it, here (``wait``) or in a worker. Afterwards ``entry.run`` is set,
+    or a load or compile is in flight (``entry.future``; ``entry.other_process``: in another
+    process or a worker), or the entry is blacklisted."""
+    if data is not None:
+        entry.other_process = False
+        entry.future = _submit(_load, data, backend, store, entry.pkey, entry.dynamic)
+        if wait:
+            _collect(entry)
+        # else the first load in a process imports Inductor (~1-2 s): replay meanwhile
+        return
+    if _failed_before(entry, store, backend):
+        return
+    if not store.claim(entry.pkey):
+        # another process is compiling this region: replay meanwhile, pick it up from disk
+        if not entry.other_process:
+            STATS.waited_for_other_process += 1
+        entry.other_process = True
+        return
+    cause = "dynamic" if entry.dynamic else _static_cause(entry)
+    if cause is not None:
+        _recompile(cause, entry.region)
+    if not wait and submit_job(entry, backend, store, options):
+        return
+    _compile_here(entry, backend, store)
+    if not entry.dynamic:
+        entry.program = None  # compiled: an exact key's program is not needed again
+
+
+def _describe(entry: _Entry, flush: _Flush, backend) -> bool:
+    """What a compile needs (the Program and its persistent key), built once per structure; False
+    (the entry blacklisted) for a program the codec cannot describe, which has no persistent key."""
+    entry.counts = flush.mark()
+    program = Program.from_window(flush.window, flush.live, flush.mutated, flush.lifted,
+                                  inplace=getattr(backend, "writes_inputs", False))
+    try:
+        pkey = program.digest(backend.fingerprint())
+    except TypeError as e:
+        STATS.not_compiled["unencodable_argument"] += 1
+        entry.blacklisted = "unencodable_argument"
+        log.info("adaptive_eager: a window is replayed, not compiled: %s", e)
+        return False
+    entry.program, entry.pkey = program, pkey
+    entry.region = entry.pkey[:8]
+    entry.n_live, entry.mutated = len(flush.live), flush.mutated
+    _classify(entry)
+    return True
+
+
+def _compile_here(entry: _Entry, backend, store) -> None:
+    """Compile ``entry.program`` in this process and wait for it (Note [Compile thread])."""
+    if _profiler._is_profiler_enabled:
+        with _record_function("adaptive_eager.compile"):
+            entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
+            _collect(entry)
+    else:
+        entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
+        _collect(entry)
+
+
+
+def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> FlushResult | None:
+    """Run the window with its class's symbolic region (obtaining it when due); None: per shape."""
+    cls = entry.shape_class
+    sym = cls.sym
+    if sym is None:
+        if len(cls.shapes) < 2 or entry.program is None:
+            return None
+        if any(is_check(op[0]) for op in entry.program.ops):
+            # a split region compiles per shape (Note [Partitions])
+            STATS.not_dynamic["run_alone"] += 1
+            cls.dynamic_ok = False
+            return None
+        if cls.pattern is None:
+            why = _plan(cls)
+            if why is not None:
+                STATS.not_dynamic[why] += 1
+                cls.dynamic_ok = False
+                return None
+        if _fits(cls, entry.shape) is not None:
+            return None  # not a window to take the hints from (a size of 1): per-shape meanwhile
+        sym = cls.sym = _Entry()
+        sym.dynamic = True
+        sym.program = _with_symbols(entry.program, cls)
+        sym.pkey = sym.program.digest(backend.fingerprint())
+        sym.region = sym.pkey[:8]
+        sym.n_live, sym.mutated, sym.counts = entry.n_live, entry.mutated, entry.counts  # Note [Derived entries]
+    outcome = "compiled"
+    if sym.future is not None and (wait or sym.future.done()):
+        _collect(sym)
+    if sym.run is None and not sym.blacklisted and sym.future is None:
+        if sym.other_process:
+            poll_jobs()
+        if not sym.blacklisted:
+            store = _store(options)
+            data = store.get(sym.pkey, fingerprint=backend.fingerprint())
+            if data is None and sym.other_process and abandoned(sym.pkey, store):
+                sym.other_process = False  # compiled below, by this process
+            if data is not None or not sym.other_process:
+                _obtain(sym, store, backend, options, wait, data)
+                outcome = "loaded" if data is not None else outcome
+    if sym.blacklisted:
+        entry.shape = None
+        return None
+    if sym.run is None:
+        return _replay(flush, "compiling", entry.region)
+    why = _fits(cls, entry.shape) or _guards_fail(sym.run, flush.window)
+    if why is not None:
+        STATS.not_dynamic[why] += 1
+        entry.shape = None  # this exact key goes per-shape
+        return None
+    try:
+        launched, sym_run = _run_checked(sym, flush.window, flush.live)
+    except _Mismatch as e:
+        STATS.not_dynamic["output_mismatch"] += 1
+        log.info("adaptive_eager: region %s does not fit a shape it was routed: %s", sym.region, e)
+        entry.shape = None
+        return _replay(flush, "output_mismatch", sym.region)
+    except Exception as e:  # noqa: BLE001 - never the program's problem: replay
+        # as in _run_or_replay: a replay that raises too means the data is at fault (eager's
+        # error, the symbolic region stays); one that succeeds means the region was wrong here
+        done = _replay(flush, "run_failed", sym.region)
+        _blacklist(sym, f"run failed: {type(e).__name__}: {e}", "run_failed")
+        entry.shape = None  # the class goes per-shape
+        return done
+    _adopt(entry, sym, sym_run)  # registered: this exact key's next window is a plain hit
+    return FlushResult(launched, *entry.counts, outcome, sym.region)
+
+
+def poll_jobs() -> None:
+    """Take the background compiles that failed (the others are then in the store): called when a
+    region waits for one, as nothing else collects them (Note [Results are collected by poll] in
+    neff_cache.jobs)."""
+    for entry, result in finished_jobs():
+        entry.other_process = False
+        _compile_failed(entry, result.failure or result.error.splitlines()[0], "background compile failed")
+
+
+def _failed_before(entry: _Entry, store, backend) -> bool:
+    """Whether compiling ``entry`` failed in an earlier process (Note [Remembered failures] in
+    neff_cache.store); if so it is handled as that failure was, without compiling again."""
+    reason = store.failure(entry.pkey, fingerprint=backend.fingerprint())
+    if reason is None:
+        return False
+    _compile_failed(entry, reason, f"compile failed in an earlier process (remembered in {store.directory})",
+                    attempted=False)
+    return True
+
+
+
+def _replay(flush: _Flush, reason: str, region: str | None) -> FlushResult:
+    """The one replay exit (Note [Tiers]), counted by ``reason``."""
+    STATS.replayed_regions += 1
+    STATS.replay_reasons[reason] += 1
+    computed, dead = flush.mark()
+    launched = replay_window(flush.window)
+    return FlushResult(launched, computed, dead, "compiling" if reason == "compiling" else "replayed", region)
+
+
+def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str) -> FlushResult:
+    """The one compiled run (Note [Tiers])."""
+    check = type(entry.run) is _Unverified  # Note [Artifacts from disk]
+    try:
+        if _profiler._is_profiler_enabled:
+            with _record_function(f"adaptive_eager.region[{entry.region}]"):
+                launched = _run_compiled(entry, flush.window, flush.live, check)
+        else:
+            launched = _run_compiled(entry, flush.window, flush.live, check)
+    except Exception as e:  # never the program's problem: replay
+        # Replay raises eager's own error when the data is at fault (an index out of range, a
+        # singular matrix's check): the region is sound and stays. If replay succeeds, the
+        # compiled code was wrong for this window: blacklist it.
+        done = _replay(flush, "run_failed", entry.region)
+        if check:
+            entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
+        _blacklist(entry, f"run failed: {type(e).__name__}: {e}", "run_failed")
+        return done
+    if check:
+        entry.run = entry.run.run
+    return FlushResult(launched, *entry.counts, outcome, entry.region)
+
+
+def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = True) -> None:
+    """``entry``'s compile failed with ``reason`` (``_failure_reason``), in this process or, when not
+    ``attempted`` here, in an earlier one."""
+    if reason.startswith(_LIFT_ERROR):
+        # The floats cannot be graph inputs: from now on windows of this structure are keyed by
+        # their values (each value compiles once it is hot) instead.
+        log.info("adaptive_eager: float arguments stay compile-time constants: %s", reason)
+        STATS.not_compiled["unliftable_scalars"] += 1
+        entry.blacklisted = "unliftable_scalars"
+        if entry.group is not None:
+            entry.group.unliftable = True
+            entry.group.lifted = ()
+            entry.group.keep = None
+        return
+    if attempted:
+        STATS.compile_failures += 1
+    else:
+        STATS.not_compiled["failed_before"] += 1
+    _blacklist(entry, f"{what}: {reason}", "compile_failed" if attempted else "failed_before")
+
+
+def _blacklist(entry: _Entry, why: str, reason: str) -> None:
+    """``entry`` is never compiled or run compiled again in this process; its windows replay,
+    counted under ``reason`` in ``replay_reasons`` (``why`` is the warning's detail)."""
+    entry.run = None
+    entry.blacklisted = reason
+    STATS.blacklisted += 1
+    log.warning("adaptive_eager: a region was blacklisted and will be replayed: %s", why)
+
+
+def _collect(entry: _Entry) -> None:
+    """Take a finished compile's (or load's) result, blocking if it is still running (without
+    ``_LOCK``, which the caller holds: Note [One lock for the region tables])."""
+    future = entry.future
+    if not future.done():
+        _LOCK.release()
+        try:
+            while not futures_wait((future,), timeout=0.1).done:
+                pass  # in slices, as ``_result`` (Note [Compile thread]): a Ctrl-C is seen within 0.1 s
+        finally:
+            _LOCK.acquire()
+        if entry.future is not future:
+            return  # another thread waited for it too, and took the result
+    entry.future = None
+    try:
+        entry.run, lifted_inputs, seconds, how = _result(future)
+    except Exception as e:  # noqa: BLE001 - any compiler failure means: replay this key
+        _compile_failed(entry, _failure_reason(e), "compile failed")
+        return
+    entry.lifted_inputs = lifted_inputs
+    entry.inplace = how["inplace"]  # the compile's answer (Note [Partitions]), also for artifacts from disk
+    STATS.run_alone.update(how["alone"])
+    if seconds is None:
+        STATS.cache_hits_disk += 1
+        return
+    STATS.compile_seconds += seconds
+    STATS.regions_compiled += 1
+    log.info("adaptive_eager: compiled region %s%s in %.2fs (key %s)", entry.region,
+             " with dynamic shapes" if entry.dynamic else "", seconds, entry.pkey)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: no compile thread (``artifacts._submit`` starts
+    the child's own), and no lock held by another thread. Compiles and loads in flight belong to
+    the parent; the child's entries start them again when due (Note [Worker processes] in
+    adaptive_eager._tracer)."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    for entry in [*CACHE.entries.values(), *(c.sym for c in _CLASSES.values() if c.sym is not None)]:
+        entry.future = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
