@@ -38,6 +38,8 @@ _FLUSH_ADVICE = {
     "other_thread": "another thread read a value still pending in a recording thread (the line shown is the "
                     "reader's): its window ended wherever the owner was. Hand values to other threads after "
                     "a sync point of the owner (`.item()`, `sync()`), or read them less often",
+    "default_dtype": "the default dtype changed (torch.set_default_dtype) with ops pending: the window ends "
+                     "there. Set it once, before the loop",
     "fork": None,
     "collective": None,
     "optimizer_step": None,

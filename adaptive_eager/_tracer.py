@@ -45,6 +45,7 @@ _getframe = sys._getframe
 _copy_ = torch.ops.aten.copy_.default
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _storage_use_count = torch._C._storage_Use_Count
+_default_dtype = torch.get_default_dtype
 _FAILED = object()  # meta-cache marker: this signature cannot be recorded
 _DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
 _SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast path])
@@ -107,6 +108,10 @@ class TracerState:
         self.claim: threading.Event | None = None
         self.claim_lock = threading.Lock()
         self.running: Window | None = None
+        # Note [Meta cache key]: the default dtype the open window's ops were recorded under, and
+        # the meta cache of that dtype
+        self.dtype = _default_dtype()
+        self.meta_cache = _META_CACHES.setdefault(self.dtype, {})
         self.set_options(options)
 
     def set_options(self, options: Options) -> None:
@@ -236,7 +241,7 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         site = _user_source(2)  # the line that triggered the flush
         METRICS.flush_sites[(reason, site)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
-              else contextlib.nullcontext()), _disable_current_modes():
+              else contextlib.nullcontext()), _disable_current_modes(), _recorded_dtype(st.dtype):
             launched, materialized, eliminated = fuser.run_window(window, st.options)
         ran = True  # ``Window.live`` is read: Note [Window release]
         METRICS.launches += launched
@@ -260,6 +265,21 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         if not ran:
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
+
+
+@contextlib.contextmanager
+def _recorded_dtype(dtype: torch.dtype):
+    """The window runs (and is compiled) under the default dtype its ops were recorded under, which
+    the program may have changed since (Note [Meta cache key])."""
+    ambient = _default_dtype()
+    if dtype is None or dtype is ambient:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(ambient)
 
 
 def _poison(window: Window) -> None:
@@ -552,10 +572,11 @@ _STRUCTURE_IDS: dict = {}  # op signature -> its id (>= 1); views' ids are negat
 _SIGNATURE_IDS = itertools.count(1)
 
 
-def _compute_meta(f, args, kwargs, device, sig, ksig, written):
+def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
     """Output metadata by running the op on meta tensors (the slow path: ~65 us); or, for a
     signature eager rejects from its metadata, ``_Raises`` (Note [Overlapping writes]).
-    ``written``: the (tensor, storage id) pairs of the tensors the op writes."""
+    ``written``: the (tensor, storage id) pairs of the tensors the op writes; ``dtype``: the
+    default dtype (Note [Meta cache key])."""
     if any(_has_internal_overlap(t) == 1 for t, _ in written):
         error = _overlap_error(f, args, kwargs, shared=False)
         if error is not None:
@@ -583,7 +604,7 @@ def _compute_meta(f, args, kwargs, device, sig, ksig, written):
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
     specs = tuple(_eager_layouts(f, args, kwargs, specs))
-    structure = (f, tuple(sig), ksig, specs)
+    structure = (f, tuple(sig), ksig, specs, dtype)
     eid = _STRUCTURE_IDS.get(structure)
     if eid is None:
         # one atomic step: two threads never give two signatures one id (Note [Window signature])
@@ -756,7 +777,42 @@ def _overlap_error(f, args, kwargs, shared: bool) -> BaseException | None:
     return None
 
 
-_META_CACHE: dict = {}
+# Note [Meta cache key]
+# The meta cache answers an op's output metadata from its signature: the op, its arguments'
+# geometry and dtypes, its non-tensor arguments (``1``, ``1.0`` and ``True`` apart), and its device.
+# Whatever else can change the answer must be in the key too. Of the ambient state PyTorch's
+# fake-tensor dispatch cache keys on (``FakeTensorMode._cache_key``):
+# - the default dtype: keyed. It decides the result dtype of an integer tensor with a Python
+#   float (``i * 1.5``), of true division of integers, and of factories without ``dtype=``. The
+#   cache is one dict per default dtype (``_META_CACHES``), and a window holds the ops of one
+#   default dtype: when the program changes it (``torch.set_default_dtype``) with ops pending, the
+#   window is flushed first (reason ``default_dtype``), and it runs, and is compiled, under the
+#   dtype it was recorded under (``_recorded_dtype``: at a flush the program may have changed it
+#   since). So the record path pays one ``torch.get_default_dtype()`` (40 ns) per op, and nothing in
+#   the key; the structure ids hold the dtype too, so regions of two dtypes never share a key.
+# - the default device: keyed for factories without ``device=`` (``torch.set_default_device`` is a
+#   function mode above the dispatcher, which fills ``device=`` in for most of them); any other op
+#   takes its device from its tensors.
+# - inference mode and grad mode: not keyed. Both act above this mode (autograd and the
+#   inference-tensor flag are dispatch keys before Python's): an op's output metadata does not
+#   depend on them, and a placeholder, allocated at the op, gets the flags eager's output would.
+# - autocast: not keyed; it is a dispatch key above this mode, so the casts it inserts are ops
+#   recorded like any other.
+# - deterministic algorithms: not keyed. They choose among kernels, not output metadata; the one
+#   CPU effect on values, filling new memory (``fill_uninitialized_memory``), is for the
+#   allocation ops, which run at once (``ALLOC``) and are never recorded.
+# - the shape environment and proxy tracing of fake tensors: nothing of the kind reaches this
+#   mode (a window is traced later, by the fuser, from plain data).
+_META_CACHES: dict = {}  # default dtype -> {op signature: its entry}
+
+
+def _dtype_changed(st: TracerState) -> None:
+    """The program changed the default dtype: the open window runs under the old one first, and
+    the ops from here on read the new one's meta cache (Note [Meta cache key])."""
+    flush(st, "default_dtype")
+    dtype = st.dtype = _default_dtype()
+    st.meta_cache = _META_CACHES.setdefault(dtype, {})
+
 
 # Note [Record fast path]
 # Most recorded ops are elementwise ops, reductions and matmuls: positional tensors and numbers,
@@ -803,6 +859,8 @@ def _alias_out(window: Window, node: Node, t, src, uid: int) -> Out:
 def _record_fast(st: TracerState, f, args, kwargs):
     """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
     write and return their first argument): Note [Record fast path]."""
+    if _default_dtype() is not st.dtype:
+        _dtype_changed(st)  # Note [Meta cache key]
     window = st.window
     n0 = len(window.real_inputs)
     n = len(args)
@@ -883,7 +941,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
     if st.device_in_key:
         ksig = (ksig, device)
     try:
-        entry = _META_CACHE.get((f, tuple(sig), ksig))
+        entry = st.meta_cache.get((f, tuple(sig), ksig))
     except TypeError:  # an unhashable keyword value: the general path runs it eagerly
         return _decline(window, n0)
     if entry.__class__ is not tuple:  # a miss, _FAILED or _Raises: the general path
@@ -1090,7 +1148,7 @@ def _record(st: TracerState, f, args, kwargs):
         device = torch.get_default_device()
         if device.type != st.target:
             return _DECLINED
-        ksig = (ksig, torch.get_default_dtype(), "default-device")
+        ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
     elif st.device_in_key:
         ksig = (ksig, device)
     written = ()  # (tensor, storage id) of every written argument, returned or not
@@ -1111,19 +1169,19 @@ def _record(st: TracerState, f, args, kwargs):
                 raise error
     key = (f, tuple(sig), ksig)
     try:
-        entry = _META_CACHE.get(key)
+        entry = st.meta_cache.get(key)
     except TypeError:  # an unhashable argument we do not model: run it eagerly
         return _DECLINED
     if entry is None:
         try:
-            entry = _compute_meta(f, args, kwargs, device, sig, ksig, written)
+            entry = _compute_meta(f, args, kwargs, st.dtype, sig, ksig, written)
         except Exception as e:
             log.debug("cannot record %s: meta execution failed: %s", f.name, e)
             entry = _FAILED
         else:
             if entry.__class__ is tuple:
                 _ARITY[entry[3]] = len(refs)  # Note [Window signature] in fuser.window
-        _META_CACHE[key] = entry
+        st.meta_cache[key] = entry
     if entry.__class__ is not tuple:
         if entry is _FAILED:
             return _DECLINED
@@ -1293,6 +1351,8 @@ def _random_fill(st: TracerState, f, args, kwargs):
 
 
 def _record_or_run(st: TracerState, f, args, kwargs):
+    if _default_dtype() is not st.dtype:
+        _dtype_changed(st)  # Note [Meta cache key]
     window = st.window
     n0 = len(window.real_inputs)
     try:

@@ -77,7 +77,8 @@ def measure(step, repeats: int) -> dict[str, float]:
         samples["eager"].append(time.perf_counter() - t0)
         for variant in ("cold", "warm"):
             if variant == "cold":
-                _tracer._META_CACHE.clear()
+                for cache in _tracer._META_CACHES.values():
+                    cache.clear()
             with ae.adaptive_eager(**opts):
                 t0 = time.perf_counter()
                 step()

@@ -629,7 +629,7 @@ def _with_symbols(program: Program, cls: _ShapeClass) -> Program:
     ops = [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
            for func, args, kwargs, outs in program.ops]
     return Program(ops, program.inputs, program.live, program.mutated, program.lifted, program.scalars,
-                   cls.reps, cls.dims)
+                   cls.reps, cls.dims, default_dtype=program.default_dtype)
 
 
 def _run_dynamic(entry: _Entry, window: Window, live: list[Out], backend, options, wait: bool):
@@ -1136,8 +1136,12 @@ class Program:
     """A window as plain data: no reference to the program's tensors, so it can be compiled later,
     in another thread or process, after the window itself is gone."""
 
-    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False):
+    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False,
+                 default_dtype=None):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
+        # what ``i * 1.5`` and factories without dtype= make: a window runs under the default dtype
+        # it was recorded under (Note [Meta cache key] in adaptive_eager._tracer), and so is traced
+        self.default_dtype = default_dtype or torch.get_default_dtype()
         self.inputs = inputs  # [(shape, stride, dtype, device)] by slot
         self.live = live  # uids of the outputs, in order
         self.mutated = mutated  # slots whose final values follow the live outputs
@@ -1204,7 +1208,7 @@ class Program:
             "live": list(self.live), "mutated": list(self.mutated), "lifted": list(self.lifted),
             "scalars": list(self.scalars),
             "dynamic": [list(d) for d in self.dynamic], "dims": [list(d) for d in self.dims],
-            "inplace": self.inplace,
+            "inplace": self.inplace, "default_dtype": str(self.default_dtype).removeprefix("torch."),
         }
         return json.dumps(doc).encode()
 
@@ -1218,7 +1222,7 @@ class Program:
         inputs = [(tuple(shape), tuple(stride), getattr(torch, dtype), device) for shape, stride, dtype, device in doc["inputs"]]
         return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]),
                    [tuple(d) for d in doc.get("dynamic", ())], [tuple(d) for d in doc.get("dims", ())],
-                   doc.get("inplace", False))
+                   doc.get("inplace", False), getattr(torch, doc["default_dtype"]))
 
     def digest(self, fingerprint: str) -> str:
         """The persistent region key: xxh3_128 of the program's structure (ops, arguments, input
@@ -1226,14 +1230,15 @@ class Program:
         same in every process (Note [Region key])."""
         if not self.dims:
             text = repr((FORMAT, fingerprint, self.ops, self.inputs, self.live, self.mutated, self.lifted,
-                         self.inplace))
+                         self.inplace, self.default_dtype))
             return xxhash.xxh3_128_hexdigest(text.encode())
         # symbolic: the sizes of the window it was made from are only hints, so not part of the key
         symbolic = {(slot, d): f"s{k}" for slot, d, k in self.dims}
         inputs = [(tuple(symbolic.get((slot, d), n) for d, n in enumerate(shape)),
                    "contiguous" if any((slot, d) in symbolic for d in range(len(shape))) else stride, dtype, device)
                   for slot, (shape, stride, dtype, device) in enumerate(self.inputs)]
-        text = repr((FORMAT, fingerprint, self.ops, inputs, self.live, self.mutated, self.lifted, self.dims))
+        text = repr((FORMAT, fingerprint, self.ops, inputs, self.live, self.mutated, self.lifted, self.dims,
+                     self.default_dtype))
         return xxhash.xxh3_128_hexdigest(text.encode())
 
     def example_inputs(self) -> list[torch.Tensor]:
@@ -1449,6 +1454,7 @@ def compile_job(payload: bytes) -> bytes:
 
     backend = get_backend(doc["backend"], doc["device"])
     program = Program.from_bytes(doc["program"].encode())
+    torch.set_default_dtype(program.default_dtype)  # this process's, for tracing the program
     return _pack(*compile_program(program, backend), doc["key"])
 
 
