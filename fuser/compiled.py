@@ -1140,7 +1140,7 @@ class Program:
                  default_dtype=None):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
         # what ``i * 1.5`` and factories without dtype= make: a window runs under the default dtype
-        # it was recorded under (Note [Meta cache key] in adaptive_eager._tracer), and so is traced
+        # it was recorded under (Note [Meta cache key] in adaptive_eager._meta), and so is traced
         self.default_dtype = default_dtype or torch.get_default_dtype()
         self.inputs = inputs  # [(shape, stride, dtype, device)] by slot
         self.live = live  # uids of the outputs, in order

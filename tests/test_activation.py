@@ -80,4 +80,4 @@ def test_keyword_overrides_environment():
     opts = load_options({"NEURON_EAGER_WINDOW": "7"}, window=9)
     assert opts.window == 9
     with ae.adaptive_eager(window=3):
-        assert ae._tracer.current_state().max_ops == 3
+        assert ae._state.current_state().max_ops == 3

@@ -1,4 +1,4 @@
-"""Ambient state that can change an op's result (Note [Meta cache key] in adaptive_eager._tracer):
+"""Ambient state that can change an op's result (Note [Meta cache key] in adaptive_eager._meta):
 the program changes it between windows and in the middle of one; plain eager is the oracle."""
 
 import contextlib

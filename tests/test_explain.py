@@ -131,7 +131,7 @@ def test_no_profiler_ranges_when_profiler_is_off():
     x = torch.randn(8)
     with ae.adaptive_eager(backend="replay"):
         (x * 2).sum().item()
-    st = ae._tracer.current_state()
+    st = ae._state.current_state()
     assert st is None or st.mode is None or not st.mode.profiling
 
 
