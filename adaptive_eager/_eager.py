@@ -12,6 +12,7 @@ from ._args import _tensors
 from ._flush import flush
 from ._log import log
 from ._metrics import METRICS
+from .reasons import REASONS
 from ._source import _user_source
 from ._state import TracerState, _on_target
 from ._threads import _check_elsewhere
@@ -55,7 +56,7 @@ def _eager(st: TracerState, f, args, kwargs, reason: str | None):
         elif reason == "item" and st.scalar_fast_path and args[0].dim() == 0:
             # ``step.item()``: a read of a real 0-dim CPU tensor, nothing computed for it
             METRICS.host_scalar_ops += 1
-        if reason not in ("item", "bool", "data_dependent", "device_copy", "collective"):
+        if REASONS[reason].fallback:
             METRICS.fallback_ops[f.name] += 1
             site = _user_source(2)
             METRICS.fallback_sites[(f.name, reason, site)] += 1
