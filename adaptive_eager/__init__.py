@@ -142,6 +142,22 @@ def reset_metrics() -> None:
     STATS.reset()
 
 
+def cache_info() -> dict:
+    """The tracer's caches: the meta cache (output metadata by op signature) and the signature ids,
+    each bounded; misses and dropped entries since ``cache_clear()``; the signatures that cannot
+    be recorded (they run eagerly), by op, with the reason."""
+    from ._meta import cache_info as info
+
+    return info()
+
+
+def cache_clear() -> None:
+    """Empty the tracer's caches, as a new process starts (ops compute their metadata again)."""
+    from ._meta import cache_clear as clear
+
+    clear()
+
+
 def report(explain: bool = False) -> str:
     """A readable table of ``metrics()`` and the persistent cache in use; with ``explain=True``,
     followed by ``explain()``."""
@@ -197,5 +213,5 @@ def unload_ipython_extension(ipython) -> None:
 
 __all__ = [
     "adaptive_eager", "enable", "disable", "sync", "is_lazy", "is_enabled", "metrics",
-    "reset_metrics", "report", "explain", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
+    "reset_metrics", "report", "explain", "cache_info", "cache_clear", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
 ]

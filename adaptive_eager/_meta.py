@@ -14,7 +14,17 @@ from ._overlap import _Raises, _extent, _has_internal_overlap, _overlap_error
 _Tensor = torch.Tensor
 _empty_strided = torch.empty_strided
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
-_FAILED = object()  # meta-cache marker: this signature cannot be recorded
+
+
+class _Failed:
+    """A meta-cache entry for a signature that cannot be recorded (its meta kernel raised): the op
+    runs eagerly, and the reason is kept for ``cache_info()``."""
+
+    __slots__ = ("op", "reason")
+
+    def __init__(self, op: str, reason: str):
+        self.op, self.reason = op, reason
+
 
 def _meta(t):
     return _empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
@@ -52,11 +62,7 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
     specs = tuple(_eager_layouts(f, args, kwargs, specs))
-    structure = (f, tuple(sig), ksig, specs, dtype)
-    eid = _signatures._STRUCTURE_IDS.get(structure)
-    if eid is None:
-        # one atomic step: two threads never give two signatures one id (Note [Window signature])
-        eid = _signatures._STRUCTURE_IDS.setdefault(structure, next(_signatures._SIGNATURE_IDS))
+    eid = _signatures.structure_id((f, tuple(sig), ksig, specs, dtype))
     return specs, nbytes, isinstance(res, list), eid
 
 
@@ -138,4 +144,49 @@ def _eager_layouts(f, args, kwargs, specs: list) -> list:
 #   allocation ops, which run at once (``ALLOC``) and are never recorded.
 # - the shape environment and proxy tracing of fake tensors: nothing of the kind reaches this
 #   mode (a window is traced later, by the fuser, from plain data).
-_META_CACHES: dict = {}  # default dtype -> {op signature: its entry}
+_META_CACHES: dict = {}  # default dtype -> {op signature: its entry}; Note [Bounded tables]
+_MISSES = [0]  # meta-cache misses since the last cache_clear()
+
+
+def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, arity: int):
+    """The entry for a meta-cache miss, computed and stored: output metadata, ``_Raises``, or
+    ``_Failed`` with the reason (Note [Meta cache key])."""
+    _MISSES[0] += 1
+    try:
+        entry = _compute_meta(f, args, kwargs, dtype, sig, ksig, written)
+    except Exception as e:
+        log.debug("cannot record %s: meta execution failed: %s", f.name, e)
+        entry = _Failed(f.name, f"{type(e).__name__}: {e}")
+    else:
+        if entry.__class__ is tuple:
+            _signatures._ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
+    return _signatures.bounded_put(cache, key, entry)
+
+
+def cache_info() -> dict:
+    """The meta cache and the signature ids: entries (bounded: Note [Bounded tables]), misses and
+    entries dropped since ``cache_clear()``, and the signatures that cannot be recorded, by op, with
+    why."""
+    failed = {}
+    for cache in list(_META_CACHES.values()):
+        for entry in list(cache.values()):
+            if entry.__class__ is _Failed:
+                failed.setdefault(entry.op, entry.reason)
+    return {
+        "meta_entries": sum(len(c) for c in list(_META_CACHES.values())),
+        "signature_ids": len(_signatures._STRUCTURE_IDS) + len(_signatures._VIEW_IDS),
+        "max_entries": _signatures.MAX_ENTRIES,
+        "meta_misses": _MISSES[0],
+        "evictions": _signatures.EVICTIONS[0],
+        "failures": failed,
+    }
+
+
+def cache_clear() -> None:
+    """Empty the meta cache and the signature ids: later ops compute their metadata again, and
+    windows get new ids (their regions are looked up anew: Note [Bounded tables])."""
+    for cache in list(_META_CACHES.values()):
+        cache.clear()  # in place: each thread's state holds its dtype's dict
+    _signatures._STRUCTURE_IDS.clear()
+    _signatures._VIEW_IDS.clear()
+    _MISSES[0] = _signatures.EVICTIONS[0] = 0

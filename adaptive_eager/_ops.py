@@ -65,7 +65,7 @@ _COLLECTIVE_NON_WRITERS = frozenset({"wait_tensor"})
 
 class OpFacts:
     __slots__ = (
-        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes", "liftable", "scalarlist_pos", "pointwise",
+        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
     )
 
@@ -130,7 +130,6 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
     f.tensor_kw = frozenset(tensor_kw)
     f.mutates = mutates
     f.write_pos = frozenset(write_pos)
-    f.list_writes = any(i in f.write_pos for i in list_pos)
     f.factory = not has_tensor_arg
     f.has_device_kw = any(a.name == "device" for a in schema.arguments)
     rets = schema.returns

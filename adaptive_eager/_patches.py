@@ -58,7 +58,7 @@ def _flush_current(reason: str) -> None:
         flush(st, reason)
 
 
-def _reader(name: str, reason: str, original, other_threads_only: bool = False):
+def _reader(reason: str, original, other_threads_only: bool = False):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         sync_value(self, reason, other_threads_only)
@@ -170,7 +170,7 @@ def install() -> None:
         for name, reason in (*_TENSOR_READERS.items(), *((n, "other_thread") for n in _DISPATCHING_READERS)):
             original = getattr(torch.Tensor, name)
             _saved[("tensor", name)] = torch.Tensor.__dict__.get(name, _MISSING)
-            setattr(torch.Tensor, name, _reader(name, reason, original, name in _DISPATCHING_READERS))
+            setattr(torch.Tensor, name, _reader(reason, original, name in _DISPATCHING_READERS))
         _saved[("tensor", "__repr__")] = torch.Tensor.__dict__.get("__repr__", _MISSING)
         torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
         _saved[("tensor", "data")] = torch.Tensor.__dict__.get("data", _MISSING)

@@ -13,9 +13,8 @@ from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
 
 from . import _signatures
 from ._flush import flush
-from ._meta import _FAILED, _META_CACHES, _compute_meta
+from ._meta import _META_CACHES, _Failed, meta_entry
 from ._metrics import METRICS
-from ._log import log
 from ._overlap import _overlap_error, _shares_written
 from ._source import _user_source
 from ._state import TracerState, _default_dtype, _on_target
@@ -89,7 +88,7 @@ def _decline(window: Window, n0: int):
     return _DECLINED
 
 
-def _alias_out(window: Window, node: Node, t, src, uid: int) -> Out:
+def _alias_out(window: Window, t, src, uid: int) -> Out:
     """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
     (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
     if type(src) is Out:  # a pending value: held weakly (Note [Weak window])
@@ -189,7 +188,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
         entry = st.meta_cache.get((f, tuple(sig), ksig))
     except TypeError:  # an unhashable keyword value: the general path runs it eagerly
         return _decline(window, n0)
-    if entry.__class__ is not tuple:  # a miss, _FAILED or _Raises: the general path
+    if entry.__class__ is not tuple:  # a miss, _Failed or _Raises: the general path
         return _decline(window, n0)
     specs, nbytes, _, eid = entry
     if f.fast_inplace:
@@ -207,7 +206,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
     uid = (node.index + 1) * OUTS_PER_NODE
     if f.fast_inplace:
         node.mutates = True
-        o = _alias_out(window, node, res, nargs[0], uid)
+        o = _alias_out(window, res, nargs[0], uid)
         window.written.add(written)
         if o.slot >= 0:
             window.mutated.add(o.slot)
@@ -418,17 +417,9 @@ def _record(st: TracerState, f, args, kwargs):
     except TypeError:  # an unhashable argument we do not model: run it eagerly
         return _DECLINED
     if entry is None:
-        try:
-            entry = _compute_meta(f, args, kwargs, st.dtype, sig, ksig, written)
-        except Exception as e:
-            log.debug("cannot record %s: meta execution failed: %s", f.name, e)
-            entry = _FAILED
-        else:
-            if entry.__class__ is tuple:
-                _signatures._ARITY[entry[3]] = len(refs)  # Note [Window signature] in fuser.window
-        st.meta_cache[key] = entry
+        entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs))
     if entry.__class__ is not tuple:
-        if entry is _FAILED:
+        if entry.__class__ is _Failed:
             return _DECLINED
         raise entry.error()  # Note [Overlapping writes]
     specs, nbytes, returns_list, eid = entry
@@ -457,7 +448,7 @@ def _record(st: TracerState, f, args, kwargs):
                 continue
             t = args[target] if type(target) is int else kwargs[target]
             src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
-            o = _alias_out(window, node, t, src, uid + j)
+            o = _alias_out(window, t, src, uid + j)
             outs.append(o)
             results.append(t)
             continue
@@ -548,11 +539,7 @@ def _record_view(st: TracerState, f, args, kwargs):
     # the view's own signature: op, input geometry (offset included: views keep it) and arguments
     key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,
            tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))
-    eid = _signatures._VIEW_IDS.get(key)
-    if eid is None:
-        # one atomic step: two threads never give two signatures one id (Note [Window signature])
-        eid = _signatures._VIEW_IDS.setdefault(key, -next(_signatures._SIGNATURE_IDS))
-        _signatures._ARITY[eid] = 1
+    eid = _signatures.view_id(key)
     sigs = window.sigs
     sigs.append(eid)
     sigs.append(ref)

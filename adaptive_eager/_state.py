@@ -55,7 +55,6 @@ class TracerState:
         # how a placeholder is allocated on the record fast path: Inductor's CPU allocator (specs
         # hold plain tuples), or None for ``empty_strided`` on the op's device
         self.alloc_cpu = _empty_strided_cpu if options.device == "cpu" else None
-        self.max_ops = options.window
         if self.periodicity is None or self.periodicity.cap != options.window:
             self.periodicity = Periodicity(options.window)
         self.cut_at = self.periodicity.next_cut()  # Note [Period detection]

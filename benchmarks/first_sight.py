@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adaptive_eager as ae
-from adaptive_eager import _meta
 
 
 def mlp_train():
@@ -77,8 +76,7 @@ def measure(step, repeats: int) -> dict[str, float]:
         samples["eager"].append(time.perf_counter() - t0)
         for variant in ("cold", "warm"):
             if variant == "cold":
-                for cache in _meta._META_CACHES.values():
-                    cache.clear()
+                ae.cache_clear()
             with ae.adaptive_eager(**opts):
                 t0 = time.perf_counter()
                 step()

@@ -82,6 +82,25 @@ def test_env_var_sends_log_to_stderr_without_logging_setup(tmp_path):
     assert f"{script}:5" in out.stderr, out.stderr
 
 
+def test_env_var_log_level_reaches_the_cache_and_the_backends(tmp_path):
+    """NEURON_EAGER_LOG sets one level for all the library's loggers: the fuser's backends and the
+    persistent cache log under their own package names."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import logging
+        import torch
+        (torch.ones(4) * 2).sum().item()
+        for name in ("fuser.backends.inductor", "neff_cache.store", "adaptive_eager.fuser"):
+            logging.getLogger(name).info("probe from %s", name)
+    """))
+    env = dict(os.environ, NEURON_EAGER="adaptive", NEURON_EAGER_LOG="info", NEURON_EAGER_BACKEND="replay",
+               NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("fuser.backends.inductor", "neff_cache.store", "adaptive_eager.fuser"):
+        assert f"[{name}] INFO: probe from {name}" in out.stderr, out.stderr
+
+
 def test_explain_ranks_sites_with_lines_and_advice():
     _loop_with_reads(steps=5, backend="replay")
     text = ae.explain()
