@@ -28,6 +28,18 @@ _storage_use_count = torch._C._storage_Use_Count
 _DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
 _SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast path])
 
+# Note [Scalar fast path]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# On a CPU target, an op reading only real 0-dim tensors (AdamW's ``step += 1``) runs now
+# (``_SCALAR``): deferred, it would make the ``step.item()`` that follows a sync point. Running it
+# early must not change what a pending op reads:
+# - recorded ops snapshot every real one-element tensor they read (a clone, taken at the op, as
+#   eager reads it then), unless a pending op writes its storage: then it is read in window order;
+# - so the early op may not read a tensor with a pending write, nor write one whose storage holds
+#   more than that one element or that a pending op reads through a recorded view
+#   (``Window.viewed``): ``_scalars_settled``.
+
+
 def _written(window: Window, t: torch.Tensor) -> bool:
     # a 0-dim tensor with a pending write must be read in window order, not snapshot now
     return bool(window.written) and _untyped_storage(t)._cdata in window.written
@@ -100,6 +112,66 @@ def _alias_out(window: Window, t, src, uid: int) -> Out:
     return o
 
 
+def _numbers(f, args, n: int, sig: list, floats: list | None) -> list | None:
+    """The signatures of an op's number arguments (``f.scalar_pos``), for either path: a liftable
+    float is ``float``, its value a window scalar (Note [Scalar lifting] in ``_ops``: its position
+    joins ``floats``, made here if None); any other number its type and value (1, 1.0 and True hash
+    alike but promote differently). Answers ``floats``."""
+    for i in f.scalar_pos:
+        if i < n:
+            v = args[i]
+            if v.__class__ is float and f.liftable:
+                sig[i] = float
+                if floats is None:
+                    floats = []
+                floats.append(i)
+            else:
+                sig[i] = (v.__class__, v)
+    return floats
+
+
+def _placeholder(st: TracerState, window: Window, spec: tuple, uid: int, device):
+    """A fresh output of a recorded op: an uninitialized tensor with eager's metadata (``spec``),
+    marked with its Out, which the window holds weakly (Note [Weak window]); both returned."""
+    alloc = st.alloc_cpu
+    if alloc is not None:
+        p = alloc(spec[0], spec[1], spec[2])
+    else:
+        p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
+    o = Out(window.token, FRESH, uid, spec, _weakref(p), _untyped_storage(p)._weak_ref())
+    p._ae = o
+    window.fresh.append(o)
+    return p, o
+
+
+def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, floats, args, kwargs,
+            nbytes: int) -> None:
+    """The window's tail, for an op recorded by either path: its signature and dataflow refs (Note
+    [Window signature] in fuser.window), its liftable floats (Note [Scalar lifting] in ``_ops``:
+    positions, keyword names, or (list position, index)), the node, and the window's cuts."""
+    sigs = window.sigs
+    sigs.append(eid)
+    sigs.extend(refs)
+    if floats:
+        node.fbase = len(window.scalars)
+        node.fpos = floats
+        sc = window.scalars
+        for pos in floats:
+            if type(pos) is int:
+                sc.append(args[pos])
+            elif type(pos) is str:
+                sc.append(kwargs[pos])
+            else:
+                sc.append(args[pos[0]][pos[1]])
+    window.nodes.append(node)
+    window.pending_bytes += nbytes
+    METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
+    if len(window.nodes) >= st.cut_at:
+        flush(st, "period" if st.periodicity.period else "window_cap")
+    elif window.pending_bytes >= st.max_bytes:
+        flush(st, "bytes_cap")
+
+
 def _record_fast(st: TracerState, f, args, kwargs):
     """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
     write and return their first argument): Note [Record fast path]."""
@@ -155,16 +227,8 @@ def _record_fast(st: TracerState, f, args, kwargs):
         sig[i] = (a.shape, a.stride(), a.dtype)
     if first is None:
         return _decline(window, n0)
-    for i in f.scalar_pos:
-        if i < n:
-            v = args[i]
-            if v.__class__ is float and f.liftable:
-                sig[i] = float
-                if floats is None:
-                    floats = []
-                floats.append(i)
-            else:
-                sig[i] = (v.__class__, v)
+    if f.scalar_pos:
+        floats = _numbers(f, args, n, sig, floats)
     for i in f.seq_pos:
         if i < n and type(args[i]) is list:
             sig[i] = tuple(args[i])
@@ -211,30 +275,9 @@ def _record_fast(st: TracerState, f, args, kwargs):
         if o.slot >= 0:
             window.mutated.add(o.slot)
     else:
-        spec = specs[0]
-        alloc = st.alloc_cpu
-        if alloc is not None:
-            res = alloc(spec[0], spec[1], spec[2])
-        else:
-            res = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(window.token, FRESH, uid, spec, _weakref(res), _untyped_storage(res)._weak_ref())  # Note [Weak window]
-        res._ae = o
-        window.fresh.append(o)
+        res, o = _placeholder(st, window, specs[0], uid, device)
     node.outs.append(o)
-    sigs = window.sigs  # Note [Window signature] in fuser.window
-    sigs.append(eid)
-    sigs.extend(refs)
-    if floats is not None:
-        node.fbase = len(window.scalars)
-        node.fpos = floats
-        window.scalars.extend([kwargs[p] if type(p) is str else args[p] for p in floats])
-    window.nodes.append(node)
-    window.pending_bytes += nbytes
-    METRICS.ops_recorded += 1
-    if len(window.nodes) >= st.cut_at:
-        flush(st, "period" if st.periodicity.period else "window_cap")
-    elif window.pending_bytes >= st.max_bytes:
-        flush(st, "bytes_cap")
+    _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
     return res
 
 
@@ -246,14 +289,7 @@ def _record(st: TracerState, f, args, kwargs):
     inputs = []
     snaps = []
     device = None
-    # Note [Scalar fast path]: on a CPU target, an op reading only real 0-dim tensors (AdamW's
-    # ``step += 1``) runs now: deferring it would make the ``step.item()`` that follows a sync.
-    # It may only write a tensor whose storage holds that one element, and recorded ops snapshot
-    # every real one-element tensor they read, so no pending op can see the early write.
-    # Recorded ops snapshot the real 0-dim tensors they read (unless a pending op writes them: then
-    # they are read in window order), so running such an op now can
-    # never change what a pending op will read.
-    only_real_scalars = st.scalar_fast_path
+    only_real_scalars = st.scalar_fast_path  # Note [Scalar fast path]
     refs = []  # Note [Window signature] in fuser.window
     slots = window.slots
     floats = []  # positions of float arguments (Note [Scalar lifting] in _ops)
@@ -338,14 +374,8 @@ def _record(st: TracerState, f, args, kwargs):
         sig[i] = tuple(lsig)
     if only_real_scalars and device is not None and not inputs and _scalars_settled(window, f, args, n):
         return _SCALAR
-    for i in f.scalar_pos:
-        if i < n:
-            v = args[i]
-            if v.__class__ is float and f.liftable:
-                sig[i] = float
-                floats.append(i)
-            else:
-                sig[i] = (v.__class__, v)  # 1, 1.0 and True hash alike but promote differently
+    if f.scalar_pos:
+        _numbers(f, args, n, sig, floats)
     for i in f.seq_pos:
         if i < n and type(args[i]) is list:
             lst = args[i]
@@ -452,15 +482,8 @@ def _record(st: TracerState, f, args, kwargs):
             outs.append(o)
             results.append(t)
             continue
-        alloc = st.alloc_cpu
-        if alloc is not None:
-            p = alloc(spec[0], spec[1], spec[2])
-        else:
-            p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-        o = Out(window.token, FRESH, uid + j, spec, _weakref(p), _untyped_storage(p)._weak_ref())  # Note [Weak window]
-        p._ae = o
+        p, o = _placeholder(st, window, spec, uid + j, device)
         outs.append(o)
-        window.fresh.append(o)
         results.append(p)
     if f.mutates:
         # Every written argument (BatchNorm's running stats are written but not returned; foreach
@@ -472,27 +495,7 @@ def _record(st: TracerState, f, args, kwargs):
             slot = o.slot if live else window.slot_of(t)
             if slot >= 0:
                 window.mutated.add(slot)
-    sigs = window.sigs
-    sigs.append(eid)
-    sigs.extend(refs)
-    if floats:
-        node.fbase = len(window.scalars)
-        node.fpos = floats
-        sc = window.scalars
-        for pos in floats:
-            if type(pos) is int:
-                sc.append(args[pos])
-            elif type(pos) is str:
-                sc.append(kwargs[pos])
-            else:
-                sc.append(args[pos[0]][pos[1]])
-    window.nodes.append(node)
-    window.pending_bytes += nbytes
-    METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
-    if len(window.nodes) >= st.cut_at:
-        flush(st, "period" if st.periodicity.period else "window_cap")
-    elif window.pending_bytes >= st.max_bytes:
-        flush(st, "bytes_cap")
+    _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
     if f.nrets == 0:
         return None
     if f.nrets == 1 and not returns_list:
