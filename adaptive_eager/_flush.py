@@ -56,7 +56,6 @@ def _run(st: TracerState, reason: str) -> None:
 
 
 def _run_window(st: TracerState, window: Window, reason: str) -> None:
-    window.closed = True
     ran = False
     site = None
     try:

@@ -181,7 +181,7 @@ def install() -> None:
         sys.breakpointhook = _breakpointhook_wrapper(sys.breakpointhook)
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)
+        _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
         for owner, name, reason in _opaque_entry_points():
             original = getattr(owner, name)
             _saved[("opaque", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited

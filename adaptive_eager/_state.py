@@ -29,14 +29,14 @@ class TracerState:
         self.depth = 0
         self.periodicity: Periodicity | None = None
         self.thread = threading.current_thread()
-        # Note [Reads from other threads]: the owner's busy stretches, another thread's claim on
-        # the window, the window being run
+        # the owner's busy stretches, another thread's claim on the window, the window being run
+        # (Note [Reads from other threads])
         self.busy = 0
         self.claim: threading.Event | None = None
         self.claim_lock = threading.Lock()
         self.running: Window | None = None
-        # Note [Meta cache key]: the default dtype the open window's ops were recorded under, and
-        # the meta cache of that dtype
+        # the default dtype the open window's ops were recorded under, and that dtype's meta cache
+        # (Note [Meta cache key])
         self.dtype = _default_dtype()
         self.meta_cache = _META_CACHES.setdefault(self.dtype, {})
         self.set_options(options)
