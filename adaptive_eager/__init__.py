@@ -13,30 +13,21 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import importlib
-
 from ._metrics import METRICS, format_report
 from .config import ConfigError, Options, defaults, load_options, with_overrides
 from .errors import AdaptiveEagerError
 
 # The tracer imports torch internals; ``import torch`` imports this package (backend autoload)
-# before torch has finished importing, so the tracer is loaded on first use, not here.
-
-
-def __getattr__(name):
-    if name == "_tracer":
-        return importlib.import_module("._tracer", __name__)
-    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")
-
-
-def _t():
-    return importlib.import_module("._tracer", __name__)
+# before torch has finished importing, so the tracer's modules are imported on first use, in the
+# functions below, not here.
 
 __version__ = "0.1.0"
 
 
 def _state_or_none():
-    st = _t().current_state()
+    from ._state import current_state
+
+    st = current_state()
     return st if st is not None and st.mode is not None else None
 
 
@@ -46,31 +37,40 @@ def enable(**options: Any) -> None:
     Keyword options are those of ``adaptive_eager(...)``; the environment supplies the rest.
     Calling it again while on flushes and applies the new options.
     """
+    from ._flush import flush
+    from ._mode import activate
+
     opts = load_options(**options)
     st = _state_or_none()
     if st is not None:
-        _t().flush(st, "options")
+        flush(st, "options")
         st.set_options(opts)
         return
-    _t().activate(opts)
+    activate(opts)
 
 
 def disable() -> None:
     """Flush and turn adaptive eager off for the current thread (no-op when it is off)."""
     st = _state_or_none()
     if st is not None:
+        from ._mode import deactivate
+
         st.depth = 0
-        _t().deactivate(st)
+        deactivate(st)
 
 
 @contextlib.contextmanager
 def adaptive_eager(**options: Any):
     """Record ops lazily inside the block; leaving it flushes. Nesting is allowed: an inner block
     starts from the outer block's options and applies its own keywords until it exits."""
+    from ._flush import flush
+    from ._log import log
+    from ._mode import activate, deactivate
+
     st = _state_or_none()
     if st is None:
         opts = load_options(**options)
-        st = _t().activate(opts)
+        st = activate(opts)
         owner = True
         previous = None
     else:
@@ -78,7 +78,7 @@ def adaptive_eager(**options: Any):
         previous = st.options
         opts = with_overrides(previous, **options)
         if opts != previous:
-            _t().flush(st, "options")
+            flush(st, "options")
             st.set_options(opts)
     st.depth += 1
     try:
@@ -89,18 +89,18 @@ def adaptive_eager(**options: Any):
         st.depth -= 1
         try:
             if owner:
-                _t().deactivate(st)
+                deactivate(st)
             else:
-                _t().flush(st, "exit")
+                flush(st, "exit")
         except Exception as flush_error:  # noqa: BLE001 - reported, the original error wins
-            _t().log.warning("adaptive_eager: flush while leaving on an exception failed: %s", flush_error)
+            log.warning("adaptive_eager: flush while leaving on an exception failed: %s", flush_error)
         raise
     st.depth -= 1
     if owner:
-        _t().deactivate(st)
+        deactivate(st)
     else:
         try:
-            _t().flush(st, "exit")
+            flush(st, "exit")
         finally:
             if previous is not None and previous != st.options:
                 st.set_options(previous)
@@ -108,14 +108,19 @@ def adaptive_eager(**options: Any):
 
 def sync() -> None:
     """Flush the current thread's window now (every pending value becomes real)."""
-    st = _t().current_state()
+    from ._flush import flush
+    from ._state import current_state
+
+    st = current_state()
     if st is not None:
-        _t().flush(st, "sync")
+        flush(st, "sync")
 
 
 def is_lazy(t) -> bool:
     """Whether ``t`` holds a pending value (its contents are computed at the next sync point)."""
-    return _t().is_pending(t)
+    from ._threads import is_pending
+
+    return is_pending(t)
 
 
 def is_enabled() -> bool:
@@ -135,6 +140,22 @@ def reset_metrics() -> None:
 
     METRICS.reset()
     fuser.reset_metrics()
+
+
+def cache_info() -> dict:
+    """The tracer's caches: the meta cache (output metadata by op signature) and the signature ids,
+    each bounded; misses and dropped entries since ``cache_clear()``; the signatures that cannot
+    be recorded (they run eagerly), by op, with the reason."""
+    from ._meta import cache_info as info
+
+    return info()
+
+
+def cache_clear() -> None:
+    """Empty the tracer's caches, as a new process starts (ops compute their metadata again)."""
+    from ._meta import cache_clear as clear
+
+    clear()
 
 
 def report(explain: bool = False) -> str:
@@ -192,5 +213,5 @@ def unload_ipython_extension(ipython) -> None:
 
 __all__ = [
     "adaptive_eager", "enable", "disable", "sync", "is_lazy", "is_enabled", "metrics",
-    "reset_metrics", "report", "explain", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
+    "reset_metrics", "report", "explain", "cache_info", "cache_clear", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
 ]

@@ -12,42 +12,7 @@ from collections import Counter
 
 from fuser.window import where as _where
 
-# flush reason -> what to change (None: expected, nothing to do)
-_FLUSH_ADVICE = {
-    "item": "a value is read on the host (`.item()`) here: each read ends the window. Read it every N "
-            "steps, or keep it a tensor (accumulate losses in a tensor, call .item() once at the end)",
-    "bool": "Python control flow on a tensor value (`if t:`, `while t:`) ends the window here. Use "
-            "torch.where / masks, or decide on the host every N steps",
-    "tolist": "`.tolist()` reads the tensor on the host here: move it out of the hot loop",
-    "numpy": "`.numpy()` / `np.asarray(t)` reads the tensor on the host here: move it out of the hot loop",
-    "print": "printing while adaptive eager is on flushes (output order stays eager): print every N steps",
-    "repr": "formatting a pending tensor (repr/str/f-string) flushes: format every N steps",
-    "data_dependent": "an op whose result depends on the data (nonzero, masked indexing, unique, equal) "
-                      "runs eagerly after a flush: use a fixed-shape form (torch.where, masked_fill) if you can",
-    "dynamic_shape": "an op with a data-dependent output shape runs eagerly after a flush: use a fixed-shape "
-                     "form (torch.where, masked_fill) if you can",
-    "device_copy": "a copy to or from another device flushes here (`.cpu()`, `.to(...)`): move transfers out "
-                   "of the hot loop or batch them",
-    "window_cap": "the window reached the op cap and no period was found yet: raise NEURON_EAGER_WINDOW, or "
-                  "sync at a step boundary (adaptive eager cuts at optimizer.step() by itself)",
-    "bytes_cap": "pending outputs reached the byte cap: raise NEURON_EAGER_WINDOW_MB if memory allows",
-    "random": "a random op that cannot be drawn at record time flushes here",
-    "metadata_mutation": "an in-place change of a tensor's shape or storage (resize_, t_, set_) flushes here: "
-                         "use the out-of-place form",
-    "fallback": "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
-    "other_thread": "another thread read a value still pending in a recording thread (the line shown is the "
-                    "reader's): its window ended wherever the owner was. Hand values to other threads after "
-                    "a sync point of the owner (`.item()`, `sync()`), or read them less often",
-    "fork": None,
-    "collective": None,
-    "optimizer_step": None,
-    "period": None,
-    "exit": None,
-    "sync": None,
-    "options": None,
-    "cell": None,
-    "breakpoint": None,
-}
+from .reasons import REASONS
 
 _RECOMPILE_ADVICE = {
     "new_shape": "shapes change between windows (a varying batch size or sequence length): pad or bucket "
@@ -57,6 +22,11 @@ _RECOMPILE_ADVICE = {
                      "input: expected once per region",
     "dynamic": "a region was compiled with symbolic sizes: expected once per region",
 }
+
+
+def _advice(reason: str) -> str | None:
+    r = REASONS.get(reason)
+    return r.advice if r is not None else ""  # a reason missing from the table: tests/test_explain.py
 
 
 def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: int = 5) -> str:
@@ -97,12 +67,12 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     # its first step); expected reasons (leaving the block, optimizer steps) after
     rare = max(2, windows // 100)
     ranked = [(n, reason, site) for (reason, site), n in flush_sites.items()]
-    ranked.sort(key=lambda x: (_FLUSH_ADVICE.get(x[1], "") is None or x[0] < rare, -x[0]))
+    ranked.sort(key=lambda x: (_advice(x[1]) is None or x[0] < rare, -x[0]))
     if not ranked:
         lines.append("  (none)")
     for n, reason, site in ranked[:top]:
         lines.append(f"  {reason:<40}{n:>8}  {_where(site)}")
-        advice = _FLUSH_ADVICE.get(reason, "")
+        advice = _advice(reason)
         if advice:
             lines.append(f"      -> {advice}")
 

@@ -39,7 +39,10 @@ import threading
 
 from IPython.core.error import UsageError
 
-from . import _tracer, disable, enable, is_enabled, report
+from . import disable, enable, is_enabled, report
+from ._flush import flush
+from ._log import log
+from ._state import current_state
 
 USAGE = "Usage: %adaptive_eager on|off|report  (no argument: say whether it is on in this thread)"
 
@@ -49,9 +52,9 @@ _CELL_END_SOURCE = "__import__('adaptive_eager._ipython', fromlist=('_cell_end',
 
 def _cell_end(value=None):
     """Flush this thread's window at the end of a cell, then hand back the cell's last value."""
-    st = _tracer.current_state()
+    st = current_state()
     if st is not None and st.window.nodes:
-        _tracer.flush(st, "cell")
+        flush(st, "cell")
     return value
 
 
@@ -136,13 +139,13 @@ class _Extension:
 
     def flush_after_failure(self) -> None:
         """Run what a failed cell left pending; its own error wins (Note [Cell boundaries])."""
-        st = _tracer.current_state()
+        st = current_state()
         if st is None or not st.window.nodes:
             return
         try:
-            _tracer.flush(st, "cell")
+            flush(st, "cell")
         except Exception as error:  # noqa: BLE001 - the cell's own error is the one shown
-            _tracer.log.warning(
+            log.warning(
                 "adaptive_eager: the cell failed, and running the ops it recorded before the "
                 "failure also failed: %s", error)
 

@@ -65,7 +65,7 @@ _COLLECTIVE_NON_WRITERS = frozenset({"wait_tensor"})
 
 class OpFacts:
     __slots__ = (
-        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "list_writes", "liftable", "scalarlist_pos", "pointwise",
+        "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
     )
 
@@ -83,9 +83,22 @@ def _type_class(t: str) -> str:
     return "other"
 
 
-# Note [Scalar lifting]: float arguments are not part of an op's metadata-cache key or of its
-# structural signature (they become per-window runtime values, see fuser.compiled), except for
-# ops whose float arguments decide output shapes.
+# Note [Scalar lifting]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A training step passes Python floats that change every step (a learning-rate schedule, Adam's
+# bias corrections ``1 - beta ** step``). Were each value part of an op's signature, every step
+# would be a new window structure, and nothing would ever be compiled twice.
+# - Recording: a float argument of a liftable op (``OpFacts.liftable``) is ``float`` in the op's
+#   meta-cache key and signature (its value cannot change output metadata, except for the ops
+#   whose floats decide output shapes: ``_SHAPE_FROM_FLOATS``, never liftable), and its value is
+#   appended to ``Window.scalars``; the node keeps where it took it from (``Node.fbase``/``fpos``:
+#   an argument position, a keyword name, or (list position, index)). Other numbers stay in the
+#   signature by type and value: ``1``, ``1.0`` and ``True`` hash alike but promote differently.
+# - Compiling: the fuser keeps, per window structure, which scalars changed between its windows;
+#   one that changed ``LIFT_AFTER`` times becomes a runtime input of the compiled region (a 0-dim
+#   tensor), the others stay constants of the graph. A graph that cannot take a float as an input
+#   (an op transformed it, or needs it as a Python number: found by tracing with a NaN sentinel) is
+#   compiled with all values baked in.
 _SHAPE_FROM_FLOATS = ("arange", "linspace", "logspace", "range", "upsample", "interpolate", "histogram")
 
 
@@ -130,7 +143,6 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
     f.tensor_kw = frozenset(tensor_kw)
     f.mutates = mutates
     f.write_pos = frozenset(write_pos)
-    f.list_writes = any(i in f.write_pos for i in list_pos)
     f.factory = not has_tensor_arg
     f.has_device_kw = any(a.name == "device" for a in schema.arguments)
     rets = schema.returns
@@ -181,7 +193,7 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
         f.kind = RECORD
         if torch.Tag.dynamic_output_shape in tags:
             f.reason = "dynamic_shape"
-    # Note [Record fast path] in adaptive_eager._tracer: one fresh output, positional tensors and
+    # Note [Record fast path] in adaptive_eager._record: one fresh output, positional tensors and
     # numbers only, nothing written
     f.fast = (
         f.kind == RECORD and not f.list_pos and not f.tensor_kw and not f.mutates and f.nrets == 1

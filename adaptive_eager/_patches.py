@@ -4,7 +4,7 @@ Some ways of reading a tensor go straight to its memory (``numpy``, ``tolist``, 
 pickling, ``repr``), and some ways of observing the program do not touch tensors at all (builtin
 ``print``, ``breakpoint()``). While any thread has adaptive eager on, these are wrapped so that the
 window the tensor is pending in is flushed first, whichever thread's (see Note [Placeholders] in
-``fuser.window`` and Note [Reads from other threads] in ``_tracer``), and ``print`` flushes the
+``fuser.window`` and Note [Reads from other threads] in ``_threads``), and ``print`` flushes the
 calling thread's window: the value read is the eager value, and printed text keeps its eager order
 relative to errors. Readers that dispatch ops (``item``, ``float``, formatting) are seen by the
 calling thread's own mode; they are wrapped for reads of values pending in other threads. ``.data``,
@@ -24,7 +24,9 @@ import threading
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import _tracer
+from ._flush import flush
+from ._state import current_state
+from ._threads import pending_mark, sync_value
 
 # Tensor methods that read memory without dispatching, with the flush reason each one counts as.
 _TENSOR_READERS = {
@@ -51,15 +53,15 @@ _saved: dict = {}
 
 
 def _flush_current(reason: str) -> None:
-    st = _tracer.current_state()
+    st = current_state()
     if st is not None and st.window.nodes:
-        _tracer.flush(st, reason)
+        flush(st, reason)
 
 
-def _reader(name: str, reason: str, original, other_threads_only: bool = False):
+def _reader(reason: str, original, other_threads_only: bool = False):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
-        _tracer.sync_value(self, reason, other_threads_only)
+        sync_value(self, reason, other_threads_only)
         return original(self, *args, **kwargs)
 
     return wrapper
@@ -68,8 +70,8 @@ def _reader(name: str, reason: str, original, other_threads_only: bool = False):
 def _repr_wrapper(original):
     @functools.wraps(original)
     def __repr__(self, *args, **kwargs):
-        _tracer.sync_value(self, "repr")
-        st = _tracer.current_state()
+        sync_value(self, "repr")
+        st = current_state()
         if st is None or st.mode is None:
             return original(self, *args, **kwargs)
         # The values are real now; format them eagerly instead of recording the formatting ops.
@@ -90,7 +92,7 @@ def _data_property(original):
     def getter(self):
         alias = get(self)
         o = getattr(self, "_ae", None)
-        if o is not None and _tracer.pending_mark(o):
+        if o is not None and pending_mark(o):
             alias._ae = o
         return alias
 
@@ -131,11 +133,11 @@ def _opaque(original, reason: str):
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        st = _tracer.current_state()
+        st = current_state()
         if st is None or st.mode is None:
             return original(*args, **kwargs)
         if st.window.nodes:
-            _tracer.flush(st, reason)
+            flush(st, reason)
         with _disable_current_modes():
             return original(*args, **kwargs)
 
@@ -168,7 +170,7 @@ def install() -> None:
         for name, reason in (*_TENSOR_READERS.items(), *((n, "other_thread") for n in _DISPATCHING_READERS)):
             original = getattr(torch.Tensor, name)
             _saved[("tensor", name)] = torch.Tensor.__dict__.get(name, _MISSING)
-            setattr(torch.Tensor, name, _reader(name, reason, original, name in _DISPATCHING_READERS))
+            setattr(torch.Tensor, name, _reader(reason, original, name in _DISPATCHING_READERS))
         _saved[("tensor", "__repr__")] = torch.Tensor.__dict__.get("__repr__", _MISSING)
         torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
         _saved[("tensor", "data")] = torch.Tensor.__dict__.get("data", _MISSING)
@@ -179,7 +181,7 @@ def install() -> None:
         sys.breakpointhook = _breakpointhook_wrapper(sys.breakpointhook)
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)
+        _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
         for owner, name, reason in _opaque_entry_points():
             original = getattr(owner, name)
             _saved[("opaque", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited

@@ -18,6 +18,8 @@ from typing import Any
 
 from neff_cache.settings import DEFAULT_DIRECTORY, DEFAULT_SHARING, SHARING
 
+from .errors import AdaptiveEagerError
+
 ENV_PREFIX = "NEURON_EAGER_"
 ENV_SWITCH = "NEURON_EAGER"  # adaptive | eager (unset = eager)
 SWITCH_VALUES = ("adaptive", "eager")
@@ -26,7 +28,7 @@ LOG_LEVELS = ("warning", "info", "debug")
 CACHE_SHARING = SHARING
 
 
-class ConfigError(ValueError):
+class ConfigError(AdaptiveEagerError, ValueError):
     """A setting has a value adaptive eager cannot use; the message names the setting and the fix."""
 
 
@@ -278,9 +280,3 @@ def switch_value(environ: Mapping[str, str] | None = None) -> str:
         raise ConfigError(f"{ENV_SWITCH}={raw!r}: expected 'adaptive' (on) or 'eager' (off)")
     return raw
 
-
-def settings_table() -> str:
-    """Markdown table of the settings, for README.md and ``report()``."""
-    rows = ["| keyword | environment variable | meaning |", "| --- | --- | --- |"]
-    rows += [f"| `{n}` | `{_env(n)}` | {doc} |" for n, (_, doc) in SETTINGS.items()]
-    return "\n".join(rows)

@@ -2,4 +2,5 @@
 
 
 class AdaptiveEagerError(RuntimeError):
-    """A misuse of adaptive eager itself; the message says what to do."""
+    """The root of adaptive eager's own errors (``ConfigError``: a setting it cannot use); the
+    message says what to do. Errors of the program's ops are eager's own types."""

@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adaptive_eager as ae
-from adaptive_eager import _tracer
 
 
 def mlp_train():
@@ -77,7 +76,7 @@ def measure(step, repeats: int) -> dict[str, float]:
         samples["eager"].append(time.perf_counter() - t0)
         for variant in ("cold", "warm"):
             if variant == "cold":
-                _tracer._META_CACHE.clear()
+                ae.cache_clear()
             with ae.adaptive_eager(**opts):
                 t0 = time.perf_counter()
                 step()

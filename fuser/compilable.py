@@ -50,7 +50,7 @@ def _writes_overlapping(window: Window) -> bool:
     ``x[0].expand(3, 4).fill_(2)``, which eager allows for ``fill_`` and ``zero_``). The functional
     graph makes that one value per element and writes them back through the expand's inverse, which
     sums them (``fill_(2)`` of a 3-row expand stored 6), so such windows replay. Eager refuses the
-    other ops that would write so (Note [Overlapping writes] in adaptive_eager._tracer)."""
+    other ops that would write so (Note [Overlapping writes] in adaptive_eager._overlap)."""
     for node in window.nodes:
         if not node.mutates or node.is_view:
             continue

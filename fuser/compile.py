@@ -53,6 +53,7 @@ def compile_job(payload: bytes) -> bytes:
 
     backend = get_backend(doc["backend"], doc["device"])
     program = Program.from_bytes(doc["program"].encode())
+    torch.set_default_dtype(program.default_dtype)  # this process's, for tracing the program
     return _pack(*compile_program(program, backend), doc["key"])
 
 

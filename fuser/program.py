@@ -73,8 +73,12 @@ class Program:
     """A window as plain data: no reference to the program's tensors, so it can be compiled later,
     in another thread or process, after the window itself is gone."""
 
-    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False):
+    def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False,
+                 default_dtype=None):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
+        # what ``i * 1.5`` and factories without dtype= make: a window runs under the default dtype
+        # it was recorded under (Note [Meta cache key] in adaptive_eager._meta), and so is traced
+        self.default_dtype = default_dtype or torch.get_default_dtype()
         self.inputs = inputs  # [(shape, stride, dtype, device)] by slot
         self.live = live  # uids of the outputs, in order
         self.mutated = mutated  # slots whose final values follow the live outputs
@@ -142,7 +146,7 @@ class Program:
             "live": list(self.live), "mutated": list(self.mutated), "lifted": list(self.lifted),
             "scalars": list(self.scalars),
             "dynamic": [list(d) for d in self.dynamic], "dims": [list(d) for d in self.dims],
-            "inplace": self.inplace,
+            "inplace": self.inplace, "default_dtype": str(self.default_dtype).removeprefix("torch."),
         }
 
     def to_bytes(self) -> bytes:
@@ -159,7 +163,8 @@ class Program:
                for name, args, kwargs, outs in doc["ops"]]
         inputs = [(tuple(shape), tuple(stride), getattr(torch, dtype), device) for shape, stride, dtype, device in doc["inputs"]]
         return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]),
-                   [tuple(d) for d in doc["dynamic"]], [tuple(d) for d in doc["dims"]], doc["inplace"])
+                   [tuple(d) for d in doc["dynamic"]], [tuple(d) for d in doc["dims"]], doc["inplace"],
+                   getattr(torch, doc["default_dtype"]))
 
     def digest(self, fingerprint: str) -> str:
         """The persistent region key: xxh3_128 of the program's one encoding (``to_bytes``'s, keys

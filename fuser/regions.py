@@ -495,7 +495,7 @@ def _after_fork_in_child() -> None:
     """A forked child has only the forking thread: no compile thread (``artifacts._submit`` starts
     the child's own), and no lock held by another thread. Compiles and loads in flight belong to
     the parent; the child's entries start them again when due (Note [Worker processes] in
-    adaptive_eager._tracer)."""
+    adaptive_eager._mode)."""
     global _LOCK
     _LOCK = threading.Lock()
     for entry in [*CACHE.entries.values(), *(c.sym for c in _CLASSES.values() if c.sym is not None)]:

@@ -150,7 +150,7 @@ def _bind(out: Out, result: torch.Tensor) -> int:
     if result.dtype is out.meta[2]:
         # the storage object ``storage`` and each TensorImpl over it count one; a result in
         # another layout (a compiled kernel's choice) is copied: the program saw the placeholder's
-        # strides, which are eager's (Note [Eager layouts] in adaptive_eager._tracer)
+        # strides, which are eager's (Note [Eager layouts] in adaptive_eager._meta)
         if placeholder is not None and _storage_use_count(storage._cdata) <= 2 and result.stride() == out.meta[1]:
             # Only the placeholder uses its (never written) storage: adopt the result's storage
             # instead of copying it. Every holder of this TensorImpl sees the new storage.

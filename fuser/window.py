@@ -45,7 +45,7 @@ in one cascade, without visiting them one by one. (The recorder holds its open w
 names the recorder back: that cycle goes when the recorder moves on to a new window.) A tensor's
 mark ``t._ae`` is pending exactly while ``t._ae.win`` is the token of its recorder's open window
 (or of the window it is running); a mark left behind never matches a later window. At the flush
-(``_tracer._release``) only the Outs whose tensors can outlive the window are visited: the live
+(``adaptive_eager._flush._release``) only the Outs whose tensors can outlive the window are visited: the live
 FRESH ones (``Window.live``) and the ALIAS and VIEW ones (``Window.others``) lose their marks and
 their references, so a surviving tensor keeps nothing of the window. A dead FRESH Out needs no
 visit: every tensor carrying its mark would share its storage, and that storage is gone. Each FRESH
@@ -134,7 +134,7 @@ class FlushResult(NamedTuple):
 class Token:
     """What the Outs of one window carry as ``Out.win`` (Note [Window release]). ``owner`` is
     whatever records the window (the tracer's per-thread state), so that any thread holding a mark
-    finds who can run its window (Note [Reads from other threads] in ``adaptive_eager._tracer``)."""
+    finds who can run its window (Note [Reads from other threads] in ``adaptive_eager._threads``)."""
 
     __slots__ = ("owner",)
 
@@ -159,7 +159,7 @@ class Window:
         # costs nothing to build at flush and little to hash and free (no tuples per node). A
         # ref is an Out's ``uid`` (> 0) or ``-(slot + 1)`` for a real (non-pending) input tensor.
         # The list reads back unambiguously: a signature id fixes how many refs follow it (the
-        # op's tensor arguments are part of what the id stands for; ``_tracer._ARITY``).
+        # op's tensor arguments are part of what the id stands for; ``adaptive_eager._signatures._ARITY``).
         self.sigs: list[int] = []
         self.slots: dict[int, int] = {}  # id(real tensor) -> slot
         self.real_inputs: list = []  # the real tensors the window reads or writes, by slot

@@ -80,4 +80,11 @@ def test_keyword_overrides_environment():
     opts = load_options({"NEURON_EAGER_WINDOW": "7"}, window=9)
     assert opts.window == 9
     with ae.adaptive_eager(window=3):
-        assert ae._tracer.current_state().max_ops == 3
+        assert ae._state.current_state().options.window == 3
+
+
+def test_config_error_is_an_adaptive_eager_error():
+    """One root for the library's own errors; a bad setting is still a ValueError."""
+    with pytest.raises(ae.AdaptiveEagerError, match="NEURON_EAGER_WINDOW") as err:
+        load_options({"NEURON_EAGER_WINDOW": "lots"})
+    assert isinstance(err.value, ae.ConfigError) and isinstance(err.value, ValueError)

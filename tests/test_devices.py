@@ -122,17 +122,17 @@ def test_a_check_runs_alone_and_raises_on_the_device(device):
 
 def test_ops_take_the_record_fast_path_on_the_device(device, monkeypatch):
     """Note [Record fast path]: on a target with several devices (cuda) too."""
-    from adaptive_eager import _tracer
+    from adaptive_eager import _mode, _record
 
-    real = _tracer._record_fast
+    real = _record._record_fast
     recorded = []
 
     def counting(*a):
         res = real(*a)
-        recorded.append(res is not _tracer._DECLINED)
+        recorded.append(res is not _record._DECLINED)
         return res
 
-    monkeypatch.setattr(_tracer, "_record_fast", counting)
+    monkeypatch.setattr(_mode, "_record_fast", counting)
     x, p = torch.randn(64, device=device), torch.randn(64, device=device)
     with adaptive_eager(**_options(device)):
         for _ in range(3):  # the first sight of each signature fills the meta cache

@@ -82,6 +82,25 @@ def test_env_var_sends_log_to_stderr_without_logging_setup(tmp_path):
     assert f"{script}:5" in out.stderr, out.stderr
 
 
+def test_env_var_log_level_reaches_the_cache_and_the_backends(tmp_path):
+    """NEURON_EAGER_LOG sets one level for all the library's loggers: the fuser's backends and the
+    persistent cache log under their own package names."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import logging
+        import torch
+        (torch.ones(4) * 2).sum().item()
+        for name in ("fuser.backends.inductor", "neff_cache.store", "adaptive_eager.fuser"):
+            logging.getLogger(name).info("probe from %s", name)
+    """))
+    env = dict(os.environ, NEURON_EAGER="adaptive", NEURON_EAGER_LOG="info", NEURON_EAGER_BACKEND="replay",
+               NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("fuser.backends.inductor", "neff_cache.store", "adaptive_eager.fuser"):
+        assert f"[{name}] INFO: probe from {name}" in out.stderr, out.stderr
+
+
 def test_explain_ranks_sites_with_lines_and_advice():
     _loop_with_reads(steps=5, backend="replay")
     text = ae.explain()
@@ -131,7 +150,7 @@ def test_no_profiler_ranges_when_profiler_is_off():
     x = torch.randn(8)
     with ae.adaptive_eager(backend="replay"):
         (x * 2).sum().item()
-    st = ae._tracer.current_state()
+    st = ae._state.current_state()
     assert st is None or st.mode is None or not st.mode.profiling
 
 
@@ -174,3 +193,64 @@ def test_explain_names_compiler_failures_worked_around_and_blacklisted_regions()
     text = explain(metrics, Counter(), Counter())
     assert "compiler failures worked around: 2 ops" in text and "blacklisted: 1 regions" in text
     assert "compiler failures" not in explain({"windows": 3}, Counter(), Counter())
+
+
+@pytest.mark.parametrize("read", ["data_ptr", "storage", "pickle"])
+def test_explain_advises_on_memory_reads(read):
+    """A pending value's memory read outside the dispatcher ends the window: explain() names the
+    line and says what to change, as for every other reason."""
+    import pickle
+
+    x = torch.randn(8)
+    with ae.adaptive_eager(backend="replay"):
+        y = x * 2
+        if read == "data_ptr":
+            y.data_ptr()  # MARK-data_ptr
+        elif read == "storage":
+            y.untyped_storage()  # MARK-storage
+        else:
+            pickle.dumps(y)  # MARK-pickle
+    assert ae.metrics()["flushes"][read] == 1
+    lines = ae.explain().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == [read])
+    assert f"{__file__}:{_line_of('MARK-' + read)}" in lines[at]
+    assert lines[at + 1].strip().startswith("-> "), lines
+
+
+def _emitted_reasons() -> set:
+    """Every flush or eager-op reason the library's code can give: the string arguments of its
+    flush calls and eager runs, the reasons op facts are given, and the readers' tables."""
+    import ast
+    import pathlib
+
+    import adaptive_eager
+    from adaptive_eager import _ops, _patches
+
+    calls = {"flush", "_run", "_flush_current", "_eager", "sync_value"}
+    found = set(_patches._TENSOR_READERS.values()) | set(_ops._SYNC_REASONS.values())
+    found |= {reason for _, _, reason in _patches._opaque_entry_points()}
+    for path in pathlib.Path(adaptive_eager.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            parts = []
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in calls:
+                parts = node.args[1:]
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:  # f.reason = "..." and f.kind, f.reason = ..., "..."
+                    targets = target.elts if isinstance(target, ast.Tuple) else [target]
+                    values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                    parts += [v for t, v in zip(targets, values) if getattr(t, "attr", None) == "reason"]
+            for part in parts:
+                found |= {c.value for c in ast.walk(part) if isinstance(c, ast.Constant) and type(c.value) is str}
+    return found - {""}
+
+
+def test_every_reason_the_code_gives_is_in_the_table():
+    from adaptive_eager.reasons import REASONS
+
+    emitted = _emitted_reasons()
+    assert {"item", "data_ptr", "storage", "pickle", "default_dtype", "window_cap", "other_thread"} <= emitted
+    missing = emitted - set(REASONS)
+    assert not missing, f"reasons without an entry (and advice) in adaptive_eager/reasons.py: {sorted(missing)}"
+    # every actionable reason has advice explain() prints; only expected ends of a window have none
+    assert {r.name for r in REASONS.values() if r.advice is None} == {
+        "breakpoint", "collective", "period", "optimizer_step", "exit", "sync", "options", "cell", "fork"}

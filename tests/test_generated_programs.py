@@ -103,7 +103,7 @@ def execute(step: Step, pool: list, observations: list) -> None:
     elif op.kind == "compute":
         results = result if isinstance(result, (tuple, list)) else (result,)
         # each value's strides when it is made (pending, lazily): eager's from the start, not only
-        # once the flush has computed it (Note [Eager layouts] in adaptive_eager._tracer)
+        # once the flush has computed it (Note [Eager layouts] in adaptive_eager._meta)
         observations.append((repr(step), "strides", [t.stride() for t in results]))
         pool.extend(results)
 

@@ -1,5 +1,5 @@
 """Threads: a pending value read in another thread (Note [Reads from other threads] in
-adaptive_eager._tracer), and several threads recording and compiling at once (Note [One lock for
+adaptive_eager._threads), and several threads recording and compiling at once (Note [One lock for
 the region tables] in fuser.regions). Plain eager is the oracle; every thread is joined with a
 timeout, so a deadlock fails the test instead of hanging it."""
 

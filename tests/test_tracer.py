@@ -512,7 +512,7 @@ def test_flushed_windows_drop_every_reference():
         x = torch.randn(100)
         y = x * 2
         ref = weakref.ref(y)
-        st = ae._tracer.current_state()
+        st = ae._state.current_state()
         ae.sync()
         assert len(st.window) == 0
         del y
@@ -536,7 +536,7 @@ def test_long_loop_keeps_memory_flat():
         steps(2000)
         gc.collect()
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        st = ae._tracer.current_state()
+        st = ae._state.current_state()
         steps(10_000)
         gc.collect()
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -603,13 +603,13 @@ def _window_facts(program, make, varies=False):
     """What recording ``program(*make())`` leaves in the window (sigs, float scalars, written
     slots), and its results after the flush. ``varies``: record as on a target type with several
     devices (cuda), where each op's device comes from its tensors."""
-    from adaptive_eager import _tracer
+    from adaptive_eager import _state
 
     args = make()  # real tensors: made before the mode
     with adaptive_eager(backend="replay", window=10_000):
-        _tracer.current_state().device_varies = varies
+        _state.current_state().device_varies = varies
         out = program(*args)
-        w = _tracer.current_state().window
+        w = _state.current_state().window
         facts = ([s for s in w.sigs], list(w.scalars), sorted(w.mutated), len(w.written),
                  [(n.func, n.mutates, [o.kind for o in n.outs if o is not None]) for n in w.nodes])
     return facts, out
@@ -621,7 +621,7 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
     """Note [Record fast path]: the fast paths are an optimization only: the window they leave
     (op signatures, dataflow, lifted floats, written inputs) and the values equal the general
     path's, whichever path saw a signature first."""
-    from adaptive_eager import _tracer
+    from adaptive_eager import _mode, _record
 
     torch.manual_seed(0)
     params = [torch.randn(6, 5) for _ in range(3)]
@@ -643,19 +643,19 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
             outs.append(d)
         return ps, ms, outs
 
-    real_fast = _tracer._record_fast
+    real_fast = _record._record_fast
     if inplace_first:
         _window_facts(program, make, varies)  # the fast path sees the signatures first (after a warm-up)
-    monkeypatch.setattr(_tracer, "_record_fast", lambda *a: _tracer._DECLINED)
+    monkeypatch.setattr(_mode, "_record_fast", lambda *a: _record._DECLINED)
     want, want_out = _window_facts(program, make, varies)
     calls = {False: [], True: []}  # by OpFacts.fast_inplace: whether the fast path recorded the op
 
     def counting(st, f, args, kwargs):
         res = real_fast(st, f, args, kwargs)
-        calls[f.fast_inplace].append(res is not _tracer._DECLINED)
+        calls[f.fast_inplace].append(res is not _record._DECLINED)
         return res
 
-    monkeypatch.setattr(_tracer, "_record_fast", counting)
+    monkeypatch.setattr(_mode, "_record_fast", counting)
     got, got_out = _window_facts(program, make, varies)
     assert any(calls[False]) and any(calls[True])  # fresh-output and in-place ops took the fast path
     assert got == want
@@ -682,19 +682,19 @@ def test_ops_that_are_not_recorded_leave_no_inputs_in_the_window():
     """An op that runs at once (a host-scalar op, an eager fallback) or that a fast path hands
     to the general path must not leave its tensors among the window's inputs: the window would
     hold them alive and its region key would depend on what ran before it."""
-    from adaptive_eager import _tracer
+    from adaptive_eager import _state
 
     step = torch.tensor(0.0)
     x = torch.randn(8)
     other = torch.randn(3, dtype=torch.float64)
     with adaptive_eager(backend="replay"):
-        w = _tracer.current_state().window
+        w = _state.current_state().window
         step += 1  # host-scalar op: runs now
         step.item()
         torch.ops.aten.cumsum.default(other, 0)  # a first sight: a meta-cache miss on the fast path
         assert [t is other for t in w.real_inputs] == [True]  # the cumsum was recorded; step is not there
         ae.sync()
-        w = _tracer.current_state().window
+        w = _state.current_state().window
         step += 1
         y = x * 2
         assert [t is x for t in w.real_inputs] == [True]
@@ -764,7 +764,7 @@ def test_a_value_the_program_drops_is_freed_while_the_window_records():
     with adaptive_eager():
         y = x * 2
         z = y + 1  # reads y: the window keeps the op, not the tensor
-        handle = ae._tracer.current_state().window.fresh[0].storage
+        handle = ae._state.current_state().window.fresh[0].storage
         assert _storage_alive(handle)
         del y
         assert not _storage_alive(handle)  # freed now, as eager frees it, not at the flush
@@ -853,7 +853,7 @@ def test_accumulate_grad_steals_fresh_gradients():
         for _ in range(3):
             w.grad = None
             (x * w).tanh().sum().backward()  # w's gradient is the fresh output of a mul
-            recorded.append({str(n.func) for n in ae._tracer.current_state().window.nodes})
+            recorded.append({str(n.func) for n in ae._state.current_state().window.nodes})
             ae.sync()
     assert_eager(w.grad, want)
     # stolen: no gradient buffer allocated and copied into (AccumulateGrad's clone_obey_contract)

@@ -1,4 +1,4 @@
-"""Worker processes (Note [Worker processes] in adaptive_eager._tracer): DataLoader workers and
+"""Worker processes (Note [Worker processes] in adaptive_eager._mode): DataLoader workers and
 ``torch.multiprocessing`` get eager values, and a child process records only when asked to.
 
 Plain eager is the oracle. DataLoader runs use real worker processes (fork and spawn) in a

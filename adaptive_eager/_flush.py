@@ -1,0 +1,162 @@
+"""A sync point: run the open window, bind every live result into the program's tensors, and on a
+failure poison what was not computed and raise the user's error at the line it belongs to."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.autograd.profiler as _profiler
+from torch.utils._python_dispatch import _disable_current_modes
+
+import fuser
+from fuser.window import Window, where
+
+from ._log import log
+from ._metrics import METRICS
+from ._signatures import _op_ids
+from ._source import _user_source
+from ._state import TracerState, _default_dtype, _step_back, _tls
+
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
+
+_CUTS = ("window_cap", "period")
+
+
+def flush(st: TracerState, reason: str) -> None:
+    """Run the open window (if any) and bind every live result into the program's tensors.
+
+    For the thread that owns ``st``; a read in another thread runs it with ``_flush_for_reader``."""
+    if not st.window.nodes and st.claim is None:
+        return
+    st.busy += 1  # Note [Reads from other threads]
+    if st.claim is not None and st.busy == 1:
+        _step_back(st)
+    try:
+        _run(st, reason)
+    finally:
+        st.busy -= 1
+
+
+def _run(st: TracerState, reason: str) -> None:
+    """``flush``'s work, by whichever thread may touch ``st``'s window now."""
+    window = st.window
+    if not window.nodes or getattr(_tls, "running", None) is not None:
+        # nothing pending, or this thread is running a window: its ops read every value they
+        # use when it was real, and the fuser is not reentrant (Note [Reads from other threads])
+        return
+    st.running = window  # before the swap: a reader in another thread always finds the window
+    st.window = Window(st)  # first: anything the run triggers must not see the old window
+    _tls.running = window
+    try:
+        _run_window(st, window, reason)
+    finally:
+        _tls.running = st.running = None
+
+
+def _run_window(st: TracerState, window: Window, reason: str) -> None:
+    ran = False
+    site = result = None
+    try:
+        per = st.periodicity
+        per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
+        st.cut_at = per.next_cut()
+        METRICS.flushes[reason] += 1
+        METRICS.windows += 1
+        site = _user_source(2)  # the line that triggered the flush
+        METRICS.flush_sites[(reason, site)] += 1
+        with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
+              else contextlib.nullcontext()), _disable_current_modes(), _recorded_dtype(st.dtype):
+            result = fuser.run_window(window, st.options)
+        ran = True  # ``Window.live`` is read: Note [Window release]
+        METRICS.launches += result.launches
+        METRICS.ops_materialized += result.computed
+        METRICS.ops_eliminated += result.dead
+    except fuser.ReplayError as e:
+        _poison(window)
+        raise _user_error(e, reason) from e.error
+    except BaseException as e:
+        # Ctrl-C, an internal error, a cache the OS refuses: not the program's error, and it goes
+        # on as it is (KeyboardInterrupt stays KeyboardInterrupt), but the values are settled first
+        _poison(window)
+        e.add_note(f"[adaptive_eager] raised while running the window flushed ({reason}) at {where(site)}; "
+                   f"the values it had not computed hold NaN (0 for integers and bools).")
+        raise
+    finally:
+        if log.isEnabledFor(logging.INFO):
+            log.info("flush (%s): %d ops, region %s %s; triggered at %s", reason, len(window.nodes),
+                     (result and result.region) or "-", result.outcome if result else "failed",
+                     where(site))
+        if not ran:
+            window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
+        _release(window)
+
+
+@contextlib.contextmanager
+def _recorded_dtype(dtype: torch.dtype):
+    """The window runs (and is compiled) under the default dtype its ops were recorded under, which
+    the program may have changed since (Note [Meta cache key])."""
+    ambient = _default_dtype()
+    if dtype is None or dtype is ambient:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(ambient)
+
+
+def _poison(window: Window) -> None:
+    """A window failed: the values its later ops would have made were never computed. Eager
+    would not have run those lines at all; make what the program holds of them unmistakable (NaN,
+    or 0 for integers and bools) instead of leaving uninitialized memory. A value is computed once
+    the run bound it (``Out.value``), in replay and compiled regions alike."""
+    with _disable_current_modes(), torch.no_grad():
+        for o in window.fresh:
+            if o.value is not None or fuser.value_is_dead(o):
+                continue
+            t = fuser.placeholder_of(o)
+            if t.numel():
+                t.fill_(float("nan") if (t.is_floating_point() or t.is_complex()) else 0)
+
+
+def _release(window: Window) -> None:
+    """Unmark the tensors that outlive ``window`` and drop what their Outs hold; free the storage
+    handles. The rest goes with the window, by reference counting: Note [Window release]."""
+    free = _free_weak_ref
+    for o in window.fresh:
+        free(o.storage)
+    for outs in (window.live, window.others):
+        for o in outs:
+            # unmarked, the Out is reachable only from the window (a real tensor's mark was the
+            # one cycle: tensor -> Out -> tensor), and goes with it
+            ref = o.ref
+            t = ref() if ref is not None else o.tensor
+            if t is not None:
+                d = t.__dict__
+                if d.get("_ae") is o:
+                    del d["_ae"]
+            o.value = o.storage = None  # an exception's traceback may keep the window's nodes
+    window.fresh.clear()
+    window.live.clear()
+    window.others.clear()
+    window.nodes.clear()
+    window.real_inputs.clear()
+
+
+def _user_error(e: fuser.ReplayError, reason: str) -> BaseException:
+    err, node = e.error, e.node
+    msg = (
+        f"{err}\n[adaptive_eager] raised by {node.func}, recorded at {node.where()}; it ran when the "
+        f"window was flushed ({reason}). Eager would have raised at that line; values recorded after it "
+        f"were never computed (they hold NaN). To run eagerly, leave the adaptive_eager() context, set "
+        f"NEURON_EAGER=eager, or in Jupyter use %adaptive_eager off."
+    )
+    try:
+        new = type(err)(msg)
+    except Exception:  # exception types with a custom constructor keep their own message
+        err.add_note(msg)
+        return err
+    return new

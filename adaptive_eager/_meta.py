@@ -1,0 +1,192 @@
+"""An op's output metadata from its signature: the meta cache (Note [Meta cache key]), the meta
+kernel run on a miss, and eager's layouts (Note [Eager layouts])."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _signatures
+from ._log import log
+from ._overlap import _Raises, _extent, _has_internal_overlap, _overlap_error
+
+_Tensor = torch.Tensor
+_empty_strided = torch.empty_strided
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
+
+
+class _Failed:
+    """A meta-cache entry for a signature that cannot be recorded (its meta kernel raised): the op
+    runs eagerly, and the reason is kept for ``cache_info()``."""
+
+    __slots__ = ("op", "reason")
+
+    def __init__(self, op: str, reason: str):
+        self.op, self.reason = op, reason
+
+
+def _meta(t):
+    return _empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
+    """Output metadata by running the op on meta tensors (the slow path: ~65 us); or, for a
+    signature eager rejects from its metadata, ``_Raises`` (Note [Overlapping writes]).
+    ``written``: the (tensor, storage id) pairs of the tensors the op writes; ``dtype``: the
+    default dtype (Note [Meta cache key])."""
+    if any(_has_internal_overlap(t) == 1 for t, _ in written):
+        error = _overlap_error(f, args, kwargs, shared=False)
+        if error is not None:
+            return _Raises(error)
+    margs = list(args)
+    for i in f.tensor_pos:
+        if i < len(margs) and isinstance(margs[i], _Tensor):
+            margs[i] = _meta(margs[i])
+    for i in f.list_pos:
+        if i < len(margs):
+            margs[i] = [None if x is None else _meta(x) for x in margs[i]]
+    mkwargs = {k: (_meta(v) if isinstance(v, _Tensor) else v) for k, v in kwargs.items()}
+    if f.factory or "device" in mkwargs:
+        mkwargs["device"] = "meta"
+    res = f.func(*margs, **mkwargs)
+    outs = res if isinstance(res, (tuple, list)) else (res,)
+    specs = []
+    nbytes = 0
+    for j, r in enumerate(outs):
+        if r is None or (j < len(f.alias_ret) and f.alias_ret[j] is not None):
+            specs.append(None)
+            continue
+        if not isinstance(r, _Tensor):
+            raise NotImplementedError(f"{f.name} returns a non-tensor")
+        specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
+        nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
+    specs = tuple(_eager_layouts(f, args, kwargs, specs))
+    eid = _signatures.structure_id((f, tuple(sig), ksig, specs, dtype))
+    return specs, nbytes, isinstance(res, list), eid
+
+
+# Note [Eager layouts]
+# A meta kernel knows an op's output shapes and dtypes, but not always the layout the device's own
+# kernel picks: it has no device (a channels_last convolution comes out contiguous on meta, as do
+# the FFTs, pixel_shuffle and others), and some Python meta kernels order strides differently from
+# the device kernels (``div`` with a transposed operand). The program must see eager's strides
+# while a value is pending, since they decide what a view of it is and whether ``reshape`` copies;
+# the value's run would not fix them (``fuser.replay._bind`` keeps the placeholder's layout). So on
+# a meta-cache miss (once per signature, never on the record fast path) the op also runs for real
+# on its own device, and every fresh output takes that run's strides. The run reads the program's
+# float tensors as they are (placeholders hold uninitialized memory: harmless to a kernel, and only
+# the layout is kept) and copies nothing of them; integer and bool inputs are zeros of the same
+# geometry (garbage indices would fail or read out of bounds; zero is a valid index into any
+# non-empty dimension), and so is a written argument, so the run changes nothing the program holds.
+# If that run raises (an integer division by zero, a kernel that checks its floats), every input is
+# ones of its geometry for a second try; if that raises too, the meta kernel's layout stands.
+# Factories have no input layout to follow and skip the run. Recorded ops draw no random numbers
+# (Note [RNG] in _ops), so the run consumes no generator.
+
+
+def _eager_layouts(f, args, kwargs, specs: list) -> list:
+    """``specs`` with each fresh output's strides taken from a real run of the op (Note [Eager layouts])."""
+    if f.factory or all(s is None for s in specs):
+        return specs
+    written = f.write_pos
+
+    def stand_in(t, written: bool, fill):
+        if not isinstance(t, _Tensor):
+            return t
+        if fill is None:
+            if not written and (t.is_floating_point() or t.is_complex()):
+                return t
+            fill = 0
+        return torch.full((_extent(t),), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+
+    for fill in (None, 1):
+        try:
+            rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
+                     else stand_in(a, i in written, fill) for i, a in enumerate(args)]
+            with warnings.catch_warnings():  # the op warns when it runs, as eager's does
+                warnings.simplefilter("ignore")
+                res = f.func(*rargs, **{k: stand_in(v, k in written, fill) for k, v in kwargs.items()})
+            break
+        except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
+            error = e
+    else:
+        log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, error)
+        return specs
+    outs = res if isinstance(res, (tuple, list)) else (res,)
+    return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
+            else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)]
+
+
+# Note [Meta cache key]
+# The meta cache answers an op's output metadata from its signature: the op, its arguments'
+# geometry and dtypes, its non-tensor arguments (``1``, ``1.0`` and ``True`` apart), and its device.
+# Whatever else can change the answer must be in the key too. Of the ambient state PyTorch's
+# fake-tensor dispatch cache keys on (``FakeTensorMode._cache_key``):
+# - the default dtype: keyed. It decides the result dtype of an integer tensor with a Python
+#   float (``i * 1.5``), of true division of integers, and of factories without ``dtype=``. The
+#   cache is one dict per default dtype (``_META_CACHES``), and a window holds the ops of one
+#   default dtype: when the program changes it (``torch.set_default_dtype``) with ops pending, the
+#   window is flushed first (reason ``default_dtype``), and it runs, and is compiled, under the
+#   dtype it was recorded under (``_recorded_dtype``: at a flush the program may have changed it
+#   since). So the record path pays one ``torch.get_default_dtype()`` (40 ns) per op, and nothing in
+#   the key; the structure ids hold the dtype too, so regions of two dtypes never share a key.
+# - the default device: keyed for factories without ``device=`` (``torch.set_default_device`` is a
+#   function mode above the dispatcher, which fills ``device=`` in for most of them); any other op
+#   takes its device from its tensors.
+# - inference mode and grad mode: not keyed. Both act above this mode (autograd and the
+#   inference-tensor flag are dispatch keys before Python's): an op's output metadata does not
+#   depend on them, and a placeholder, allocated at the op, gets the flags eager's output would.
+# - autocast: not keyed; it is a dispatch key above this mode, so the casts it inserts are ops
+#   recorded like any other.
+# - deterministic algorithms: not keyed. They choose among kernels, not output metadata; the one
+#   CPU effect on values, filling new memory (``fill_uninitialized_memory``), is for the
+#   allocation ops, which run at once (``ALLOC``) and are never recorded.
+# - the shape environment and proxy tracing of fake tensors: nothing of the kind reaches this
+#   mode (a window is traced later, by the fuser, from plain data).
+_META_CACHES: dict = {}  # default dtype -> {op signature: its entry}; Note [Bounded tables]
+_MISSES = [0]  # meta-cache misses since the last cache_clear()
+
+
+def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, arity: int):
+    """The entry for a meta-cache miss, computed and stored: output metadata, ``_Raises``, or
+    ``_Failed`` with the reason (Note [Meta cache key])."""
+    _MISSES[0] += 1
+    try:
+        entry = _compute_meta(f, args, kwargs, dtype, sig, ksig, written)
+    except Exception as e:
+        log.debug("cannot record %s: meta execution failed: %s", f.name, e)
+        entry = _Failed(f.name, f"{type(e).__name__}: {e}")
+    else:
+        if entry.__class__ is tuple:
+            _signatures._ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
+    return _signatures.bounded_put(cache, key, entry)
+
+
+def cache_info() -> dict:
+    """The meta cache and the signature ids: entries (bounded: Note [Bounded tables]), misses and
+    entries dropped since ``cache_clear()``, and the signatures that cannot be recorded, by op, with
+    why."""
+    failed = {}
+    for cache in list(_META_CACHES.values()):
+        for entry in list(cache.values()):
+            if entry.__class__ is _Failed:
+                failed.setdefault(entry.op, entry.reason)
+    return {
+        "meta_entries": sum(len(c) for c in list(_META_CACHES.values())),
+        "signature_ids": len(_signatures._STRUCTURE_IDS) + len(_signatures._VIEW_IDS),
+        "max_entries": _signatures.MAX_ENTRIES,
+        "meta_misses": _MISSES[0],
+        "evictions": _signatures.EVICTIONS[0],
+        "failures": failed,
+    }
+
+
+def cache_clear() -> None:
+    """Empty the meta cache and the signature ids: later ops compute their metadata again, and
+    windows get new ids (their regions are looked up anew: Note [Bounded tables])."""
+    for cache in list(_META_CACHES.values()):
+        cache.clear()  # in place: each thread's state holds its dtype's dict
+    _signatures._STRUCTURE_IDS.clear()
+    _signatures._VIEW_IDS.clear()
+    _MISSES[0] = _signatures.EVICTIONS[0] = 0

@@ -1,0 +1,240 @@
+"""The dispatch mode: each ATen op on the target device is recorded (``_record``), run now
+(``_eager``) or drawn now (random ops, Note [RNG] in ``_ops``); turning the mode on and off; and
+worker processes (Note [Worker processes])."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.autograd.profiler as _profiler
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fuser.window import Window
+
+from . import _gc, _ops, _patches, _state
+from ._eager import _eager, _reason_for_unrecordable, _touches_target
+from ._flush import _poison, _release, flush
+from ._metrics import METRICS
+from ._ops import ALLOC, BATCH_NORM, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for
+from ._record import _DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_fast, _record_view, _unslot
+from ._state import TracerState, _default_dtype, _on_target, _register, _step_back, _tls, _unregister, current_state
+from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader
+from .config import Options
+
+_empty_strided = torch.empty_strided
+_copy_ = torch.ops.aten.copy_.default
+
+def _dense(t: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return is_non_overlapping_and_dense_or_false(t)
+
+
+def _random_fill(st: TracerState, f, args, kwargs):
+    self = args[0]
+    if not _on_target(st, self):
+        return f.func(*args, **kwargs)
+    if not _dense(self):  # an expanded or overlapping target has no eager-equivalent temporary
+        return _eager(st, f, args, kwargs, "random")
+    o = getattr(self, "_ae", None)
+    if o is not None and o.win is not st.window.token:
+        _check_elsewhere(self, o)  # before the draw: the op is dispatched again after that window ran
+    # Draw now, in program order (Note [RNG] in _ops), into a tensor of the same geometry so the
+    # generator is consumed and the values land exactly as eager would place them.
+    tmp = _empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
+    f.func(tmp, *args[1:], **kwargs)
+    METRICS.ops_eager += 1
+    METRICS.launches += 1
+    _record_or_run(st, facts_for(_copy_), (self, tmp), {})
+    return self
+
+
+def _record_or_run(st: TracerState, f, args, kwargs):
+    if _default_dtype() is not st.dtype:
+        _dtype_changed(st)  # Note [Meta cache key]
+    window = st.window
+    n0 = len(window.real_inputs)
+    try:
+        res = _record(st, f, args, kwargs)
+    except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
+        _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
+        raise
+    if (res is _SCALAR or res is _DECLINED) and len(window.real_inputs) != n0:
+        _unslot(window, n0)
+    if res is _SCALAR:
+        METRICS.host_scalar_ops += 1
+        return _eager(st, f, args, kwargs, None)
+    if res is not _DECLINED:
+        return res
+    if not _touches_target(st, f, args, kwargs):
+        return f.func(*args, **kwargs)
+    return _eager(st, f, args, kwargs, _reason_for_unrecordable(st, f, args, kwargs))
+
+
+class LazyMode(TorchDispatchMode):
+    """Records ATen ops on the target device instead of running them."""
+
+    def __init__(self, state: TracerState):
+        super().__init__()
+        self.state = state
+        self.profiling = False
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode would wrap __torch_dispatch__ in torch._disable_dynamo: ~2 us per op
+        # on the hottest path. Dynamo never traces into this mode's frames, so skip the wrapper.
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _profiler._is_profiler_enabled and not self.profiling:
+            # torch.profiler is recording: show each op's recording as a range
+            self.profiling = True
+            try:
+                with _profiler.record_function("adaptive_eager.record"):
+                    return self.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.profiling = False
+        st = self.state
+        st.busy += 1  # Note [Reads from other threads]
+        if st.claim is not None and st.busy == 1:
+            _step_back(st)
+        try:
+            f = _ops.FACTS.get(func)
+            if f is None:
+                f = facts_for(func)
+            kind = f.kind
+            if kwargs is None:
+                kwargs = {}
+            if kind == RECORD:
+                if (f.fast and not kwargs) or f.fast_inplace:
+                    res = _record_fast(st, f, args, kwargs)
+                    if res is not _DECLINED:
+                        return res
+                return _record_or_run(st, f, args, kwargs)
+            if kind == VIEW_OP:
+                return _record_view(st, f, args, kwargs)
+            if kind == ALLOC:
+                return func(*args, **kwargs)
+            if kind == RANDOM_FILL:
+                return _random_fill(st, f, args, kwargs)
+            if kind == BATCH_NORM:
+                # the same arguments and kernels, but the running-stat writes are in the schema, so they
+                # are marked written and functionalization returns their new values
+                mutating = len(args) > 5 and args[5] and args[3] is not None and args[4] is not None
+                bn = torch.ops.aten._native_batch_norm_legit.default if mutating else func
+                return _record_or_run(st, facts_for(bn), args, kwargs)
+            if kind == RANDOM_NEW:
+                if _touches_target(st, f, args, kwargs):
+                    return _eager(st, f, args, kwargs, None)
+                return func(*args, **kwargs)
+            # FLUSH
+            if _touches_target(st, f, args, kwargs):
+                return _eager(st, f, args, kwargs, f.reason)
+            return func(*args, **kwargs)
+        except _Elsewhere as e:
+            owner, value = e.args
+        finally:
+            st.busy -= 1
+        # The op read a value pending in another thread's window (nothing of it was recorded):
+        # run that window, then dispatch the op again.
+        _flush_for_reader(owner, value)
+        return self.__torch_dispatch__(func, types, args, kwargs)
+
+
+def activate(options: Options) -> TracerState:
+    st = current_state()
+    if st is None:
+        st = _tls.state = TracerState(options)
+    if st.mode is None:
+        st.periodicity = None  # a new program phase: find its period afresh
+        st.set_options(options)
+        st.mode = LazyMode(st)
+        st.mode.__enter__()
+        st.sync_gc()
+        _patches.install()
+        for _ in range(_register(st)):  # ended threads' states, each with the patches installed
+            _patches.uninstall()
+        _install_process_hooks()
+    return st
+
+
+def deactivate(st: TracerState) -> None:
+    try:
+        flush(st, "exit")
+    finally:
+        if st.mode is not None:
+            mode, st.mode = st.mode, None
+            mode.__exit__(None, None, None)
+            _unregister(st)
+            _gc.release(st)
+            _patches.uninstall()
+
+
+# Note [Worker processes]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A child process does not record unless asked (``workers=True``, NEURON_EAGER_WORKERS=1).
+# DataLoader workers and other ``multiprocessing`` children hand tensors to their parent through
+# shared memory, pickled by a queue's feeder thread; a value still pending in the child's window
+# would reach the parent unwritten (DataLoader batches of zeros), and the child's window would run
+# at some later sync point of the child, if ever. Their work (loading, collating) is eager work.
+# - fork: the forking thread's window runs first (``_before_fork``), so the child's copy of each
+#   of its values is real. In the child (``_after_fork_in_child``) that thread's mode goes off.
+#   The other threads do not exist there: their states lose any claim those threads held, and a
+#   window one of them was recording or running at that instant cannot finish and is poisoned
+#   (NaN, never uninitialized memory); their other windows stay readable (a read runs them on the
+#   child's copy of their inputs: Note [Reads from other threads]). ``fuser.artifacts`` forgets its
+#   compile thread the same way.
+# - spawn: a fresh interpreter imports torch, and NEURON_EAGER=adaptive does not turn the mode on
+#   in a ``multiprocessing`` child (``_autoload._in_worker_process``).
+# - forkserver: the child is forked from the server (as above, if the server had it on), and may
+#   then import torch itself before it knows it is a child; ``multiprocessing`` runs its after-fork
+#   hooks (``multiprocessing.util.register_after_fork``) as the child starts its target, and the
+#   mode goes off there, after flushing what the child's imports recorded.
+# With ``workers``, a child keeps recording (after fork, with an empty window); what it hands to
+# a queue is still real when pickled, since the feeder thread's read runs the window.
+
+_process_hooks = False
+
+
+def _install_process_hooks() -> None:
+    global _process_hooks
+    if _process_hooks:
+        return
+    _process_hooks = True
+    import multiprocessing.util
+
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    multiprocessing.util.register_after_fork(_tls, lambda _: _leave_in_child())
+
+
+def _before_fork() -> None:
+    st = current_state()
+    if st is not None and st.mode is not None and not st.busy:
+        flush(st, "fork")
+
+
+def _after_fork_in_child() -> None:
+    me = current_state()
+    for st in _state._STATES:
+        # what threads that do not exist here held: a claim, a window they were running, and the
+        # window of a thread that was recording (its last op half recorded); those never finish
+        st.claim, st.claim_lock = None, threading.Lock()
+        broken = [st.running] if st.running is not None else []
+        if st.busy and st is not me:
+            broken.append(st.window)
+            st.window, st.busy = Window(st), 0
+        for window in broken:
+            _poison(window)
+            _release(window)
+        st.running = None
+    _leave_in_child()
+
+
+def _leave_in_child() -> None:
+    """This process is a worker: the mode goes off unless workers record (Note [Worker processes])."""
+    st = current_state()
+    if st is not None and st.mode is not None and not st.options.workers:
+        st.depth = 0
+        deactivate(st)

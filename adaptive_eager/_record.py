@@ -1,0 +1,550 @@
+"""One op into the window: the record fast path (Note [Record fast path]), the general path and
+views. See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pending value is.
+
+This is the hottest code of the library: it does no pytree walking, builds no strings, and pays one
+dict lookup for the op's facts and one for its output metadata."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
+
+from . import _signatures
+from ._flush import flush
+from ._meta import _META_CACHES, _Failed, meta_entry
+from ._metrics import METRICS
+from ._overlap import _overlap_error, _shares_written
+from ._source import _user_source
+from ._state import TracerState, _default_dtype, _on_target
+from ._threads import _check_elsewhere, _Elsewhere, pending_mark
+
+_Tensor = torch.Tensor
+_empty_strided = torch.empty_strided
+_weakref = weakref.ref
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
+_storage_use_count = torch._C._storage_Use_Count
+_DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
+_SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast path])
+
+# Note [Scalar fast path]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# On a CPU target, an op reading only real 0-dim tensors (AdamW's ``step += 1``) runs now
+# (``_SCALAR``): deferred, it would make the ``step.item()`` that follows a sync point. Running it
+# early must not change what a pending op reads:
+# - recorded ops snapshot every real one-element tensor they read (a clone, taken at the op, as
+#   eager reads it then), unless a pending op writes its storage: then it is read in window order;
+# - so the early op may not read a tensor with a pending write, nor write one whose storage holds
+#   more than that one element or that a pending op reads through a recorded view
+#   (``Window.viewed``): ``_scalars_settled``.
+
+
+def _written(window: Window, t: torch.Tensor) -> bool:
+    # a 0-dim tensor with a pending write must be read in window order, not snapshot now
+    return bool(window.written) and _untyped_storage(t)._cdata in window.written
+
+
+def _scalars_settled(window: Window, f, args, n: int) -> bool:
+    """Whether an op on real 0-dim tensors may run now (Note [Scalar fast path]): none of them has
+    a pending write (through another alias of its storage), and none it writes is read by a
+    pending op through a recorded view."""
+    written, viewed = window.written, window.viewed
+    for i in f.tensor_pos:
+        if i < n and isinstance(args[i], _Tensor):
+            t = args[i]
+            storage = _untyped_storage(t)
+            if i in f.write_pos and storage.nbytes() != t.element_size():
+                return False  # other elements of its storage may be read by pending ops
+            sid = storage._cdata
+            if sid in written or (i in f.write_pos and sid in viewed):
+                return False
+    return True
+
+
+def _dtype_changed(st: TracerState) -> None:
+    """The program changed the default dtype: the open window runs under the old one first, and
+    the ops from here on read the new one's meta cache (Note [Meta cache key])."""
+    flush(st, "default_dtype")
+    dtype = st.dtype = _default_dtype()
+    st.meta_cache = _META_CACHES.setdefault(dtype, {})
+
+
+# Note [Record fast path]
+# Most recorded ops are elementwise ops, reductions and matmuls: positional tensors and numbers,
+# one fresh output, nothing written (``OpFacts.fast``). ``_record_fast`` records those with the
+# same signature, meta-cache key and window entries as ``_record``, in about half the Python
+# work. Anything it does not handle (a tensor on another device, a one-element real tensor that
+# the scalar fast path must snapshot, a meta-cache miss) makes it return ``_DECLINED`` before it
+# has changed anything (registered real inputs are forgotten again), and the op takes the general
+# path. It also records in-place ops that write and return their first argument
+# (``OpFacts.fast_inplace``: optimizer updates such as ``mul_``, ``lerp_``, ``addcdiv_(value=)``),
+# which leave an ALIAS out and the write marks instead of a fresh placeholder. Measured on AdamW
+# (200 parameters, foreach=False): 63 vs 91 ms per step recorded with and without the in-place
+# case. tests/test_tracer.py checks that the window either path leaves is the same.
+
+
+def _unslot(window: Window, n0: int) -> None:
+    """Forget the real inputs registered by an op that was not recorded after all: a window
+    must hold (and its region key count) only the real tensors its nodes use."""
+    real = window.real_inputs
+    slots = window.slots
+    for t in real[n0:]:
+        del slots[id(t)]
+    del real[n0:]
+
+
+def _decline(window: Window, n0: int):
+    if len(window.real_inputs) != n0:
+        _unslot(window, n0)
+    return _DECLINED
+
+
+def _alias_out(window: Window, t, src, uid: int) -> Out:
+    """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
+    (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
+    if type(src) is Out:  # a pending value: held weakly (Note [Weak window])
+        o = Out(window.token, ALIAS, uid, src.meta, _weakref(t), slot=src.slot, alias=src)
+    else:
+        o = Out(window.token, ALIAS, uid, (t.shape, t.stride(), t.dtype), slot=window.slot_of(t), tensor=t, alias=src)
+    t._ae = o
+    window.others.append(o)
+    return o
+
+
+def _numbers(f, args, n: int, sig: list, floats: list | None) -> list | None:
+    """The signatures of an op's number arguments (``f.scalar_pos``), for either path: a liftable
+    float is ``float``, its value a window scalar (Note [Scalar lifting] in ``_ops``: its position
+    joins ``floats``, made here if None); any other number its type and value (1, 1.0 and True hash
+    alike but promote differently). Answers ``floats``."""
+    for i in f.scalar_pos:
+        if i < n:
+            v = args[i]
+            if v.__class__ is float and f.liftable:
+                sig[i] = float
+                if floats is None:
+                    floats = []
+                floats.append(i)
+            else:
+                sig[i] = (v.__class__, v)
+    return floats
+
+
+def _placeholder(st: TracerState, window: Window, spec: tuple, uid: int, device):
+    """A fresh output of a recorded op: an uninitialized tensor with eager's metadata (``spec``),
+    marked with its Out, which the window holds weakly (Note [Weak window]); both returned."""
+    alloc = st.alloc_cpu
+    if alloc is not None:
+        p = alloc(spec[0], spec[1], spec[2])
+    else:
+        p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
+    o = Out(window.token, FRESH, uid, spec, _weakref(p), _untyped_storage(p)._weak_ref())
+    p._ae = o
+    window.fresh.append(o)
+    return p, o
+
+
+def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, floats, args, kwargs,
+            nbytes: int) -> None:
+    """The window's tail, for an op recorded by either path: its signature and dataflow refs (Note
+    [Window signature] in fuser.window), its liftable floats (Note [Scalar lifting] in ``_ops``:
+    positions, keyword names, or (list position, index)), the node, and the window's cuts."""
+    sigs = window.sigs
+    sigs.append(eid)
+    sigs.extend(refs)
+    if floats:
+        node.fbase = len(window.scalars)
+        node.fpos = floats
+        sc = window.scalars
+        for pos in floats:
+            if type(pos) is int:
+                sc.append(args[pos])
+            elif type(pos) is str:
+                sc.append(kwargs[pos])
+            else:
+                sc.append(args[pos[0]][pos[1]])
+    window.nodes.append(node)
+    window.pending_bytes += nbytes
+    METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
+    if len(window.nodes) >= st.cut_at:
+        flush(st, "period" if st.periodicity.period else "window_cap")
+    elif window.pending_bytes >= st.max_bytes:
+        flush(st, "bytes_cap")
+
+
+def _record_fast(st: TracerState, f, args, kwargs):
+    """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
+    write and return their first argument): Note [Record fast path]."""
+    if _default_dtype() is not st.dtype:
+        _dtype_changed(st)  # Note [Meta cache key]
+    window = st.window
+    n0 = len(window.real_inputs)
+    n = len(args)
+    sig = list(args)
+    nargs = None
+    inputs = []
+    refs = []
+    floats = None
+    attr = st.target_attr
+    scalar_fast_path = st.scalar_fast_path
+    first = None
+    for i in f.tensor_pos:
+        if i >= n:
+            break
+        a = args[i]
+        if a is None:
+            continue
+        if not isinstance(a, _Tensor):
+            if a.__class__ is float and f.liftable:
+                sig[i] = float
+                if floats is None:
+                    floats = []
+                floats.append(i)
+            else:
+                sig[i] = (a.__class__, a)
+            continue
+        if attr is None or not getattr(a, attr):
+            return _decline(window, n0)
+        if first is None:
+            first = a
+        o = getattr(a, "_ae", None)
+        if o is not None:
+            if o.win is window.token:
+                if nargs is None:
+                    nargs = list(args)
+                nargs[i] = o
+                inputs.append(o)
+                refs.append(o.uid)
+                sig[i] = o.meta
+                continue
+            if pending_mark(o):
+                _decline(window, n0)
+                raise _Elsewhere(o.win.owner, a)
+        if scalar_fast_path and a.numel() == 1:
+            return _decline(window, n0)  # snapshots and the scalar fast path: the general path
+        slot = window.slots.get(id(a))
+        refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
+        sig[i] = (a.shape, a.stride(), a.dtype)
+    if first is None:
+        return _decline(window, n0)
+    if f.scalar_pos:
+        floats = _numbers(f, args, n, sig, floats)
+    for i in f.seq_pos:
+        if i < n and type(args[i]) is list:
+            sig[i] = tuple(args[i])
+    ksig = ()
+    if kwargs:  # fast_inplace only: numbers and flags (``alpha=``, ``value=``)
+        ksig = []
+        for k, v in kwargs.items():
+            if v.__class__ is float and f.liftable:
+                ksig.append((k, float))
+                if floats is None:
+                    floats = []
+                floats.append(k)
+            else:
+                ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
+        ksig = tuple(ksig)
+    # several devices of the target type (cuda:0, cuda:1): the first tensor's, as ``_record`` picks
+    device = first.device if st.device_varies else st.device
+    if st.device_in_key:
+        ksig = (ksig, device)
+    try:
+        entry = st.meta_cache.get((f, tuple(sig), ksig))
+    except TypeError:  # an unhashable keyword value: the general path runs it eagerly
+        return _decline(window, n0)
+    if entry.__class__ is not tuple:  # a miss, _Failed or _Raises: the general path
+        return _decline(window, n0)
+    specs, nbytes, _, eid = entry
+    if f.fast_inplace:
+        res = args[0]
+        written = _untyped_storage(res)._cdata
+        if _storage_use_count(written) > 2:  # another tensor over its memory: Note [Overlapping writes]
+            for i in f.tensor_pos[1:]:
+                if i < n:
+                    a = args[i]
+                    if isinstance(a, _Tensor) and a is not res and _untyped_storage(a)._cdata == written:
+                        return _decline(window, n0)  # the general path decides
+    if nargs is None:
+        nargs = list(args)
+    node = Node(f.func, nargs, kwargs, inputs, _user_source(3), len(window.nodes))
+    uid = (node.index + 1) * OUTS_PER_NODE
+    if f.fast_inplace:
+        node.mutates = True
+        o = _alias_out(window, res, nargs[0], uid)
+        window.written.add(written)
+        if o.slot >= 0:
+            window.mutated.add(o.slot)
+    else:
+        res, o = _placeholder(st, window, specs[0], uid, device)
+    node.outs.append(o)
+    _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
+    return res
+
+
+def _record(st: TracerState, f, args, kwargs):
+    window = st.window
+    n = len(args)
+    sig = list(args)
+    nargs = None
+    inputs = []
+    snaps = []
+    device = None
+    only_real_scalars = st.scalar_fast_path  # Note [Scalar fast path]
+    refs = []  # Note [Window signature] in fuser.window
+    slots = window.slots
+    floats = []  # positions of float arguments (Note [Scalar lifting] in _ops)
+    for i in f.tensor_pos:
+        if i >= n:
+            break
+        a = args[i]
+        if a is None:
+            continue
+        if not isinstance(a, _Tensor):  # a Python number passed where the schema says Tensor
+            if a.__class__ is float and f.liftable:
+                sig[i] = float
+                floats.append(i)
+            else:
+                sig[i] = (a.__class__, a)
+            continue
+        if not _on_target(st, a):
+            if a.dim() == 0 and a.is_cpu and i not in f.write_pos:
+                snaps.append((i, len(refs)))
+                refs.append(0)
+                sig[i] = (a.dtype, "cpu-scalar")
+                continue
+            return _DECLINED
+        if device is None:
+            device = a.device if st.device_varies else st.device
+        o = getattr(a, "_ae", None)
+        if o is not None and o.win is window.token:
+            if nargs is None:
+                nargs = list(args)
+            nargs[i] = o
+            inputs.append(o)
+            refs.append(o.uid)
+            only_real_scalars = False
+            sig[i] = o.meta  # known since it was recorded: no shape/stride objects to build
+            continue
+        else:
+            if o is not None:
+                _check_elsewhere(a, o)
+            if st.scalar_fast_path:
+                if a.dim():
+                    only_real_scalars = False
+                if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
+                    snaps.append((i, len(refs)))
+            slot = slots.get(id(a))
+            refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
+        sig[i] = (a.shape, a.stride(), a.dtype)
+    for i in f.list_pos:
+        if i >= n:
+            break
+        lst = args[i]
+        new = list(lst)
+        lsig = []
+        for j, a in enumerate(lst):
+            if a is None:
+                lsig.append(None)
+                continue
+            if not _on_target(st, a):
+                return _DECLINED
+            if device is None:
+                device = a.device if st.device_varies else st.device
+            o = getattr(a, "_ae", None)
+            if o is not None and o.win is window.token:
+                new[j] = o
+                inputs.append(o)
+                refs.append(o.uid)
+                only_real_scalars = False
+                lsig.append(o.meta)
+                continue
+            else:
+                if o is not None:
+                    _check_elsewhere(a, o)
+                if st.scalar_fast_path:
+                    if a.dim():
+                        only_real_scalars = False
+                    if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
+                        a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
+                refs.append(-1 - window.slot_of(a))
+            lsig.append((a.shape, a.stride(), a.dtype))
+        if nargs is None:
+            nargs = list(args)
+        nargs[i] = new
+        sig[i] = tuple(lsig)
+    if only_real_scalars and device is not None and not inputs and _scalars_settled(window, f, args, n):
+        return _SCALAR
+    if f.scalar_pos:
+        _numbers(f, args, n, sig, floats)
+    for i in f.seq_pos:
+        if i < n and type(args[i]) is list:
+            lst = args[i]
+            if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
+                sig[i] = (float, len(lst))
+                floats.extend((i, j) for j in range(len(lst)))
+            else:
+                sig[i] = tuple(lst)
+    nkwargs = kwargs
+    ksig = ()
+    if kwargs:
+        ksig = []
+        for k, v in kwargs.items():
+            if k in f.tensor_kw and v is not None:
+                if not isinstance(v, _Tensor) or not _on_target(st, v):
+                    return _DECLINED
+                o = getattr(v, "_ae", None)
+                if o is not None and o.win is window.token:
+                    if nkwargs is kwargs:
+                        nkwargs = dict(kwargs)
+                    nkwargs[k] = o
+                    inputs.append(o)
+                    refs.append(o.uid)
+                else:
+                    if o is not None:
+                        _check_elsewhere(v, o)
+                    refs.append(-1 - window.slot_of(v))
+                ksig.append((k, v.shape, v.stride(), v.dtype))
+            else:
+                if k == "device" and v is not None:
+                    dv = torch.device(v)
+                    if dv.type != st.target:
+                        return _DECLINED
+                    device = dv
+                if v.__class__ is float and f.liftable:
+                    ksig.append((k, float))
+                    floats.append(k)
+                else:
+                    ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
+        ksig = tuple(ksig)
+    if device is None:
+        if not f.factory:
+            return _DECLINED  # no tensor argument on the target device: not ours
+        device = torch.get_default_device()
+        if device.type != st.target:
+            return _DECLINED
+        ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
+    elif st.device_in_key:
+        ksig = (ksig, device)
+    written = ()  # (tensor, storage id) of every written argument, returned or not
+    if f.mutates:
+        written = []
+        shared = False  # another TensorImpl holds a written storage: Note [Overlapping writes]
+        for pos in f.write_pos:
+            w = kwargs.get(pos) if type(pos) is str else (args[pos] if pos < n else None)
+            for t in (w if type(w) in (list, tuple) else (w,)):
+                if isinstance(t, _Tensor):
+                    sid = _untyped_storage(t)._cdata
+                    written.append((t, sid))
+                    if _storage_use_count(sid) > 2:
+                        shared = True
+        if shared and _shares_written(window, args, kwargs, written):
+            error = _overlap_error(f, args, kwargs, shared=True)
+            if error is not None:
+                raise error
+    key = (f, tuple(sig), ksig)
+    try:
+        entry = st.meta_cache.get(key)
+    except TypeError:  # an unhashable argument we do not model: run it eagerly
+        return _DECLINED
+    if entry is None:
+        entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs))
+    if entry.__class__ is not tuple:
+        if entry.__class__ is _Failed:
+            return _DECLINED
+        raise entry.error()  # Note [Overlapping writes]
+    specs, nbytes, returns_list, eid = entry
+
+    if snaps:
+        if nargs is None:
+            nargs = list(args)
+        for i, r in snaps:
+            # Eager reads a 0-dim tensor when the op runs; snapshot it, the program may change it
+            # later (Note [Scalar fast path])
+            snap = nargs[i] = args[i].clone()
+            refs[r] = -1 - window.slot_of(snap)
+    node = Node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(4), len(window.nodes))
+    # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
+    node.mutates = f.mutates or f.nrets == 0
+    outs = node.outs
+    results = []
+    alias_ret = f.alias_ret
+    uid = (node.index + 1) * OUTS_PER_NODE
+    for j, spec in enumerate(specs):
+        if spec is None:
+            target = alias_ret[j] if j < len(alias_ret) else None
+            if target is None:
+                outs.append(None)
+                results.append(None)
+                continue
+            t = args[target] if type(target) is int else kwargs[target]
+            src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
+            o = _alias_out(window, t, src, uid + j)
+            outs.append(o)
+            results.append(t)
+            continue
+        p, o = _placeholder(st, window, spec, uid + j, device)
+        outs.append(o)
+        results.append(p)
+    if f.mutates:
+        # Every written argument (BatchNorm's running stats are written but not returned; foreach
+        # ops write lists): later reads must flush, compiled regions write back.
+        for t, sid in written:
+            window.written.add(sid)
+            o = getattr(t, "_ae", None)
+            live = o is not None and o.win is window.token
+            slot = o.slot if live else window.slot_of(t)
+            if slot >= 0:
+                window.mutated.add(slot)
+    _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
+    if f.nrets == 0:
+        return None
+    if f.nrets == 1 and not returns_list:
+        return results[0]
+    return results if returns_list else tuple(results)
+
+
+def _record_view(st: TracerState, f, args, kwargs):
+    res = f.func(*args, **kwargs)  # views read no data: make the real view now
+    window = st.window
+    a = args[0] if args else None
+    if not isinstance(a, _Tensor) or not _on_target(st, a):
+        return res
+    # Views of real tensors are recorded too: a compiled region then derives them from the real
+    # input inside the graph, instead of taking an alias of an input it may also write (Note
+    # [Out kinds]); ``W.t()`` in a forward pass and ``W.add_()`` in the optimizer step.
+    o = getattr(a, "_ae", None)
+    if o is not None and o.win is not window.token:
+        _check_elsewhere(a, o)  # a view of another thread's pending value reads it later
+        o = None
+    nargs = list(args)
+    if o is not None:
+        nargs[0] = o
+        inputs = [o]
+        ref = o.uid
+        slot = o.slot
+    else:
+        inputs = []
+        slot = window.slot_of(a)
+        ref = -1 - slot
+        if st.scalar_fast_path and a.numel() == 1:
+            # a pending op may read this one-element tensor through the view: no fast-path writes
+            window.viewed.add(_untyped_storage(a)._cdata)
+    node = Node(f.func, nargs, kwargs, inputs, None, len(window.nodes))
+    node.is_view = True
+    views = res if isinstance(res, (tuple, list)) else (res,)
+    uid = (node.index + 1) * OUTS_PER_NODE
+    for j, v in enumerate(views):
+        # held weakly (Note [Weak window]); alive, it keeps its root's storage alive
+        vo = Out(window.token, VIEW, uid + j, (v.shape, v.stride(), v.dtype), _weakref(v), slot=slot)
+        v._ae = vo
+        node.outs.append(vo)
+        window.others.append(vo)
+    # the view's own signature: op, input geometry (offset included: views keep it) and arguments
+    key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,
+           tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))
+    eid = _signatures.view_id(key)
+    sigs = window.sigs
+    sigs.append(eid)
+    sigs.append(ref)
+    window.nodes.append(node)
+    return res

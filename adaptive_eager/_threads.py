@@ -1,0 +1,138 @@
+"""Reads of pending values from any thread (Note [Reads from other threads]): who owns a value, and
+running another thread's window for a reader."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from . import _state
+from ._flush import _run, flush
+from ._state import TracerState, _tls
+
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
+
+# Note [Reads from other threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The mode is per thread; the values it hands out are not. A logging thread calls ``float(loss)``,
+# a queue's feeder thread pickles a batch (``torch.multiprocessing``, DataLoader workers), a second
+# training thread reads a tensor the first one wrote. Whichever thread reads a pending value must
+# see its eager value, so it runs the owner's window first.
+# - Finding the owner: a mark names its window's recorder (``t._ae.win.owner``, Note [Window
+#   release]); a real tensor written by a pending in-place op (a parameter, a view of one) is in
+#   the ``written`` storages of a state with the mode on (``_STATES``). A value stays pending while
+#   its window runs (``TracerState.running``), so a third thread waits for the run instead of
+#   reading memory half written. ``owner_of`` answers both, and ``is_lazy`` is true in every thread.
+# - Excluding the owner: a window swapped out from under ``_record`` would lose the op being
+#   recorded, so the owner's *busy* stretches (each dispatch and each flush: ``TracerState.busy``)
+#   and another thread's run of its window never overlap. The reader sets ``TracerState.claim``
+#   and waits for the owner to be idle; the owner, starting a busy stretch under a claim, steps
+#   back until the claim is gone (``_step_back``). That is Dekker's protocol on two attributes (the
+#   owner writes ``busy`` then reads ``claim``, the reader writes ``claim`` then reads ``busy``):
+#   under the GIL those reads and writes are sequentially consistent, so the two never both go
+#   ahead. The owner pays an increment, a decrement and one read per op; a lock would cost more
+#   per op and be no fairer (a loop releasing and re-acquiring it wins against the waiting reader
+#   almost every time, where a claim stops the owner at its next op).
+# - No deadlock: a thread waits for another's window only outside its own busy stretches and
+#   outside any run. The record path, meeting a value pending in another thread (``_Elsewhere``),
+#   undoes what it registered, ends its busy stretch, runs that window, and records the op again.
+#   A run never starts another flush (``_tls.running``): the ops of the running window read their
+#   values when those were real (recording them met no other thread's pending mark, or ran that
+#   window first), and the fuser is not reentrant.
+# - Not covered: ATen ops on a pending value in a thread *without* the mode (``t + 1``,
+#   ``torch.cat``, a module's forward there). Dispatch modes are per thread and a plain tensor has
+#   no ``__torch_function__``, so no Python sees those ops: they read the placeholder's memory.
+#   Every Python-level read is covered (``item``, ``float``/``int``, ``tolist``, ``numpy``,
+#   ``repr``/``print``/formatting, pickling and ``torch.save``, ``copy.deepcopy``, storage and
+#   ``data_ptr`` access, and so ``torch.multiprocessing``'s sharing), as is any op in a thread
+#   with the mode on. A value used by ATen ops in a plain thread must be handed over after one of
+#   those reads, or after ``adaptive_eager.sync()`` in the owning thread.
+
+
+class _Elsewhere(Exception):
+    """The record path met a value pending in another thread's window: ``args`` are that window's
+    state and the tensor (Note [Reads from other threads])."""
+
+
+def _holds(st: TracerState, token) -> bool:
+    """Whether ``token`` is of ``st``'s open window or of the window it is running."""
+    if token is st.window.token:
+        return True
+    running = st.running
+    return running is not None and token is running.token
+
+
+def pending_mark(o) -> bool:
+    """Whether mark ``o`` is of a window still pending in its owner (open or running), any
+    thread's; else it is a mark left behind, and its tensor is real."""
+    owner = o.win.owner
+    return owner is not None and _holds(owner, o.win)
+
+
+def _check_elsewhere(t, o) -> None:
+    if pending_mark(o):
+        raise _Elsewhere(o.win.owner, t)
+
+
+def owner_of(t) -> TracerState | None:
+    """The state whose window holds ``t``'s pending value, any thread's; None when ``t`` is real."""
+    o = getattr(t, "_ae", None)
+    if o is not None and pending_mark(o):
+        return o.win.owner
+    sid = None
+    for st in _state._STATES:
+        written = st.window.written
+        running = st.running
+        if running is not None:
+            written = written | running.written
+        if written:
+            if sid is None:
+                try:
+                    sid = _untyped_storage(t)._cdata
+                except (RuntimeError, NotImplementedError):  # no storage: no pending op writes it
+                    return None
+            if sid in written:
+                return st
+    return None
+
+
+def sync_value(t, reason: str, other_threads_only: bool = False) -> None:
+    """Before ``t``'s memory is read outside the dispatcher: run the window it is pending in,
+    whichever thread's. ``other_threads_only``: the read dispatches an op (``item``), which this
+    thread's own mode sees and counts."""
+    if getattr(_tls, "running", None) is not None:
+        return  # a run's reads are of values that were real when recorded (``data_ptr`` of inputs)
+    st = owner_of(t)
+    if st is None:
+        return
+    if st is getattr(_tls, "state", None):
+        if not other_threads_only:
+            flush(st, reason)
+    else:
+        _flush_for_reader(st, t)
+
+
+def _flush_for_reader(st: TracerState, t) -> None:
+    """Run ``st``'s window, another thread's, because this thread (not running a window) reads ``t``."""
+    me = getattr(_tls, "state", None)
+    if me is not None and me.busy:
+        return  # no wait inside a busy stretch: never happens (the record path leaves it first)
+    with st.claim_lock:  # one reader runs the window; the next finds its value real
+        claim = st.claim = threading.Event()
+        try:
+            delay = 1e-5
+            while st.busy:  # the owner finishes its op or its flush, then steps back
+                time.sleep(delay)
+                delay = min(2 * delay, 1e-3)
+            if owner_of(t) is st:
+                _run(st, "other_thread")
+        finally:
+            st.claim = None
+            claim.set()
+
+
+def is_pending(t: torch.Tensor) -> bool:
+    """Whether ``t``'s value is pending in any thread's window (Note [Reads from other threads])."""
+    return owner_of(t) is not None
