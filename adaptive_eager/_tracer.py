@@ -224,6 +224,7 @@ def _run(st: TracerState, reason: str) -> None:
 
 
 def _run_window(st: TracerState, window: Window, reason: str) -> None:
+    t0 = time.perf_counter()
     window.closed = True
     ran = False
     site = None
@@ -260,6 +261,7 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         if not ran:
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
+        METRICS.flush_seconds += time.perf_counter() - t0
 
 
 def _poison(window: Window) -> None:
