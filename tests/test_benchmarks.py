@@ -59,3 +59,16 @@ def test_the_suites_tiniest_workload_runs_through_measure_and_report(bench):
     info = measure.machine_info("cpu")
     section = report.section_md([r], "pytest", info, wall_s=1.0, repeats=1)
     assert "| tiny |" in section and "Targets" in section and "6. 1000 tiny ops" in section
+
+
+def test_op_profile_times_the_work_of_a_workload_whose_product_is_its_result(bench):
+    """op_profile's adaptive iteration holds the step's result through the sync: a result nobody
+    holds is dead code that adaptive eager rightly skips, and the tiny loop would time nothing."""
+    import adaptive_eager as ae
+
+    op_profile, workloads = bench("op_profile"), bench("workloads")
+    wl = dataclasses.replace(workloads.build_tiny("cpu"), compile=None)
+    times = op_profile.interleaved(wl, iters=2, repeats=1, options=dict(backend="replay"))
+    m = ae.metrics()
+    assert m["ops_eliminated"] == 0 and m["ops_materialized"] == 2000, m
+    assert 0 < times["adaptive flushes alone"] <= times["adaptive"]
