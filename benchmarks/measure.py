@@ -307,7 +307,7 @@ class Result:
         return "partly compiled" if compiled else "replay only"
 
 
-def _err(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
@@ -338,7 +338,7 @@ def run_workload(runner: Runner, key: str, build: Callable[[str], Workload]) -> 
             alive[name] = True
         except Exception as e:  # noqa: BLE001 - reported in the table, the suite goes on
             traceback.print_exc()
-            res.errors[name] = _err(e)
+            res.errors[name] = short_error(e)
             alive[name] = False
     log(f"{key}: warming up adaptive (until compiled steady state, at most {runner.max_warm} iterations)")
     try:
@@ -349,7 +349,7 @@ def run_workload(runner: Runner, key: str, build: Callable[[str], Workload]) -> 
             f"compile {res.warm['compile_s']:.1f} s")
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
-        res.errors["adaptive"] = _err(e)
+        res.errors["adaptive"] = short_error(e)
         alive["adaptive"] = False
 
     # Each variant runs enough iterations per sample to last ~SAMPLE_SECONDS (per-iteration times
@@ -378,7 +378,7 @@ def run_workload(runner: Runner, key: str, build: Callable[[str], Workload]) -> 
                 res.times.setdefault(name, []).append(t)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                res.errors[name] = _err(e)
+                res.errors[name] = short_error(e)
                 alive[name] = False
         log(f"{key}: repeat {r + 1}/{runner.repeats}: " + ", ".join(
             f"{n} {res.times[n][-1] * 1e3:.2f} ms" for n in order if n in res.times and len(res.times[n]) == r + 1))
@@ -392,7 +392,7 @@ def run_workload(runner: Runner, key: str, build: Callable[[str], Workload]) -> 
                 ae.sync()
             res.check = wl.check(expected, got)
         except Exception as e:  # noqa: BLE001
-            res.check = "check failed: " + _err(e)
+            res.check = "check failed: " + short_error(e)
     for name in ("eager", "adaptive", "torch.compile"):
         if not alive.get(name):
             continue
@@ -400,7 +400,7 @@ def run_workload(runner: Runner, key: str, build: Callable[[str], Workload]) -> 
             step = wl.adaptive if name == "adaptive" else plain[name]
             res.kernels[name], res.kernel_kinds[name] = runner.count_kernels(step, adaptive=name == "adaptive")
         except Exception as e:  # noqa: BLE001
-            log(f"{key}: kernel count for {name} failed: {_err(e)}")
+            log(f"{key}: kernel count for {name} failed: {short_error(e)}")
             res.kernels[name] = None
     log(f"{key}: done; kernels (profiled) {res.kernels}")
     for name, kinds in res.kernel_kinds.items():

@@ -48,7 +48,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # measure first: it quiets the profiler's log before torch loads
-from measure import Result, Runner, _err, load, log, machine_info, run_workload  # noqa: E402, I001
+from measure import Result, Runner, load, log, machine_info, run_workload, short_error  # noqa: E402, I001
 import torch  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
@@ -104,7 +104,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - a broken builder must not hide the other workloads
             traceback.print_exc()
             r = Result(key, key, "iter")
-            r.errors["build"] = _err(e)
+            r.errors["build"] = short_error(e)
             results.append(r)
     wall = time.perf_counter() - t_start
     print(main_table(results))
@@ -123,7 +123,7 @@ def main() -> None:
         try:
             plot(results, png, args.device)
         except Exception as e:  # noqa: BLE001 - the markdown is written either way
-            log(f"plot failed ({_err(e)}); install the bench extra: pip install matplotlib")
+            log(f"plot failed ({short_error(e)}); install the bench extra: pip install matplotlib")
         log(f"wrote {RESULTS_MD} and {png}")
 
 
