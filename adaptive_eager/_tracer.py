@@ -214,6 +214,7 @@ def _run(st: TracerState, reason: str) -> None:
         # nothing pending, or this thread is running a window: its ops read every value they
         # use when it was real, and the fuser is not reentrant (Note [Reads from other threads])
         return
+    t0 = time.perf_counter()
     st.running = window  # before the swap: a reader in another thread always finds the window
     st.window = Window(st)  # first: anything the run triggers must not see the old window
     _tls.running = window
@@ -221,10 +222,10 @@ def _run(st: TracerState, reason: str) -> None:
         _run_window(st, window, reason)
     finally:
         _tls.running = st.running = None
+        METRICS.flush_seconds += time.perf_counter() - t0
 
 
 def _run_window(st: TracerState, window: Window, reason: str) -> None:
-    t0 = time.perf_counter()
     window.closed = True
     ran = False
     site = None
@@ -261,7 +262,6 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         if not ran:
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
-        METRICS.flush_seconds += time.perf_counter() - t0
 
 
 def _poison(window: Window) -> None:
