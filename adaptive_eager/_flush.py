@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 import torch.autograd.profiler as _profiler
@@ -46,6 +47,7 @@ def _run(st: TracerState, reason: str) -> None:
         # nothing pending, or this thread is running a window: its ops read every value they
         # use when it was real, and the fuser is not reentrant (Note [Reads from other threads])
         return
+    t0 = time.perf_counter()
     st.running = window  # before the swap: a reader in another thread always finds the window
     st.window = Window(st)  # first: anything the run triggers must not see the old window
     _tls.running = window
@@ -53,6 +55,7 @@ def _run(st: TracerState, reason: str) -> None:
         _run_window(st, window, reason)
     finally:
         _tls.running = st.running = None
+        METRICS.flush_seconds += time.perf_counter() - t0
 
 
 def _run_window(st: TracerState, window: Window, reason: str) -> None:

@@ -23,6 +23,9 @@ class Metrics:
         self.ops_materialized = 0
         self.ops_eliminated = 0
         self.windows = 0
+        # host seconds spent running windows (every flush that had ops, wherever it was triggered;
+        # on cpu this includes the window's compute): what a sync point costs the program
+        self.flush_seconds = 0.0
         self.flushes: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
         # for explain(): (reason, (code, line)) and (op, reason, (code, line)) of the user's lines
@@ -39,6 +42,7 @@ class Metrics:
             "ops_materialized": self.ops_materialized,
             "ops_eliminated": self.ops_eliminated,
             "windows": self.windows,
+            "flush_seconds": self.flush_seconds,
             "flushes": dict(self.flushes),
             "fallback_ops": dict(self.fallback_ops),
         }

@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import adaptive_eager as ae  # noqa: E402
-from suite import ADAPTIVE_OPTIONS, build_adamw  # noqa: E402
+from workloads import ADAPTIVE_OPTIONS, build_adamw  # noqa: E402
 
 
 def main() -> None:

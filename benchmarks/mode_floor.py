@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
-from record_overhead import EmptyMode  # noqa: E402
-from suite import ADAPTIVE_OPTIONS, BUILDERS  # noqa: E402
+from measure import EmptyMode  # noqa: E402
+from workloads import ADAPTIVE_OPTIONS, BUILDERS  # noqa: E402
 
 SAMPLE_SECONDS = 0.25
 

@@ -7,9 +7,11 @@ compiled steady state, then profiles ``--iters`` iterations of each variant in t
 prints, per variant, the ops with the most self CPU time per iteration. Under adaptive eager,
 ``adaptive_eager.record`` is the recording of ops, ``adaptive_eager.region[...]`` a compiled
 region's own code (Inductor kernels; extern kernels such as ``aten::mm`` are listed apart), and
-ops appear once more at dispatch (recorded, not run: their self time is ~0). Also prints the
-wall time per iteration of each variant and of the compiled regions alone (a timer around
-``fuser.regions._run_compiled``), eager and adaptive interleaved, medians.
+ops appear once more at dispatch (recorded, not run: their self time is ~0), and the total
+time inside the ``adaptive_eager.region[...]`` ranges is printed as the compiled regions' share.
+Also prints the wall time per iteration of each variant and of adaptive eager's flushes alone
+(``metrics()["flush_seconds"]``: on cpu the compiled regions' compute and the binding of their
+outputs), eager and adaptive interleaved, medians.
 """
 
 from __future__ import annotations
@@ -22,14 +24,37 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
-import fuser.regions  # noqa: E402
-from suite import BUILDERS  # noqa: E402
+from workloads import ADAPTIVE_OPTIONS, BUILDERS, Workload  # noqa: E402
 
-OPTIONS = dict(backend="inductor", hot_after=2, async_compile=False)
+REGION_RANGE = "adaptive_eager.region["  # the library's profiler range around a compiled region's run
+
+
+def adaptive_iteration(wl: Workload) -> None:
+    out = wl.adaptive()
+    ae.sync()  # with the result held: a result nobody holds is dead code, and nothing would run
+    del out
+
+
+def interleaved(wl: Workload, iters: int, repeats: int, options: dict = ADAPTIVE_OPTIONS) -> dict[str, float]:
+    """Seconds per iteration of eager, adaptive and adaptive's flushes alone: medians of
+    ``repeats`` interleaved samples of ``iters`` iterations."""
+    times: dict[str, list[float]] = {"eager": [], "adaptive": [], "adaptive flushes alone": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            wl.eager()
+        times["eager"].append((time.perf_counter() - t0) / iters)
+        with ae.adaptive_eager(**options):
+            flushed = ae.metrics()["flush_seconds"]
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                adaptive_iteration(wl)
+            times["adaptive"].append((time.perf_counter() - t0) / iters)
+            times["adaptive flushes alone"].append((ae.metrics()["flush_seconds"] - flushed) / iters)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def main() -> None:
@@ -40,45 +65,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     wl = BUILDERS[args.workload]("cpu")
-
-    def adaptive_iter():
-        wl.adaptive()
-        ae.sync()
-
-    with ae.adaptive_eager(**OPTIONS):
+    with ae.adaptive_eager(**ADAPTIVE_OPTIONS):
         for _ in range(8):  # to the compiled steady state (the suite checks it; see its warm-up)
-            adaptive_iter()
+            adaptive_iteration(wl)
     for _ in range(3):
         wl.eager()
 
-    region: list[float] = []
-    run_compiled = fuser.regions._run_compiled
-
-    def timed(*a):
-        t0 = time.perf_counter()
-        try:
-            return run_compiled(*a)
-        finally:
-            region.append(time.perf_counter() - t0)
-
-    fuser.regions._run_compiled = timed
-    times: dict[str, list[float]] = {"eager": [], "adaptive": [], "compiled regions alone": []}
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            wl.eager()
-        times["eager"].append((time.perf_counter() - t0) / args.iters)
-        region.clear()
-        with ae.adaptive_eager(**OPTIONS):
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                adaptive_iter()
-            times["adaptive"].append((time.perf_counter() - t0) / args.iters)
-        times["compiled regions alone"].append(sum(region) / args.iters)
-    fuser.regions._run_compiled = run_compiled
+    times = interleaved(wl, args.iters, args.repeats)
     print(f"{wl.title}: ms per {wl.unit}, medians of {args.repeats} interleaved samples of {args.iters}")
     for name, v in times.items():
-        print(f"  {name:<24}{statistics.median(v) * 1e3:9.2f}")
+        print(f"  {name:<24}{v * 1e3:9.2f}")
 
     for name in ("eager", "adaptive"):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -86,13 +82,19 @@ def main() -> None:
                 for _ in range(args.iters):
                     wl.eager()
             else:
-                with ae.adaptive_eager(**OPTIONS):
+                with ae.adaptive_eager(**ADAPTIVE_OPTIONS):
                     for _ in range(args.iters):
-                        adaptive_iter()
-        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]
+                        adaptive_iteration(wl)
+        averages = prof.key_averages()
+        events = sorted(averages, key=lambda e: -e.self_cpu_time_total)[: args.top]
         print(f"\n{name}: self CPU ms per {wl.unit} (calls per {wl.unit})")
         for e in events:
             print(f"  {e.key[:64]:<64}{e.self_cpu_time_total / args.iters / 1e3:9.3f}  ({e.count / args.iters:g})")
+        if name == "adaptive":
+            regions = [e for e in averages if e.key.startswith(REGION_RANGE)]
+            print(f"  compiled regions, total CPU ms per {wl.unit} (calls per {wl.unit}): "
+                  f"{sum(e.cpu_time_total for e in regions) / args.iters / 1e3:.3f}  "
+                  f"({sum(e.count for e in regions) / args.iters:g})")
 
 
 if __name__ == "__main__":

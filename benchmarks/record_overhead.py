@@ -12,52 +12,25 @@ flushed outside the timed region); "record+replay" includes running the window o
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import adaptive_eager as ae
+import torch  # noqa: E402
 
-
-class EmptyMode(TorchDispatchMode):
-    """The floor every Python dispatch mode pays: intercept and run the op."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:  # same treatment as adaptive eager's mode
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-def tiny_ops(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
-    y = x
-    for _ in range(n // 4):  # 4 ops per iteration: a mix of binary, scalar and unary ops
-        y = y * w
-        y = y + 1.0
-        y = torch.tanh(y)
-        y = y - x
-    return y
-
-
-def inplace_ops(p: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
-    for _ in range(n // 4):  # 4 in-place updates per iteration, as an optimizer step makes
-        p.mul_(0.999)
-        p.add_(g, alpha=-0.01)
-        p.addcmul_(g, g, value=0.001)
-        p.lerp_(g, 0.1)
-    return p
+import adaptive_eager as ae  # noqa: E402
+from measure import EmptyMode  # noqa: E402
+from workloads import inplace_ops, tiny_ops  # noqa: E402
 
 
 def measure(ops: int, repeats: int, inplace: bool = False) -> dict[str, float]:
     x, w = torch.randn(16), torch.randn(16)
     run = tiny_ops
     if inplace:
-        def run(x, w, n):
-            return inplace_ops(x, w, n)
-
+        run = inplace_ops
         x, w = torch.randn(16) * 0.01, torch.randn(16) * 0.01
     samples: dict[str, list[float]] = {"eager": [], "empty mode": [], "record": [], "record+replay": []}
     with ae.adaptive_eager(window=ops + 10):  # warm the metadata cache once

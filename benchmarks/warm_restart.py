@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import textwrap
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from report import write_section  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
@@ -102,16 +105,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.write:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-        section = (f"<!-- warm:begin -->\n## Cold vs warm start\n\nReproduce: `python benchmarks/warm_restart.py "
-                   f"--steps {args.steps} --write` (each row a fresh process; MLP 3 x Linear(512), batch 64, SGD; "
-                   f"{os.cpu_count()} cores)\n\n{table}\n<!-- warm:end -->")
-        text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-        if "<!-- warm:begin -->" in text:
-            text = re.sub(r"<!-- warm:begin -->.*<!-- warm:end -->", lambda m: section, text, flags=re.S)
-        else:
-            text = text.rstrip() + "\n\n" + section + "\n"
-        open(path, "w").write(text)
+        write_section("warm", f"## Cold vs warm start\n\nReproduce: `python benchmarks/warm_restart.py --steps {args.steps} "
+                      f"--write` (each row a fresh process; MLP 3 x Linear(512), batch 64, SGD; {os.cpu_count()} cores)"
+                      f"\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Explainable behaviour: logging (NEURON_EAGER_LOG), explain(), and torch.profiler ranges."""
+"""Explainable behaviour: logging (NEURON_EAGER_LOG), explain(), torch.profiler ranges and flush seconds."""
 
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 
 import pytest
@@ -152,6 +153,34 @@ def test_no_profiler_ranges_when_profiler_is_off():
         (x * 2).sum().item()
     st = ae._state.current_state()
     assert st is None or st.mode is None or not st.mode.profiling
+
+
+def test_flush_seconds_is_the_host_time_of_every_flush():
+    """``metrics()["flush_seconds"]``: recording costs none of it; every sync point (``sync()``, a
+    read, leaving the mode) adds the time its flush ran, which on cpu holds the window's compute;
+    ``reset_metrics()`` zeroes it. Benchmarks read it instead of timing the tracer from outside."""
+    a = torch.randn(384, 384)
+    with ae.adaptive_eager(backend="replay"):
+        y = a
+        for _ in range(20):
+            y = (y @ a).tanh()
+        assert ae.metrics()["flush_seconds"] == 0.0  # recorded, nothing run yet
+        t0 = time.perf_counter()
+        ae.sync()
+        wall = time.perf_counter() - t0
+        first = ae.metrics()["flush_seconds"]
+        assert 0.5 * wall <= first <= wall  # the 20 matmuls ran inside the flush, and only the flush is counted
+        (y * 2).sum().item()  # a read flushes
+        second = ae.metrics()["flush_seconds"]
+        assert second > first
+        z = y + 1
+    assert ae.metrics()["flush_seconds"] > second  # leaving the mode flushes
+    want = a
+    for _ in range(20):
+        want = (want @ a).tanh()
+    torch.testing.assert_close(z, want + 1)
+    ae.reset_metrics()
+    assert ae.metrics()["flush_seconds"] == 0.0
 
 
 @pytest.mark.parametrize("value", ["loud", "INFO "])
