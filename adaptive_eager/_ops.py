@@ -83,22 +83,16 @@ def _type_class(t: str) -> str:
     return "other"
 
 
-# Note [Scalar lifting]
-# ~~~~~~~~~~~~~~~~~~~~~
-# A training step passes Python floats that change every step (a learning-rate schedule, Adam's
-# bias corrections ``1 - beta ** step``). Were each value part of an op's signature, every step
-# would be a new window structure, and nothing would ever be compiled twice.
-# - Recording: a float argument of a liftable op (``OpFacts.liftable``) is ``float`` in the op's
+# Note [Scalar recording]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# The recording side of Note [Scalar lifting] (in fuser.scalars, which says why and what the fuser
+# does with the values):
+# - a float argument of a liftable op (``OpFacts.liftable``) is ``float`` in the op's
 #   meta-cache key and signature (its value cannot change output metadata, except for the ops
 #   whose floats decide output shapes: ``_SHAPE_FROM_FLOATS``, never liftable), and its value is
 #   appended to ``Window.scalars``; the node keeps where it took it from (``Node.fbase``/``fpos``:
 #   an argument position, a keyword name, or (list position, index)). Other numbers stay in the
 #   signature by type and value: ``1``, ``1.0`` and ``True`` hash alike but promote differently.
-# - Compiling: the fuser keeps, per window structure, which scalars changed between its windows;
-#   one that changed ``LIFT_AFTER`` times becomes a runtime input of the compiled region (a 0-dim
-#   tensor), the others stay constants of the graph. A graph that cannot take a float as an input
-#   (an op transformed it, or needs it as a Python number: found by tracing with a NaN sentinel) is
-#   compiled with all values baked in.
 _SHAPE_FROM_FLOATS = ("arange", "linspace", "logspace", "range", "upsample", "interpolate", "histogram")
 
 

@@ -114,7 +114,7 @@ def _alias_out(window: Window, t, src, uid: int) -> Out:
 
 def _numbers(f, args, n: int, sig: list, floats: list | None) -> list | None:
     """The signatures of an op's number arguments (``f.scalar_pos``), for either path: a liftable
-    float is ``float``, its value a window scalar (Note [Scalar lifting] in ``_ops``: its position
+    float is ``float``, its value a window scalar (Note [Scalar recording] in ``_ops``: its position
     joins ``floats``, made here if None); any other number its type and value (1, 1.0 and True hash
     alike but promote differently). Answers ``floats``."""
     for i in f.scalar_pos:
@@ -147,7 +147,7 @@ def _placeholder(st: TracerState, window: Window, spec: tuple, uid: int, device)
 def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, floats, args, kwargs,
             nbytes: int) -> None:
     """The window's tail, for an op recorded by either path: its signature and dataflow refs (Note
-    [Window signature] in fuser.window), its liftable floats (Note [Scalar lifting] in ``_ops``:
+    [Window signature] in fuser.window), its liftable floats (Note [Scalar recording] in ``_ops``:
     positions, keyword names, or (list position, index)), the node, and the window's cuts."""
     sigs = window.sigs
     sigs.append(eid)
@@ -292,7 +292,7 @@ def _record(st: TracerState, f, args, kwargs):
     only_real_scalars = st.scalar_fast_path  # Note [Scalar fast path]
     refs = []  # Note [Window signature] in fuser.window
     slots = window.slots
-    floats = []  # positions of float arguments (Note [Scalar lifting] in _ops)
+    floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
     for i in f.tensor_pos:
         if i >= n:
             break

@@ -105,7 +105,7 @@ class Runner:
             del out
         delta = {k: _metric_delta(before, after, k) / iters for k in (
             "launches", "eager_equivalent_launches", "compiled_runs", "replayed_regions",
-            "regions_compiled", "cache_hits_memory", "cache_hits_disk", "blacklisted", "windows", "ops_eager",
+            "compiles", "cache_hits_memory", "cache_hits_disk", "blacklisted", "windows", "ops_eager",
             "host_scalar_ops", "flush_seconds")}
         return dt / iters, delta.pop("flush_seconds"), delta
 
@@ -129,11 +129,11 @@ class Runner:
                 del out
                 after = ae.metrics()
                 d = {k: _metric_delta(before, after, k) for k in
-                     ("compiled_runs", "replayed_regions", "regions_compiled", "cache_hits_disk", "blacklisted",
+                     ("compiled_runs", "replayed_regions", "compiles", "cache_hits_disk", "blacklisted",
                       "windows")}
                 info["iterations"] = i + 1
                 log(f"    adaptive warm-up {i + 1}: {info['last_s'] * 1e3:.1f} ms, {d}")
-                if d["compiled_runs"] > 0 and d["replayed_regions"] == 0 and d["regions_compiled"] == 0 \
+                if d["compiled_runs"] > 0 and d["replayed_regions"] == 0 and d["compiles"] == 0 \
                         and d["cache_hits_disk"] == 0 and d["blacklisted"] == 0:
                     info["state"] = "compiled"
                     break
@@ -141,7 +141,7 @@ class Runner:
         end = ae.metrics()
         info["seconds"] = time.perf_counter() - t_start
         info["compile_s"] = _metric_delta(start, end, "compile_seconds")
-        info["regions_compiled"] = _metric_delta(start, end, "regions_compiled")
+        info["compiles"] = _metric_delta(start, end, "compiles")
         info["disk_hits"] = _metric_delta(start, end, "cache_hits_disk")
         info["blacklisted"] = _metric_delta(start, end, "blacklisted")
         for key in ("not_compiled", "fallback_ops", "flushes"):
@@ -366,7 +366,7 @@ def run_workload(runner: Runner, key: str, build: Callable[[str], Workload]) -> 
                 if name == "adaptive":
                     for attempt in range(3):
                         t, fl, delta = runner.sample_adaptive(wl.adaptive, res.iters[name])
-                        if not (delta["regions_compiled"] or delta["cache_hits_disk"] or delta["blacklisted"]):
+                        if not (delta["compiles"] or delta["cache_hits_disk"] or delta["blacklisted"]):
                             break
                         # not steady state: something compiled (or failed) inside the sample
                         res.unsteady_samples += 1

@@ -114,7 +114,7 @@ def detail_table(results: list[Result]) -> str:
         flush = _ms(statistics.median(r.flush)) if r.flush else "—"
         k = r.kernels
         kern = " / ".join("—" if k.get(n) is None else str(k[n]) for n in ("eager", "adaptive", "torch.compile"))
-        cs = f"{w['regions_compiled']} in {w['compile_s']:.1f} s; {w['disk_hits']} from disk" if w else "—"
+        cs = f"{w['compiles']} in {w['compile_s']:.1f} s; {w['disk_hits']} from disk" if w else "—"
         tc = "—" if r.compile_warm_s is None else f"{r.compile_warm_s:.1f}"
         check = "—" if r.check is None else (r.check or "matches eager")
         iters = " / ".join(str(r.iters.get(n, "—")) for n in ("eager", "adaptive", "torch.compile"))

@@ -13,7 +13,7 @@ the library's ``metrics()["flush_seconds"]``.
 
 Adaptive eager is measured in steady state: it is warmed up until an iteration runs every window
 compiled with no new compile (``compiled_runs`` grows, ``replayed_regions`` and
-``regions_compiled`` do not), or for a bounded number of iterations; a workload that never gets
+``compiles`` do not), or for a bounded number of iterations; a workload that never gets
 there is reported as such. torch.compile is warmed up (compiled) outside timing.
 
 Launches per iteration come from ``ae.metrics()`` deltas over the timed samples

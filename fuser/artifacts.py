@@ -73,7 +73,7 @@ def finished_jobs() -> list:
             entry = _PENDING.pop(result.key, None)
             STATS.compile_seconds += result.seconds
             if result.ok:
-                STATS.regions_compiled += 1
+                STATS.compiles += 1
                 log.info("adaptive_eager: compiled region %s in a worker process in %.2fs (key %s)", result.key[:8],
                          result.seconds, result.key)
             elif entry is None:

@@ -486,7 +486,7 @@ def _collect(entry: _Entry) -> None:
         STATS.cache_hits_disk += 1
         return
     STATS.compile_seconds += seconds
-    STATS.regions_compiled += 1
+    STATS.compiles += 1
     log.info("adaptive_eager: compiled region %s%s in %.2fs (key %s)", entry.region,
              " with dynamic shapes" if entry.dynamic else "", seconds, entry.pkey)
 

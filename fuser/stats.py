@@ -15,7 +15,7 @@ class RegionStats:
         self.reset()
 
     def reset(self) -> None:
-        self.regions_compiled = 0
+        self.compiles = 0
         self.compile_seconds = 0.0
         self.cache_hits_memory = 0
         self.cache_misses = 0
@@ -33,7 +33,6 @@ class RegionStats:
 
     def as_dict(self) -> dict:
         return {
-            "regions_compiled": self.regions_compiled,
             "compile_seconds": round(self.compile_seconds, 3),
             "cache_hits_memory": self.cache_hits_memory,
             "cache_misses": self.cache_misses,
@@ -42,7 +41,7 @@ class RegionStats:
             "recompiles": dict(self.recompiles),
             "blacklisted": self.blacklisted,
             "compile_failures": self.compile_failures,
-            "compiles": self.regions_compiled,
+            "compiles": self.compiles,
             "cache_hits_disk": self.cache_hits_disk,
             "waited_for_other_process": self.waited_for_other_process,
             "not_compiled": dict(self.not_compiled),

@@ -64,7 +64,7 @@ def test_a_check_that_fails_raises_eagers_error_and_keeps_the_region(fresh_regio
     m = ae.metrics()
     # the failing windows ran compiled, raised, and were replayed for eager's error; the region
     # stays (the data was at fault, not the compiled code): the good windows after them run compiled
-    assert m["blacklisted"] == 0 and m["regions_compiled"] == 1 and m["compiled_runs"] == 4
+    assert m["blacklisted"] == 0 and m["compiles"] == 1 and m["compiled_runs"] == 4
 
 
 def test_backend_unsupported_op_runs_alone_between_compiled_pieces(no_sin, fresh_regions):
