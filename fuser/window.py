@@ -145,14 +145,13 @@ class Token:
 class Window:
     """Ops recorded since the last flush, in program order."""
 
-    __slots__ = ("nodes", "pending_bytes", "closed", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
+    __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "live", "viewed", "token")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
         self.nodes: list[Node] = []
         self.pending_bytes = 0
-        self.closed = False
         self.written: set[int] = set()  # storages (``_cdata``) that pending in-place ops write
         # Note [Window signature]: per node, its op signature id followed by its dataflow refs,
         # appended at record time into one flat list of ints, so the structural key of a window
