@@ -115,7 +115,7 @@ class _DiskBackend:
 
     def __init__(self, directory: str, size_limit_bytes: int, shared: bool = False):
         access = open_directory(directory, shared)
-        control = os.path.join(directory, "control")
+        control = os.path.join(directory, _CONTROL)
         access.check(control, directory=True, create=True)
         for where in (directory, control):
             # made with our mode before SQLite makes it (its -wal and -shm files copy that mode)

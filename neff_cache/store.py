@@ -1,5 +1,10 @@
 """Persistent, content-addressed store of compiled artifacts: bytes under hex-digest keys.
 
+``ArtifactStore`` runs on a backend: the directory on diskcache (``neff_cache._disk``), or memory,
+for this process only or on top of a directory it cannot write (``neff_cache._memory``). Who holds
+a compile claim is in ``neff_cache.claims``, what an entry records and how it is verified in
+``neff_cache.entries``, and rebuilding a damaged directory in ``neff_cache.repair``.
+
 Note [Remembered failures]
 A compile that raised is remembered as a row ``fail/v{N}/{key}`` beside the artifacts, holding the
 reason and the fingerprint, so that other processes replay the region instead of paying the same
