@@ -86,7 +86,7 @@ def finished_jobs() -> list:
 def abandoned(pkey: str, store) -> bool:
     """Whether the compile of region ``pkey`` that this process waits for will never land: no job
     of ours runs it and nobody holds its claim (its holder failed or died: Note [Claim holders] in
-    neff_cache.store), so this process compiles it."""
+    neff_cache.claims), so this process compiles it."""
     return pkey not in _PENDING and not store.is_claimed(pkey)
 
 

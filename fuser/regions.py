@@ -130,7 +130,7 @@ _LOCK = threading.Lock()
 # callable, for static and symbolic regions alike: load the store's artifact, else (unless the
 # compile failed in an earlier process, Note [Remembered failures] in neff_cache.store) claim
 # the key and compile. A claim another process holds means: replay, and load its artifact at a
-# later sight (Note [Claim holders] in neff_cache.store); a compile in a worker lands in the
+# later sight (Note [Claim holders] in neff_cache.claims); a compile in a worker lands in the
 # store the same way (Note [Background compiles]).
 class _Plan(NamedTuple):
     action: str  # "run", "load", "dynamic", "compile" or "replay" (Note [Tiers])

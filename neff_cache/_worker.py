@@ -127,7 +127,7 @@ def _store(destination: dict, reply: list) -> bool:
             store.put(key, result, fingerprint=fingerprint, backend=backend, compile_seconds=seconds)
         else:
             store.put_failure(key, failure, fingerprint=fingerprint, backend=backend)
-        store.release(key)  # only a claim handed over to this process (Note [Claim holders])
+        store.release(key)  # only a claim handed over to this process (Note [Claim holders] in neff_cache.claims)
         return not (store.in_memory or store.read_only)
     except Exception:  # noqa: BLE001 - the parent stores it instead
         return False

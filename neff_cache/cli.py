@@ -14,7 +14,8 @@ from typing import Any
 from diskcache.core import DBNAME
 
 from neff_cache.settings import from_environment
-from neff_cache.store import BYTES_PER_MB, ArtifactStore, repair
+from neff_cache.repair import repair
+from neff_cache.store import BYTES_PER_MB, ArtifactStore
 
 _AGE_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhdw]?)")
 _SECONDS_PER_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

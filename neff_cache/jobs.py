@@ -29,7 +29,7 @@ Note [Compiles that outlive the program]
 A program shorter than its first compile (a test, a 20-step run on a loaded machine) would never
 benefit from the cache if its compiles died with it. So a worker is told where the parent's store
 is and stores each artifact (or remembered failure) itself, and at exit the parent hands the claim
-of each running job over to its worker (Note [Claim holders] in neff_cache.store) and leaves it
+of each running job over to its worker (Note [Claim holders] in neff_cache.claims) and leaves it
 running, without waiting: the worker finishes, stores, releases the claim and exits. A thread in
 the worker bounds this: once the parent is gone, the running job gets ``finish_after_exit_s``
 seconds, after which the worker kills its process group (itself and its compilers). Jobs still
@@ -70,7 +70,8 @@ _ATTEMPTS = 2  # a job whose worker dies is retried once
 class JobResult(NamedTuple):
     """A finished job: ``error`` is None when the artifact was stored, else says why it was not;
     ``failure`` is the exception the compile function raised, as the end of its traceback reads
-    (what the store remembers: Note [Remembered failures]), None when it did not raise."""
+    (what the store remembers: Note [Remembered failures] in
+    neff_cache.store), None when it did not raise."""
 
     key: str
     ok: bool

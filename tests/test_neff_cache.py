@@ -347,7 +347,7 @@ def test_unwritable_directory_is_still_read_with_one_warning(tmp_path, monkeypat
     def refuse_writes(self, directory, size_limit_bytes, shared=False):
         raise error
 
-    monkeypatch.setattr("neff_cache.store._DiskBackend.__init__", refuse_writes)
+    monkeypatch.setattr("neff_cache._disk._DiskBackend.__init__", refuse_writes)
     with caplog.at_level(logging.WARNING, logger="neff_cache"):
         store = ArtifactStore(tmp_path)
         assert store.read_only and not store.in_memory

@@ -107,9 +107,9 @@ def hold_claim_and_sleep(directory: str, key: str) -> None:
 
 def kill_self_at(stage: str) -> None:
     """Make this process SIGKILL itself at ``stage`` of its next ``ArtifactStore.put`` of a large
-    value (Note [Storage layout]): after the value file is written ("value-file"), after its row is
-    inserted but before the transaction commits ("row"), or after an evicted row is deleted but
-    before its file is ("evict")."""
+    value (Note [Storage layout] in neff_cache._disk): after the value file is written ("value-file"),
+    after its row is inserted but before the transaction commits ("row"), or after an evicted row is
+    deleted but before its file is ("evict")."""
     import diskcache.core
 
     def die() -> None:
