@@ -342,7 +342,7 @@ def test_triton_cache_files_move_between_cache_dirs(tmp_path, monkeypatch):
     # the kernel from the compile's private cache dir to the loading process's cache dir.
     from torch._inductor.runtime import cache_dir_utils
 
-    from fuser.backends.inductor import _collect_triton, _restore_triton
+    from fuser.backends._inductor_artifacts import _collect_triton, _restore_triton
 
     compile_dir, load_dir = tmp_path / "compile", tmp_path / "load"
     kernel = compile_dir / "KERNELHASH"

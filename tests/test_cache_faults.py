@@ -28,7 +28,7 @@ import torch
 import adaptive_eager as ae
 import fuser
 from adaptive_eager import adaptive_eager
-from fuser.backends import inductor
+from fuser.backends import _inductor_artifacts, inductor
 from neff_cache import ArtifactStore
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,7 +181,7 @@ def test_torn_kernel_library_is_rebuilt_not_believed(killed_compiles, tmp_path):
         os.truncate(library, 0)  # the state the issue found: a 0-byte .so
     m = run_here(tmp_path, c)
     assert m["compiles"] == 1 and m["compile_failures"] == 0 and m["compiled_runs"] == 1, m
-    assert not any(inductor._torn(library) for library in libraries)
+    assert not any(_inductor_artifacts._torn(library) for library in libraries)
 
 
 @pytest.mark.parametrize("length", [0, 1000, 30_000])
@@ -189,8 +189,8 @@ def test_torn_shared_object_is_told_from_a_whole_one(tmp_path, length):
     whole = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))[0]
     with open(whole, "rb") as f:
         (tmp_path / "torn.so").write_bytes(f.read(length))
-    assert inductor._torn(str(tmp_path / "torn.so")) and not inductor._torn(whole)
-    assert not inductor._torn(str(tmp_path / "absent.so"))
+    assert _inductor_artifacts._torn(str(tmp_path / "torn.so")) and not _inductor_artifacts._torn(whole)
+    assert not _inductor_artifacts._torn(str(tmp_path / "absent.so"))
 
 
 # ------------------------------------------------------------------ claims of dead processes

@@ -440,7 +440,7 @@ def test_malformed_graphs_are_refused_at_load():
 
 
 def test_an_inductor_manifest_cannot_name_a_path_outside_tritons_cache():
-    from fuser.backends import inductor
+    from fuser.backends import _inductor_artifacts
 
     buffer = io.BytesIO()
     manifest = {"format": 1, "fingerprint": "fp", "inputs_to_check": [], "cpp_kernels": {}, "triton_device": 0,
@@ -450,11 +450,11 @@ def test_an_inductor_manifest_cannot_name_a_path_outside_tritons_cache():
         z.writestr("wrapper.py", "")
         z.writestr("triton/../escaped", "planted")
     with pytest.raises(BackendCompileError, match="triton_files"):
-        inductor._unpack(buffer.getvalue())
+        _inductor_artifacts._unpack(buffer.getvalue())
 
 
 def test_tritons_cache_must_be_private_to_restore_kernels_into(tmp_path, monkeypatch):
-    from fuser.backends.inductor import _restore_triton
+    from fuser.backends._inductor_artifacts import _restore_triton
 
     base = tmp_path / "triton"
     base.mkdir()
@@ -588,10 +588,10 @@ def _make_world_writable(path: str) -> int:
 def test_an_inductor_build_directory_others_can_write_is_not_used(world_dir, monkeypatch, made_by, caplog):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from fuser.backends import inductor
+    from fuser.backends import _inductor_artifacts
 
     monkeypatch.setattr(tempfile, "tempdir", world_dir)  # Inductor's default: <tempdir>/torchinductor_$USER
-    monkeypatch.setattr(inductor, "_stand_in_build_dirs", {})
+    monkeypatch.setattr(_inductor_artifacts, "_stand_in_build_dirs", {})
     planted = default_cache_dir()
     assert planted.startswith(world_dir)
     if made_by == "another user":
@@ -599,8 +599,8 @@ def test_an_inductor_build_directory_others_can_write_is_not_used(world_dir, mon
     else:
         _make_world_writable(planted)
     with caplog.at_level(logging.WARNING):
-        built_in = inductor._build_dir(planted, "adaptive_eager")
-        assert inductor._build_dir(planted, "adaptive_eager") == built_in  # one stand-in per process
+        built_in = _inductor_artifacts._build_dir(planted, "adaptive_eager")
+        assert _inductor_artifacts._build_dir(planted, "adaptive_eager") == built_in  # one stand-in per process
     assert not built_in.startswith(planted)
     st = os.stat(built_in)
     assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()

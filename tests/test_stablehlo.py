@@ -234,7 +234,7 @@ def test_64_bit_types_keep_eager_dtypes_at_the_boundary(narrow):
 
 @needs_stablehlo
 def test_narrowed_module_has_no_64_bit_type():
-    from fuser.backends.stablehlo import _lower
+    from fuser.backends._stablehlo_lowering import _lower
 
     inputs = _wide_inputs()
     text = _lower(make_fx(_wide)(*inputs), inputs, narrow_64bit=True)

@@ -32,7 +32,8 @@ from collections.abc import Callable
 import torch
 
 from ._common import BackendCompileError
-from .stablehlo import StablehloBackend, _dtype
+from ._stablehlo_lowering import _dtype
+from .stablehlo import StablehloBackend
 
 _MAGIC = b"adaptive-eager neuron\n"
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "torch_neuronx": "torch-neuronx"}

@@ -8,60 +8,10 @@ in and out, an XLA launch), against ~3 us for Inductor.
 
 Needs the optional extra: ``pip install -e ".[neuron]"`` (torch-mlir and jax[cpu]).
 
-Note [StableHLO lowering]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-``compile``: the graph is traced again with torch-mlir's decomposition table (what its own
-``export_and_import`` applies: core ATen decompositions plus the few it needs, without those it
-cannot lower; e.g. ``nll_loss_forward`` crashes its importer undecomposed, lowers decomposed), the
-result imported by torch-mlir's ``FxImporter`` and lowered by the pipelines
-``torch_mlir.fx.stateless_fx_import(..., output_type="stablehlo")`` runs (``_lower`` says why not
-through that function), the module text compiled by ``get_backend("cpu").compile_and_load`` and
-serialized with ``serialize_executable``. ``load`` is ``deserialize_executable``: no compile in a warm process.
-
-StableHLO has value semantics: the executable takes and returns dense row-major arrays and knows
-nothing of strides or views. The artifact therefore carries the calling convention the ``Backend``
-contract asks for (Note [Outputs that share storage]); inputs cross as their contiguous values.
-
-Note [Outputs that share storage]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Outputs that are views of one another in eager (``z[1:, ::2]`` and ``z.t()``) must share storage,
-with eager's shape, stride and storage offset each. So the executable returns one result per
-storage the outputs use: the value of the node that owns it (its root, ``z``: the first node of the
-graph with that storage), and the callable rebuilds each output as ``as_strided`` of its root.
-A root whose eager strides are not the row-major ones XLA returns is first copied into eager's
-strides (``restrided``); otherwise the DLPack tensor is the output itself, no copy. (A root that
-eager lays out with gaps or at an offset, which no op of these graphs does, is refused.)
-
-Note [64-bit types]
-~~~~~~~~~~~~~~~~~~~
-Neuron has no float64, and torch-neuronx runs int64 as int32. With ``narrow_64bit=True`` (the
-neuron backend turns it on; off by default here, so CPU results keep eager's exact dtypes) the
-region computes in 32 bits: after lowering, every f64 / i64 / ui64 type in the module (arguments,
-results, block arguments of reduction bodies, constants) becomes f32 / i32 / ui32, integer constants
-saturated (the init of an int64 max-reduction, INT64_MIN, becomes INT32_MIN, the same identity),
-and the callable converts at the boundary: inputs to 32 bits before the call, outputs back to
-eager's dtype after it. Values are then float32-accurate, and integers must fit in int32.
-
-Note [Ops that run alone]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-Whether torch-mlir lowers an op is learned by trying, and memoized per op signature (op, the dtypes
-and ranks of its tensors, its other arguments; float values and sizes left out, so AdamW's lr and a
-model's many shapes do not each cost a lowering). The fuser asks ``unsupported(node)`` about every
-node of a region before compiling it; the first node of unknown signature makes the backend lower
-the node's whole graph, as ``compile`` would (StableHLO only, no XLA compile). If that succeeds,
-every op in it is known to lower and ``compile``, called next with the same graph, reuses the
-lowering: a region costs one lowering, as without the question. If it fails, each op of unknown
-signature is lowered alone (its inputs, the node, its tensor outputs: ~30-80 ms each), and one that
-fails is "not_lowerable": the fuser runs it alone, between compiled pieces, and counts it (Note
-[Partitions] in ``fuser.partition``). A region that fails to lower although each of its ops lowered
-alone fails in ``compile``, which then lowers each op alone at its own sizes (whether an op lowers
-can depend on them: ``isin`` decomposes to ``searchsorted`` only against many test elements) and names the
-first that fails as the error's ``target``: the fuser compiles the region again with that op run
-alone ("compile_failed"). With no such op, the region is replayed.
-
-Some ops lower without complaint to code that computes other values than eager; the OpInfo sweep
-in tests/test_stablehlo.py finds them, and ``_MISCOMPILED`` lists them ("miscompiled": also run
-alone, counted; ``compile`` refuses a graph holding one).
+The lowering, which the neuron backend shares, is ``fuser.backends._stablehlo_lowering`` (Notes
+[StableHLO lowering], [Outputs that share storage], [64-bit types], [Ops that run alone]); this
+module compiles and runs its StableHLO with XLA (``_build``, ``_callable``), gives the executable
+the ``Backend`` calling convention (``caller``) and keeps the artifact format (``_pack``, ``_unpack``).
 """
 
 from __future__ import annotations
@@ -72,7 +22,6 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import operator
 import platform
 import struct
 import time
@@ -81,10 +30,10 @@ import zlib
 from collections.abc import Callable
 
 import torch
-from torch.fx.node import map_arg
 
-from ._common import (
-    BackendCompileError, below_autograd, check_graph, fake_values, op_name, output_nodes, restrided,
+from ._common import BackendCompileError, below_autograd, check_graph, op_name, restrided
+from ._stablehlo_lowering import (
+    _alone, _dtype, _examples, _input_key, _lower, _miscompiled, _output_plan, _returning, _signature, _wire,
 )
 
 log = logging.getLogger(__name__)
@@ -95,31 +44,7 @@ _DEVICE_TYPES = ("cpu",)
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "jax": "jax", "jaxlib": "jaxlib"}
 INSTALL_HINT = 'pip install -e ".[neuron]"'
 
-# Note [64-bit types]: eager dtype -> the dtype the region computes in
-_NARROW = {torch.float64: torch.float32, torch.int64: torch.int32, torch.uint64: torch.uint32}
-_NARROW_MLIR = {"f64": "f32", "i64": "i32", "si64": "si32", "ui64": "ui32"}
-_INT32_RANGE = {"i32": (-(2**31), 2**31 - 1), "si32": (-(2**31), 2**31 - 1), "ui32": (0, 2**32 - 1)}
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
-
-# Note [Ops that run alone]: ops torch-mlir 20261001 lowers to code that computes other values than
-# eager (found by the OpInfo sweep in tests/test_stablehlo.py): op -> (for which calls, None: all; why)
-_MISCOMPILED = {
-    "aten.remainder.Scalar": (None, "C's fmod sign, not Python's: remainder(-1.5, 1.0) gives -0.5, eager 0.5"),
-    "aten.remainder.Tensor": (None, "C's fmod sign, not Python's: remainder(-1.5, 1.0) gives -0.5, eager 0.5"),
-    "aten.logcumsumexp.default": (None, "exp overflows: logcumsumexp of [100.0] gives inf"),
-    "aten.take.default": (None, "negative indices are not wrapped"),
-    "aten.avg_pool3d.default": (lambda node: node.kwargs.get("divisor_override", (node.args + (None,) * 7)[6])
-                                is not None, "divisor_override is not applied"),
-}
-
-
-def _miscompiled(node: torch.fx.Node) -> str | None:
-    """Why torch-mlir lowers ``node`` to wrong values, or None (``_MISCOMPILED``)."""
-    entry = _MISCOMPILED.get(op_name(node.target)) if node.op == "call_function" else None
-    if entry is None or (entry[0] is not None and not entry[0](node)):
-        return None
-    return entry[1]
-
 
 def missing_requirements(requirements: dict[str, str] = _REQUIREMENTS) -> list[str]:
     """The distributions of ``requirements`` (module -> distribution; default: this backend's) that
@@ -128,7 +53,8 @@ def missing_requirements(requirements: dict[str, str] = _REQUIREMENTS) -> list[s
 
 
 class StablehloBackend:
-    """Lowers with torch-mlir, compiles with XLA's CPU client; see the module notes.
+    """Lowers with torch-mlir, compiles with XLA's CPU client; the Notes this class cites are in
+    ``fuser.backends._stablehlo_lowering``.
 
     The lowering (``unsupported``, the checks and the output plan of ``compile``) is shared with the
     neuron backend (``fuser.backends.neuron``), which overrides only what turns StableHLO text into
@@ -322,7 +248,7 @@ class StablehloBackend:
         return results
 
 
-# ---------------------------------------------------------------------------------------- lowering
+# ---------------------------------------------------------------------------------------- XLA client
 
 
 @functools.cache
@@ -339,302 +265,14 @@ def _client():
     return get_backend("cpu")
 
 
-@functools.cache
-def _decompositions() -> dict:
-    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
-
-    return get_decomposition_table()
-
-
-# torch-mlir's pipelines, as ``torch_mlir.fx.stateless_fx_import(..., output_type="stablehlo")`` runs them
-_PIPELINES = (
-    "builtin.module(func.func(torch-match-quantized-custom-ops), torchdynamo-export-to-torch-backend-pipeline)",
-    "builtin.module(torch-backend-to-stablehlo-backend-pipeline{allow-non-finites=True})",
-)
-
-
-def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_64bit: bool) -> str:
-    """StableHLO text of ``gm`` (Note [StableHLO lowering]); BackendCompileError if it does not lower.
-
-    The pipelines run here rather than through ``stateless_fx_import``, whose error path swaps
-    ``sys.stderr`` for the whole process while it runs (output of the program's other threads would
-    vanish) and writes a repro file to /tmp; a diagnostic handler of our own context keeps MLIR's
-    errors for the message instead of printing them."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch_mlir import ir
-    from torch_mlir.dialects import torch as torch_dialect
-    from torch_mlir.extras.fx_importer import FxImporter
-    from torch_mlir.passmanager import PassManager
-
-    try:
-        with torch.no_grad():
-            decomposed = make_fx(gm, decomposition_table=_decompositions(), tracing_mode="fake")(*example_inputs)
-    except Exception as e:
-        raise BackendCompileError(f"stablehlo: cannot decompose the graph: {type(e).__name__}: {str(e)[:800]}") from e
-    context = ir.Context()
-    torch_dialect.register_dialect(context)
-    errors: list[str] = []
-    context.attach_diagnostic_handler(lambda d: errors.append(str(d.message)) or True)
-    try:
-        importer = FxImporter(context=context, hooks=_dense_literals())
-        importer.import_stateless_graph(decomposed.graph, func_name="main")
-        module = importer.module
-        with context:
-            context.emit_error_diagnostics = True
-            for pipeline in _PIPELINES:
-                PassManager.parse(pipeline).run(module.operation)
-            if narrow_64bit:
-                _narrow(module)
-            return str(module)
-    except BackendCompileError:
-        raise
-    except Exception as e:
-        reason = errors[0] if errors else f"{type(e).__name__}: {e}"
-        raise BackendCompileError(f"stablehlo: torch-mlir cannot lower the graph: {reason[:800]}") from e
-
-
-@functools.cache
-def _dense_literals():
-    """Importer hooks that inline tensor constants (decompositions make some: group_norm's) as dense
-    elements: torch-mlir's default, a ``dense_resource`` blob, is refused by XLA ("Only dense
-    elements attr are supported")."""
-    import numpy as np
-    from torch_mlir.extras.fx_importer import (
-        TORCH_DTYPE_TO_NPY_TYPE, FxImporterHooks, create_mlir_tensor_type,
-    )
-    from torch_mlir.ir import DenseElementsAttr, Operation
-
-    class DenseLiterals(FxImporterHooks):
-        def resolve_literal(self, gni, literal, info):
-            if not isinstance(literal, torch.Tensor) or literal.numel() <= 1:
-                return None  # one element: torch-mlir makes a dense splat itself
-            array = np.array(literal.tolist()).astype(TORCH_DTYPE_TO_NPY_TYPE[literal.dtype])
-            attr = DenseElementsAttr.get(np.ascontiguousarray(array), type=create_mlir_tensor_type(literal))
-            return Operation.create("torch.vtensor.literal", results=[gni._cc.tensor_to_vtensor_type(literal)],
-                                    attributes={"value": attr}).result
-
-    return DenseLiterals()
-
-
-def _returning(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> Callable:
-    """A function computing ``gm``'s values of ``nodes`` (the storage roots), for tracing."""
-
-    def roots(*inputs):
-        interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
-        interpreter.run(*inputs)
-        return tuple(interpreter.env[n] for n in nodes)
-
-    return roots
-
-
-def _output_plan(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_64bit: bool) -> tuple[list, list, list]:
-    """Note [Outputs that share storage]: the root nodes the executable returns; per result its
-    eager layout (or None: the row-major DLPack tensor is it); per output, where its storage comes
-    from (a result, or an input: a piece of a split region may return a view of its input) and, for
-    a view, the view's (shape, stride, storage offset; relative to the input's for an input)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    values = fake_values("stablehlo", gm, example_inputs)
-    owner: dict = {}
-    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        owner.setdefault(StorageWeakRef(values[node].untyped_storage()), i)
-    for node in gm.graph.nodes:
-        v = values.get(node)
-        if node.op == "call_function" and isinstance(v, torch.Tensor):
-            owner.setdefault(StorageWeakRef(v.untyped_storage()), node)
-    roots: list[torch.fx.Node] = []
-    results: list[dict] = []
-    outputs: list[list] = []
-    for i, node in enumerate(output_nodes("stablehlo", gm)):
-        v = values[node]
-        if not isinstance(v, torch.Tensor):
-            raise BackendCompileError(f"stablehlo: graph output {i} is a {type(v).__name__}, not a tensor")
-        root = owner[StorageWeakRef(v.untyped_storage())]
-        if type(root) is int:  # a view of input ``root``
-            base = example_inputs[root].storage_offset()
-            outputs.append(["input", root, [list(v.shape), list(v.stride()), v.storage_offset() - base]])
-            continue
-        if root not in roots:
-            roots.append(root)
-            r = values[root]
-            if r.storage_offset() or r.untyped_storage().nbytes() != _extent(r) * r.element_size():
-                raise BackendCompileError(f"stablehlo: graph output {i} is a view of a storage that "
-                                          f"{op_name(root.target)} (node {root.name}) lays out with gaps")
-            results.append({
-                "shape": list(r.shape),
-                "dtype": _dtype_name(r.dtype),
-                "wire": _wire(r.dtype, narrow_64bit)[1],
-                # eager's strides of the root, when they are not those of XLA's row-major result
-                "stride": None if r.stride() == _row_major(r.shape) else list(r.stride()),
-            })
-        view = None if v is values[root] else [list(v.shape), list(v.stride()), v.storage_offset()]
-        outputs.append(["result", roots.index(root), view])
-    return roots, results, outputs
-
-
-def _row_major(shape) -> tuple[int, ...]:
-    """The strides of the tensor DLPack makes of a row-major XLA result (torch's contiguous strides)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements of storage ``torch.empty_strided`` allocates for ``t``'s shape and strides."""
-    return 0 if t.numel() == 0 else 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-
-
-def _narrow(module) -> None:
-    """Note [64-bit types]: rewrite every 64-bit type of the lowered module to 32 bits, in place."""
-    import numpy as np
-    from torch_mlir import ir
-
-    def narrowed(t):
-        if isinstance(t, ir.RankedTensorType):
-            element = _NARROW_MLIR.get(str(t.element_type))
-            return None if element is None else ir.RankedTensorType.get(t.shape, ir.Type.parse(element))
-        element = _NARROW_MLIR.get(str(t))
-        return None if element is None else ir.Type.parse(element)
-
-    def constant(attr, new_type):
-        values = np.array([attr.get_splat_value().value]) if attr.is_splat else np.array(attr)
-        element = str(new_type.element_type)
-        if element == "f32":
-            with np.errstate(over="ignore"):  # beyond float32's range: inf, as a float64 -> float32 cast gives
-                values = values.astype(np.float32)
-        else:
-            low, high = _INT32_RANGE[element]
-            values = np.clip(values.astype(object), low, high).astype(np.uint32 if element == "ui32" else np.int32)
-        # a one-element buffer makes a splat of the type's shape
-        return ir.DenseElementsAttr.get(np.ascontiguousarray(values), type=new_type)
-
-    def walk(op) -> None:
-        for region in op.regions:
-            for block in region.blocks:
-                for arg in block.arguments:
-                    new = narrowed(arg.type)
-                    if new is not None:
-                        arg.set_type(new)
-                for inner in block.operations:
-                    walk(inner)
-        if op.name in ("stablehlo.constant", "arith.constant"):
-            new = narrowed(op.results[0].type)
-            if new is not None:
-                op.attributes["value"] = constant(op.attributes["value"], new)
-        for result in op.results:
-            new = narrowed(result.type)
-            if new is not None:
-                result.set_type(new)
-
-    with module.context, ir.Location.unknown():
-        for func in module.body.operations:
-            walk(func.operation)
-            if func.operation.name != "func.func":
-                continue
-            block = func.regions[0].blocks[0]
-            returned = [v.type for v in list(block.operations)[-1].operands]
-            func.attributes["function_type"] = ir.TypeAttr.get(
-                ir.FunctionType.get([a.type for a in block.arguments], returned))
-        if not module.operation.verify():
-            raise BackendCompileError("stablehlo: the module does not verify after narrowing 64-bit types")
-
-
-def _wire(dtype: torch.dtype, narrow_64bit: bool) -> list[str]:
-    """[eager dtype, the dtype the executable takes or returns] (Note [64-bit types])."""
-    return [_dtype_name(dtype), _dtype_name(_NARROW.get(dtype, dtype) if narrow_64bit else dtype)]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise BackendCompileError(f"stablehlo: artifact names an unknown dtype {name!r}")
-    return dtype
-
-
-# ------------------------------------------------------------------------------- ops that run alone
-
-
-def _signature(node: torch.fx.Node) -> tuple:
-    """What decides whether a node lowers (Note [Ops that run alone])."""
-
-    def sig(a):
-        if isinstance(a, torch.fx.Node):
-            v = a.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                return ("tensor", v.dtype, v.dim(), 0 in v.shape)
-            return ("node", type(v).__name__)
-        if isinstance(a, (list, tuple)):
-            return tuple(sig(x) for x in a)
-        if isinstance(a, float):
-            return float
-        return a
-
-    return (node.target, sig(node.args), tuple((k, sig(v)) for k, v in node.kwargs.items()))
-
-
-def _example(v: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cpu")
-
-
-def _examples(gm: torch.fx.GraphModule) -> list[torch.Tensor] | None:
-    """Example inputs for ``gm`` made from its placeholders' metadata; None where one has none."""
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    if not all(isinstance(v, torch.Tensor) for v in vals):
-        return None
-    return [_example(v) for v in vals]
-
-
-def _input_key(example_inputs: list[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), t.stride(), t.dtype) for t in example_inputs)
-
-
-def _alone(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.Tensor]] | None:
-    """A graph holding ``node`` alone (its tensor inputs as placeholders) and example inputs for it."""
-    graph = torch.fx.Graph()
-    inputs: dict[torch.fx.Node, torch.fx.Node] = {}
-    examples: list[torch.Tensor] = []
-
-    def placeholder(n: torch.fx.Node) -> torch.fx.Node:
-        if n not in inputs:
-            v = n.meta.get("val")
-            if not isinstance(v, torch.Tensor):
-                raise LookupError(n.name)
-            inputs[n] = graph.placeholder(f"in{len(inputs)}")
-            inputs[n].meta["val"] = v
-            examples.append(_example(v))
-        return inputs[n]
-
-    value = node.meta.get("val")
-    try:
-        call = graph.call_function(node.target, map_arg(node.args, placeholder), map_arg(node.kwargs, placeholder))
-    except LookupError:
-        return None
-    if isinstance(value, torch.Tensor):
-        results = [call]
-    elif isinstance(value, (tuple, list)):
-        results = [graph.call_function(operator.getitem, (call, i)) for i, v in enumerate(value)
-                   if isinstance(v, torch.Tensor)]
-    else:
-        return None
-    if not results:
-        return None
-    graph.output(tuple(results))
-    return torch.fx.GraphModule(torch.nn.Module(), graph), examples
-
-
 # ----------------------------------------------------------------------------------------- calling
 
 
 def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: dict
            ) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
     """``execute`` (inputs in wire dtypes -> row-major roots in wire dtypes) in the ``Backend``
-    calling convention (Notes [Outputs that share storage], [64-bit types])."""
+    calling convention (Notes [Outputs that share storage], [64-bit types] in
+    ``fuser.backends._stablehlo_lowering``)."""
     as_strided = torch.as_strided
 
     casts_in = [(i, _dtype(wire)) for i, (dtype, wire) in enumerate(header["inputs"]) if dtype != wire]
