@@ -858,3 +858,18 @@ def test_accumulate_grad_steals_fresh_gradients():
     assert_eager(w.grad, want)
     # stolen: no gradient buffer allocated and copied into (AccumulateGrad's clone_obey_contract)
     assert not any("aten.copy_.default" in r or "aten.new_empty_strided.default" in r for r in recorded)
+
+
+def test_an_op_recorded_on_a_thread_without_python_frames_has_no_user_line():
+    """Autograd's device threads (cuda, neuron) run backward ops from C++: the record path's frame
+    walk then starts below the thread's first frame; that op has no user's line (the walk raised
+    ValueError inside the dispatch mode, and the process aborted)."""
+    import threading
+
+    from adaptive_eager._source import _user_source
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(_user_source(50)))
+    thread.start()
+    thread.join()
+    assert got == [None]
