@@ -74,8 +74,12 @@ _lib_codes_seen: list = []
 def _user_source(depth: int):
     """(code, line) of the innermost frame outside torch and this library: the user's line."""
     # frames below ``depth`` are this function and its record-path callers, down to the mode's
-    # ``__torch_dispatch__``: always library code
-    f = _getframe(depth)
+    # ``__torch_dispatch__``: always library code. On a thread with fewer frames (autograd's
+    # device threads run backward ops from C++) there is no user's line.
+    try:
+        f = _getframe(depth)
+    except ValueError:
+        return None
     while f is not None:
         code = f.f_code
         lib = _is_lib_code.get(id(code))

@@ -140,7 +140,7 @@ class StablehloBackend:
     magic = _MAGIC
 
     def __init__(self, device_type: str, *, narrow_64bit: bool = False) -> None:
-        if device_type not in self.device_types:
+        if device_type not in self.device_types and not _emulated(device_type):
             raise ValueError(
                 f"the {self.name} backend supports device types {', '.join(self.device_types)}, not {device_type!r}"
             )
@@ -231,7 +231,8 @@ class StablehloBackend:
         """Lower ``gm`` to StableHLO and compile it into a serialized XLA executable (Note [StableHLO lowering])."""
         check_graph(self.name, gm, example_inputs)
         for i, t in enumerate(example_inputs):
-            if t.device.type != self.device_type:
+            # a lifted float is a 0-dim cpu tensor on every device (Note [Scalar lifting] in fuser.compiled)
+            if t.device.type != self.device_type and not (t.device.type == "cpu" and t.dim() == 0):
                 raise BackendCompileError(
                     f"stablehlo: example input {i} is on {t.device}, this backend compiles for {self.device_type}"
                 )
@@ -318,6 +319,14 @@ class StablehloBackend:
                 buffers.append(to_buffer(t.__dlpack__(), device, None, None, _DLPACK_CPU))
             # exporting a result waits for the execution to finish (it reads the inputs in place until then)
             return [from_dlpack(to_capsule(r)) for r in execute(buffers)]
+
+        if _emulated(self.device_type):  # XLA runs on the CPU data: Note [Emulated storage] in adaptive_eager.neuron_emulation
+            from adaptive_eager.neuron_emulation import cpu_data, on_device
+
+            on_cpu = results
+
+            def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [on_device(r) for r in on_cpu([cpu_data(t) for t in args])]
 
         return results
 
@@ -579,7 +588,16 @@ def _signature(node: torch.fx.Node) -> tuple:
 
 
 def _example(v: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cpu")
+    # on the graph's device: its factories name it (``zeros(..., device=neuron)``)
+    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+
+
+def _emulated(device_type: str) -> bool:
+    """Whether ``device_type`` is the emulated neuron device (adaptive_eager.neuron_emulation),
+    whose tensors hold CPU data that XLA's CPU client runs on."""
+    from adaptive_eager.neuron_emulation import DEVICE, is_emulated
+
+    return device_type == DEVICE and is_emulated()
 
 
 def _examples(gm: torch.fx.GraphModule) -> list[torch.Tensor] | None:
