@@ -26,6 +26,8 @@ from .errors import AdaptiveEagerError
 def __getattr__(name):
     if name == "_tracer":
         return importlib.import_module("._tracer", __name__)
+    if name == "emulate_neuron":  # a neuron device backed by CPU memory (neuron_emulation)
+        return importlib.import_module(".neuron_emulation", __name__).emulate_neuron
     raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")
 
 
@@ -192,5 +194,5 @@ def unload_ipython_extension(ipython) -> None:
 
 __all__ = [
     "adaptive_eager", "enable", "disable", "sync", "is_lazy", "is_enabled", "metrics",
-    "reset_metrics", "report", "explain", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
+    "reset_metrics", "report", "explain", "emulate_neuron", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
 ]

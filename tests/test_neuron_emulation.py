@@ -65,7 +65,7 @@ def _child(code: str, tmp_path, env: dict | None = None, script: str | None = No
 
 def test_device_factories_copies_and_device_module(tmp_path):
     out = _child("""
-        ne.emulate_neuron(); ne.emulate_neuron()  # idempotent
+        ae.emulate_neuron(); ne.emulate_neuron()  # the public name; idempotent
         for t in (torch.empty(2, 3, device="neuron"), torch.zeros(2, device="neuron"), torch.randn(2, device="neuron"),
                   torch.empty_strided((2, 3), (1, 2), device="neuron"), torch.ones_like(torch.zeros(3, device="neuron"))):
             assert t.device == torch.device("neuron", 0) and t.device.type == "neuron", t.device
