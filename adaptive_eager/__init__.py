@@ -11,6 +11,7 @@ program can observe (values, errors, prints, random numbers, autograd) stays eag
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
 from ._metrics import METRICS, format_report
@@ -20,6 +21,12 @@ from .errors import AdaptiveEagerError
 # The tracer imports torch internals; ``import torch`` imports this package (backend autoload)
 # before torch has finished importing, so the tracer's modules are imported on first use, in the
 # functions below, not here.
+
+
+def __getattr__(name):
+    if name == "emulate_neuron":  # a neuron device backed by CPU memory (neuron_emulation)
+        return importlib.import_module(".neuron_emulation", __name__).emulate_neuron
+    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 
@@ -213,5 +220,6 @@ def unload_ipython_extension(ipython) -> None:
 
 __all__ = [
     "adaptive_eager", "enable", "disable", "sync", "is_lazy", "is_enabled", "metrics",
-    "reset_metrics", "report", "explain", "cache_info", "cache_clear", "AdaptiveEagerError", "ConfigError", "Options", "load_options", "defaults",
+    "reset_metrics", "report", "explain", "cache_info", "cache_clear", "emulate_neuron", "AdaptiveEagerError",
+    "ConfigError", "Options", "load_options", "defaults",
 ]

@@ -13,11 +13,15 @@ import warnings
 
 
 def autoload() -> None:
-    from .config import ConfigError, switch_value
+    from .config import setting, switch_value
 
     try:
         mode = switch_value()
-    except ConfigError as e:
+        if setting("emulate"):  # NEURON_EAGER_EMULATE=1: the device exists in eager runs too
+            from .neuron_emulation import emulate_neuron
+
+            emulate_neuron()
+    except Exception as e:  # never break ``import torch`` for the user
         warnings.warn(f"adaptive_eager stays off: {e}", stacklevel=2)
         return
     if mode != "adaptive":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ class Options:
     log: str = "warning"
     tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
     workers: bool = False  # child processes record too: Note [Worker processes]
+    emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -132,6 +134,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
                 "instead of triggering full collections (default 1; the program's thresholds come back at exit)"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning`, `info` or `debug`"),
+    "emulate": (_parse_bool, "give a machine without Trainium a `neuron` device backed by CPU memory, on which plain "
+                "eager counts one NEFF launch per op, to size the win before renting one (default 0; "
+                "`adaptive_eager.emulate_neuron()`; needs the [neuron] extra for the stablehlo backend)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, `multiprocessing` children, forked processes) "
                 "record too (default 0: they run eagerly; a spawned child reads it from the environment)"),
 }
@@ -217,6 +222,10 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
             values[name] = parse(name, raw)
     values.update(_defaults)
     values.update(_validate(overrides))
+    if values.get("emulate"):
+        from .neuron_emulation import emulate_neuron
+
+        emulate_neuron()  # before the default device is picked: it is then neuron
     if "device" not in values:
         values["device"] = default_device_type()
     if "backend" not in values:
@@ -237,9 +246,18 @@ def _default_backend(device: str) -> str:
         return "inductor"
     if device == "neuron":
         from fuser.backends.neuron import NeuronBackend
-        from fuser.backends.stablehlo import missing_requirements
+        from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
 
-        if not missing_requirements(NeuronBackend.requirements):
+        from .neuron_emulation import is_emulated
+
+        if is_emulated():
+            # stablehlo stands in for neuronx-cc on the emulated device
+            if not missing_requirements():
+                return "stablehlo"
+            _warn_once("emulated-replay", "adaptive_eager: the emulated neuron device runs windows op by op (backend "
+                       "'replay'): the stablehlo backend, which stands in for neuronx-cc, needs the [neuron] extra: "
+                       f"{INSTALL_HINT}")
+        elif not missing_requirements(NeuronBackend.requirements):
             return "neuron"
     return "replay"
 
@@ -252,7 +270,7 @@ def _check_backend(name: str, device: str, compiles_for: str) -> None:
     missing = missing_requirements(get_backend_class(name).requirements)
     if missing:
         raise ConfigError(f"backend {name!r} needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}")
-    if device != compiles_for:
+    if device != compiles_for and not (device == "neuron" and compiles_for == "cpu" and _emulated()):
         raise ConfigError(f"backend {name!r} compiles for {compiles_for}, not {device!r}; use backend='replay'")
 
 
@@ -265,9 +283,31 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "tune_gc", "workers"):
+    for name in ("async_compile", "tune_gc", "workers", "emulate"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
+
+
+def _emulated() -> bool:
+    from .neuron_emulation import is_emulated
+
+    return is_emulated()
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logging.getLogger("adaptive_eager").warning(message)
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from the environment, else its default (at ``import torch``: nothing else is read)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(_env(name))
+    return getattr(Options, name) if raw is None else SETTINGS[name][0](name, raw)
 
 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:

@@ -183,6 +183,8 @@ def _swap_storages(storage, result: torch.Tensor, meta) -> bool:
     [Placeholders]). Torch releases without ``UntypedStorage._swap_data_ptr_`` (2.11) copy."""
     if _swap_data_ptr is None or result.dtype is not meta[2] or result.storage_offset() != 0:
         return False
+    if type(result) is not torch.Tensor:
+        return False  # a wrapper subclass's storage holds no memory: Note [Emulated storage] in adaptive_eager.neuron_emulation
     if tuple(result.size()) != tuple(meta[0]) or tuple(result.stride()) != tuple(meta[1]):
         return False
     rs = _untyped_storage(result)

@@ -338,7 +338,8 @@ def _signature(node: torch.fx.Node) -> tuple:
 
 
 def _example(v: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cpu")
+    # on the graph's device: its factories name it (``zeros(..., device=neuron)``)
+    return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
 
 
 def _examples(gm: torch.fx.GraphModule) -> list[torch.Tensor] | None:

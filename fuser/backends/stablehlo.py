@@ -46,6 +46,23 @@ INSTALL_HINT = 'pip install -e ".[neuron]"'
 
 _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
 
+# Note [Host-memory devices]
+# A device whose tensors hold their data in CPU memory (the emulated neuron device of
+# ``adaptive_eager.neuron_emulation``, Note [Emulated storage] there) can run on XLA's CPU client:
+# its code registers how to reach a tensor's CPU data and how to put a CPU result back on the
+# device, and this backend then accepts that device type. Registered from above (the fuser never
+# imports adaptive_eager: imports go one way), in every process that emulates the device
+# (a compile worker emulates it at ``import torch`` too: NEURON_EAGER_EMULATE is inherited).
+_HOST_DEVICES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {}
+
+
+def register_host_device(device_type: str, to_cpu: Callable[[torch.Tensor], torch.Tensor],
+                         from_cpu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Let this backend compile for ``device_type``, whose tensors' data ``to_cpu`` reaches and
+    ``from_cpu`` puts back (Note [Host-memory devices])."""
+    _HOST_DEVICES[device_type] = (to_cpu, from_cpu)
+
+
 def missing_requirements(requirements: dict[str, str] = _REQUIREMENTS) -> list[str]:
     """The distributions of ``requirements`` (module -> distribution; default: this backend's) that
     are not installed, found without importing them."""
@@ -66,7 +83,7 @@ class StablehloBackend:
     magic = _MAGIC
 
     def __init__(self, device_type: str, *, narrow_64bit: bool = False) -> None:
-        if device_type not in self.device_types:
+        if device_type not in self.device_types and device_type not in _HOST_DEVICES:
             raise ValueError(
                 f"the {self.name} backend supports device types {', '.join(self.device_types)}, not {device_type!r}"
             )
@@ -157,7 +174,8 @@ class StablehloBackend:
         """Lower ``gm`` to StableHLO and compile it into a serialized XLA executable (Note [StableHLO lowering])."""
         check_graph(self.name, gm, example_inputs)
         for i, t in enumerate(example_inputs):
-            if t.device.type != self.device_type:
+            # a lifted float is a 0-dim cpu tensor on every device (Note [Scalar lifting] in fuser.scalars)
+            if t.device.type != self.device_type and not (t.device.type == "cpu" and t.dim() == 0):
                 raise BackendCompileError(
                     f"stablehlo: example input {i} is on {t.device}, this backend compiles for {self.device_type}"
                 )
@@ -244,6 +262,13 @@ class StablehloBackend:
                 buffers.append(to_buffer(t.__dlpack__(), device, None, None, _DLPACK_CPU))
             # exporting a result waits for the execution to finish (it reads the inputs in place until then)
             return [from_dlpack(to_capsule(r)) for r in execute(buffers)]
+
+        if self.device_type in _HOST_DEVICES:  # XLA runs on the CPU data (Note [Host-memory devices])
+            cpu_data, on_device = _HOST_DEVICES[self.device_type]
+            on_cpu = results
+
+            def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [on_device(r) for r in on_cpu([cpu_data(t) for t in args])]
 
         return results
 

@@ -1,0 +1,293 @@
+"""A ``neuron`` device on a machine without Trainium: ``emulate_neuron()`` (``NEURON_EAGER_EMULATE=1``).
+
+PrivateUse1 is renamed ``neuron`` (what torch-neuronx does) and a tensor on it is a wrapper
+subclass holding its data in a CPU tensor: every ATen op on it unwraps, runs on cpu and wraps the
+results back on ``neuron``. Plain eager on it therefore runs op by op as on Trainium, and counts
+each op as one NEFF launch (``launches()``), so a user sizes what adaptive eager saves before
+renting a Trn2, and CI runs the ``neuron`` code path (device type, default backend, placeholders
+allocated on the device) on any machine. Values are CPU's, exactly.
+
+Note [Emulated neuron tensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The data lives in the CPU tensor of a wrapper subclass (``_make_wrapper_subclass`` with
+``device="neuron"``), which every op, ``detach`` included, carries over to its result: so
+``nn.Parameter`` and ``Module.to`` (which swaps a subclass parameter's tensors) keep it, where a
+0-byte PrivateUse1 tensor with its data in a Python attribute lost it. Factories with
+``device="neuron"`` reach the PrivateUse1 kernels registered here (``empty.memory_format``,
+``empty_strided``; the others decompose to these and then dispatch on the result);
+``cpu_tensor.to("neuron")`` is ``empty`` + ``copy_``, which lands in ``__torch_dispatch__``.
+
+Note [Emulated storage]
+~~~~~~~~~~~~~~~~~~~~~~~
+A wrapper's own (outer) storage holds no memory, but adaptive eager reasons about storages: which
+tensors alias (its written sets), whether a placeholder's storage is shared (``_storage_use_count``)
+before it adopts a result's storage with ``set_``. So the outer storages mirror the CPU data's:
+a view's wrapper uses its base's outer storage (and keeps the base alive, so a placeholder outlives
+its views), and ``set_`` to a wrapper's outer storage also points the data at that wrapper's CPU
+storage (``_OWNERS`` finds it). What cannot be mirrored is ``UntypedStorage._swap_data_ptr_``: it
+would swap two empty pointers and move no data, so the fuser copies instead for wrapper subclasses
+(``_swap_storages`` in fuser.replay). A compiled region runs on the CPU data (the stablehlo
+backend unwraps its inputs and wraps its results). Fake tensors of a wrapper are plain ``neuron``
+fake tensors (the class has no ``__tensor_flatten__``), so a region's graph is on ``neuron``
+throughout, factories included, as on the real device.
+
+Note [Emulated launches]
+~~~~~~~~~~~~~~~~~~~~~~~~
+On Trainium each eager op that computes is one NEFF launch; views, metadata and allocations are
+not (they change no device memory). ``launches()`` counts the ops reaching ``__torch_dispatch__``
+that are none of these. Under adaptive eager, the ops a compiled region runs never reach it (the
+backend's callable runs on the CPU data: ``cpu_data`` / ``on_device``), while replayed ops and
+copies into placeholders do, as they would launch on the device.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+
+DEVICE = "neuron"
+_lock = threading.Lock()
+_installed = False
+_launches = 0
+
+
+class NeuronEmulationError(RuntimeError):
+    """The emulated device cannot be installed in this process."""
+
+
+class EmulatedNeuronTensor(torch.Tensor):
+    """A tensor on the emulated ``neuron`` device; its data is the CPU tensor ``_data``."""
+
+    _data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
+            layout=data.layout, device=torch.device(DEVICE, 0),
+        )
+        t._data = data
+        return t
+
+    def __repr__(self, *, tensor_contents=None):
+        # through ``cpu()``: under adaptive eager a read, so a pending value is computed first
+        text = repr(self.detach().cpu())
+        return text[:-1] + f", device='{self.device}'" + (", requires_grad=True" if self.requires_grad else "") + ")"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        global _launches
+        kwargs = kwargs or {}
+        target = kwargs.get("device")
+        to_device = target is None or torch.device(target).type == DEVICE
+        if target is not None and to_device:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        if func in _SET_STORAGE:
+            return _set_storage(*args, **kwargs)
+        wrappers = {id(a._data): a for a in pytree.tree_leaves((args, kwargs)) if type(a) is EmulatedNeuronTensor}
+        out = func(*pytree.tree_map(cpu_data, args), **pytree.tree_map(cpu_data, kwargs))
+        view = func.is_view
+        if not view and func not in _NO_LAUNCH:
+            _launches += 1  # Note [Emulated launches]
+
+        def wrap(r):
+            if type(r) is not torch.Tensor:
+                return r
+            held = wrappers.get(id(r))
+            if held is not None:  # in place or out=: the wrapper the program holds
+                if held.shape != r.shape or held.stride() != r.stride() or held.storage_offset() != r.storage_offset():
+                    _resized(held)  # resize_, or an out= op that resized its output
+                return held
+            if not to_device:
+                return r
+            if not view:
+                return on_device(r)
+            t = EmulatedNeuronTensor(r)
+            _share_storage(t, args[0])  # Note [Emulated storage]
+            return t
+
+        return pytree.tree_map(wrap, out)
+
+
+_storage_of = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches flushes on it)
+# outer storage (StorageImpl address) -> a live wrapper over it: Note [Emulated storage]
+_OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_SET_STORAGE = (torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Storage)
+# Note [Emulated launches]: ops that change no device memory
+_NO_LAUNCH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+
+
+def _share_storage(view: EmulatedNeuronTensor, base: EmulatedNeuronTensor) -> None:
+    """Make ``view`` use ``base``'s (outer) storage, as a view on a real device does, and keep
+    ``base`` alive while it lives (Note [Emulated storage])."""
+    _set_outer(view, _storage_of(base), view._data.storage_offset(), view._data.shape, view._data.stride())
+    view._base_wrapper = base
+
+
+def _resized(t: EmulatedNeuronTensor) -> None:
+    """Give ``t`` an outer storage as large as its resized data (a fresh wrapper's)."""
+    fresh = EmulatedNeuronTensor(t._data)
+    _set_outer(t, _storage_of(fresh), t._data.storage_offset(), t._data.shape, t._data.stride())
+    _OWNERS[_storage_of(t)._cdata] = t
+
+
+def _set_outer(t: EmulatedNeuronTensor, storage, offset, size, stride) -> None:
+    # the CPU kernel of set_ on the wrapper itself: the storage and its device are the wrapper's
+    torch.ops.aten.set_.source_Storage_storage_offset.redispatch(_CPU, t, storage, offset, size, stride)
+
+
+def _set_storage(t, source, offset=None, size=None, stride=()):
+    """``t.set_(storage, ...)`` for an (outer) storage of this device: ``t`` and its data both move
+    to it (Note [Emulated storage])."""
+    owner = _OWNERS.get(source._cdata) if source.device.type == DEVICE else None
+    if owner is None:
+        raise NeuronEmulationError(
+            f"set_ to a storage on {source.device} that no live emulated neuron tensor uses: the emulation "
+            "keeps a tensor's data in its CPU tensor, so a bare storage of it cannot be reattached")
+    if offset is None:
+        offset, size, stride = 0, (source.nbytes() // t.element_size(),), (1,)
+    t._data.set_(_storage_of(owner._data), offset, size, stride)
+    _set_outer(t, source, offset, size, stride)
+    t._base_wrapper = owner
+    return t
+
+
+def cpu_data(x):
+    """The CPU tensor behind an emulated ``neuron`` tensor; anything else as it is."""
+    return x._data if type(x) is EmulatedNeuronTensor else x
+
+
+def on_device(x):
+    """A CPU tensor wrapped as an emulated ``neuron`` tensor; anything else as it is."""
+    if type(x) is not torch.Tensor or x.device.type != "cpu":
+        return x
+    t = EmulatedNeuronTensor(x)
+    _OWNERS[_storage_of(t)._cdata] = t
+    return t
+
+
+def launches() -> int:
+    """Ops that ran on the emulated device since the process started, each one NEFF launch on
+    Trainium (Note [Emulated launches])."""
+    return _launches
+
+
+def is_emulated() -> bool:
+    """Whether this process's ``neuron`` device is the emulation."""
+    return _installed
+
+
+def real_device_present() -> bool:
+    """Whether torch-neuronx's ``neuron`` device is registered in this process (it is, after
+    ``import torch``, where torch-neuronx is installed)."""
+    return not _installed and torch._C._get_privateuse1_backend_name() == DEVICE
+
+
+def sizing_report(m: dict, steps: int, eager_launches: int | None = None) -> str:
+    """Per training step: NEFF launches eagerly and under adaptive eager, compiles, compile
+    seconds, cache hits, and ops the backend could not lower. ``m`` is ``adaptive_eager.metrics()``
+    of ``steps`` steps; ``eager_launches``, the emulation's count for the same steps run eagerly
+    (else the tracer's estimate, ``eager_equivalent_launches``, is used)."""
+    eager = m["eager_equivalent_launches"] if eager_launches is None else eager_launches
+    rows = [
+        ("NEFF launches, eager" + ("" if eager_launches is not None else " (estimated)"), eager / steps),
+        ("NEFF launches, adaptive eager", m["launches"] / steps),
+        ("compiles", m.get("compiles", 0) / steps),
+        ("compile seconds", m.get("compile_seconds", 0.0) / steps),
+        ("cache hits", (m.get("cache_hits_memory", 0) + m.get("cache_hits_disk", 0)) / steps),
+        ("ops not lowered (run alone)", sum(m.get("run_alone", {}).values()) / steps),
+        ("ops run eagerly (fallbacks)", m["ops_eager"] / steps),
+    ]
+    lines = [f"sizing report, per step ({steps} steps)", "=" * 48]
+    lines += [f"{name:<36}{value:>12.2f}" for name, value in rows]
+    if m["launches"]:
+        lines.append(f"{'launches saved':<36}{eager / m['launches']:>11.1f}x")
+    return "\n".join(lines)
+
+
+def emulate_neuron() -> None:
+    """Give this process a ``neuron`` device backed by CPU memory (see the module docstring).
+
+    Idempotent. Child processes started afterwards (compile workers, DataLoader workers) get it too,
+    through ``NEURON_EAGER_EMULATE=1`` in their environment. Raises ``NeuronEmulationError`` where a
+    real ``neuron`` device (torch-neuronx) is registered, or PrivateUse1 already has another name."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        name = torch._C._get_privateuse1_backend_name()
+        if real_device_present() or getattr(torch, DEVICE, None) is not None:
+            raise NeuronEmulationError(
+                "a real neuron device is registered (torch-neuronx): run on it, or in a process without "
+                "torch-neuronx to emulate it")
+        if name != "privateuseone":
+            raise NeuronEmulationError(
+                f"PrivateUse1 is already the {name!r} device in this process; the neuron emulation needs it")
+        # PrivateUse1's device guard and hooks (``.to("neuron")`` needs the guard; ``torch.accelerator`` the hooks)
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        _setup_privateuseone_for_python_backend(rename=DEVICE, backend_module=_DeviceModule())
+        lib = torch.library.Library("aten", "IMPL")  # kept alive by _LIBRARIES
+        lib.impl("empty.memory_format", _empty, "PrivateUse1")
+        lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+        _LIBRARIES.append(lib)
+        from fuser.backends.stablehlo import register_host_device
+
+        register_host_device(DEVICE, cpu_data, on_device)  # Note [Host-memory devices] there
+        os.environ["NEURON_EAGER_EMULATE"] = "1"
+        _installed = True
+
+
+_LIBRARIES: list = []
+
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return on_device(torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format))
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return on_device(torch.empty_strided(size, stride, dtype=dtype, layout=layout))
+
+
+class _DeviceModule:
+    """``torch.neuron`` of the emulation: the calls of torch-neuronx's that a training script makes."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def set_device(device) -> None:
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index not in (0, None):
+            raise ValueError(f"the emulated neuron device has one device, not {device!r}")
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """Ops on the emulated device run when called; nothing is in flight."""
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        """Random draws on the emulated device use cpu's generator, which ``torch.manual_seed`` (the
+        caller of this) seeds."""

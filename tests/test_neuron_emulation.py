@@ -1,0 +1,197 @@
+"""The emulated ``neuron`` device (adaptive_eager.neuron_emulation), with eager CPU as the oracle.
+
+Renaming PrivateUse1 is for the whole process and cannot be undone, and a process with a
+``neuron`` device defaults every ``adaptive_eager()`` to it: so each test runs its program in a
+child interpreter, which prints what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+needs_stablehlo = pytest.mark.skipif(bool(missing_requirements()), reason=f"the stablehlo backend: {INSTALL_HINT}")
+
+PRELUDE = textwrap.dedent(
+    """
+    import torch
+    import adaptive_eager as ae
+    from adaptive_eager import neuron_emulation as ne
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+
+    def train(device, steps=3, adaptive=None):
+        model = mlp().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+        losses = []
+        import contextlib
+        with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+            for _ in range(steps):
+                loss = model(x.to(device)).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses, {k: v.cpu() for k, v in model.state_dict().items()}
+
+    def close(a, b, atol):
+        return all((a[k] - b[k]).abs().max().item() <= atol for k in a)
+    """
+)
+
+
+def _child(code: str, tmp_path, env: dict | None = None, script: str | None = None) -> str:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    environ.update({"PYTHONPATH": str(ROOT), "NEURON_EAGER_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
+    if script is None:
+        script = tmp_path / "child.py"
+        script.write_text(PRELUDE + textwrap.dedent(code))
+    out = subprocess.run([sys.executable, str(script)], env=environ, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_device_factories_copies_and_device_module(tmp_path):
+    out = _child("""
+        ae.emulate_neuron(); ne.emulate_neuron()  # the public name; idempotent
+        for t in (torch.empty(2, 3, device="neuron"), torch.zeros(2, device="neuron"), torch.randn(2, device="neuron"),
+                  torch.empty_strided((2, 3), (1, 2), device="neuron"), torch.ones_like(torch.zeros(3, device="neuron"))):
+            assert t.device == torch.device("neuron", 0) and t.device.type == "neuron", t.device
+        c = torch.arange(6.0).reshape(2, 3)
+        n = c.to("neuron")
+        assert n.is_neuron and not n.is_cpu
+        back = n.cpu()
+        assert type(back) is torch.Tensor and back.device.type == "cpu" and torch.equal(back, c)
+        assert torch.equal(n.to("cpu"), c) and torch.equal((n * 2 + 1).cpu(), c * 2 + 1)
+        assert "device='neuron:0'" in repr(n)
+        assert torch.neuron.is_available() and torch.neuron.device_count() == 1 and torch.neuron.current_device() == 0
+        torch.neuron.synchronize()
+        assert torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == "neuron"
+        # one launch per op that computes; views and allocations are none (Note [Emulated launches])
+        a, b = torch.ones(4, device="neuron"), torch.ones(4, device="neuron")
+        start = ne.launches()
+        s = (a + b).view(2, 2).t().sin().sum()
+        assert ne.launches() - start == 3, ne.launches() - start
+        print("ok")
+        """, tmp_path)
+    assert "ok" in out
+
+
+def test_module_to_state_dict_and_adamw_equal_eager_cpu(tmp_path):
+    out = _child("""
+        ne.emulate_neuron()
+        cpu_losses, cpu_state = train("cpu")
+        losses, state = train("neuron")
+        assert losses == cpu_losses, (losses, cpu_losses)
+        assert all(v.device.type == "cpu" for v in state.values()) and close(state, cpu_state, 0.0)
+        model = mlp().to("neuron")
+        assert all(p.device.type == "neuron" for p in model.parameters())
+        model.to("cpu")
+        assert all(type(p.data) is torch.Tensor and p.device.type == "cpu" for p in model.parameters())
+        assert close(model.state_dict(), mlp().state_dict(), 0.0)
+        print("ok")
+        """, tmp_path)
+    assert "ok" in out
+
+
+def test_refuses_when_privateuse1_is_another_device(tmp_path):
+    out = _child("""
+        torch.utils.rename_privateuse1_backend("foo")
+        try:
+            ne.emulate_neuron()
+        except ne.NeuronEmulationError as e:
+            print("refused:", e)
+        """, tmp_path)
+    assert "refused: PrivateUse1 is already the 'foo' device" in out
+
+
+def test_adaptive_eager_records_on_neuron_and_reads_flush(tmp_path):
+    """Backward runs on autograd's device thread for a non-CPU device: the tracer found no user's
+    frame there and the process aborted ("terminate called without an active exception")."""
+    out = _child("""
+        ne.emulate_neuron()
+        opts = ae.load_options()
+        assert opts.device == "neuron", opts
+        cpu_losses, cpu_state = train("cpu")
+        losses, state = train("neuron", adaptive={"backend": "replay"})
+        assert losses == cpu_losses and close(state, cpu_state, 0.0), (losses, cpu_losses)
+        x = torch.arange(6.0, device="neuron")
+        with ae.adaptive_eager(backend="replay"):
+            v = x[2:]  # a view the program holds while its base is written lazily
+            x.mul_(2)
+            y = (v + 1).sum()
+            assert ae.is_lazy(y) and ae.is_lazy(x)
+            print("printed", y)
+            assert y.item() == 2 * (2 + 3 + 4 + 5) + 4
+            assert torch.equal(v.cpu(), torch.tensor([4.0, 6.0, 8.0, 10.0]))
+            try:
+                torch.ones(2, 3, device="neuron") @ torch.ones(2, 3, device="neuron")
+            except RuntimeError as e:
+                import traceback
+                print("error at line", traceback.extract_tb(e.__traceback__)[0].line)
+        print("recorded", ae.metrics()["ops_recorded"] > 0)
+        """, tmp_path)
+    assert "recorded True" in out and "printed tensor(32., device='neuron:0')" in out
+    assert "error at line torch.ones(2, 3, device=\"neuron\") @ torch.ones(2, 3, device=\"neuron\")" in out
+
+
+@needs_stablehlo
+def test_stablehlo_is_the_default_backend_and_trains_like_eager_cpu(tmp_path):
+    out = _child("""
+        ne.emulate_neuron()
+        assert ae.load_options().backend == "stablehlo"
+        cpu_losses, cpu_state = train("cpu", steps=4)
+        ae.reset_metrics()
+        start = ne.launches()
+        losses, state = train("neuron", steps=4, adaptive={"hot_after": 1, "async_compile": False})
+        m = ae.metrics()
+        # nothing blacklisted (a lifted float is a cpu input) or run alone (factories on neuron)
+        assert m["compiled_runs"] > 0 and m["compiles"] > 0 and not m["blacklisted"] and not m["run_alone"], m
+        assert all(abs(a - b) <= 1e-5 * (1 + abs(b)) for a, b in zip(losses, cpu_losses)), (losses, cpu_losses)
+        assert close(state, cpu_state, 1e-5)
+        print(ne.sizing_report(m, 4))
+        """, tmp_path)
+    assert "NEFF launches, adaptive eager" in out
+
+
+def test_unmodified_script_with_the_environment(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).to("neuron")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = model(torch.ones(3, 4).to("neuron")).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        print("loss", loss.item())
+        import adaptive_eager  # only to look at what happened
+        print("enabled", adaptive_eager.is_enabled(), "recorded", adaptive_eager.metrics()["ops_recorded"] > 0)
+        """))
+    eager = _child("", tmp_path, {"NEURON_EAGER_EMULATE": "1"}, script=script)
+    adaptive = _child("", tmp_path, {"NEURON_EAGER": "adaptive", "NEURON_EAGER_EMULATE": "1",
+                                     "NEURON_EAGER_BACKEND": "replay"}, script=script)
+    assert "enabled False" in eager and "enabled True recorded True" in adaptive
+    assert eager.split("loss ")[1].split()[0] == adaptive.split("loss ")[1].split()[0]
+
+
+def test_trainium_example_runs_emulated(tmp_path):
+    out = _child("", tmp_path, {"NEURON_EAGER_BACKEND": "replay"}, script=ROOT / "examples" / "trainium.py")
+    assert "the neuron device is emulated" in out and "sizing report, per step" in out
+    eager = out.split("losses, eager:")[1].split("\n")[0].split()
+    adaptive = out.split("losses, adaptive:")[1].split("\n")[0].split()
+    assert eager == adaptive and len(eager) == 4
