@@ -150,29 +150,32 @@ def test_a_torch_neuronx_without_the_documented_calls_is_named(neuronx, monkeypa
         CpuNeuron("cpu").compile(gm, inputs)
 
 
+def train_mlp(device: str, options: dict | None, steps: int = 3):
+    """Losses and final parameters of a small AdamW training loop on ``device``; under adaptive
+    eager with ``options``, plainly eager for None."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 3)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 12).to(device), torch.randint(0, 3, (16,)).to(device)
+    losses = []
+    with ae.adaptive_eager(**options) if options is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, [p.detach().cpu().clone() for p in model.parameters()]
+
+
 @needs_stablehlo
 def test_a_training_loop_through_the_neuron_protocol_matches_eager(neuronx, monkeypatch, fresh_regions):
     monkeypatch.setitem(backends._BACKENDS, "stablehlo", (__name__, "CpuNeuron"))
     backends._make_backend.cache_clear()
     try:
-        def train(lazy: bool):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            x, y = torch.randn(16, 12), torch.randint(0, 3, (16,))
-            losses = []
-            with ae.adaptive_eager(backend="stablehlo", hot_after=1, async_compile=False) if lazy else contextlib.nullcontext():
-                for _ in range(3):
-                    opt.zero_grad()
-                    loss = torch.nn.functional.cross_entropy(model(x), y)
-                    loss.backward()
-                    opt.step()
-                    losses.append(loss.item())
-            return losses, [p.detach().clone() for p in model.parameters()]
-
-        want_losses, want_params = train(lazy=False)
+        want_losses, want_params = train_mlp("cpu", None)
         ae.reset_metrics()
-        got_losses, got_params = train(lazy=True)
+        got_losses, got_params = train_mlp("cpu", dict(backend="stablehlo", hot_after=1, async_compile=False))
         m = ae.metrics()
         assert neuronx.compiles >= 1 and m["compiled_runs"] >= 3 and m["compile_failures"] == 0, (m, neuronx.compiles)
         torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-5)
@@ -202,22 +205,7 @@ _HAS_NEURON = hasattr(torch, "neuron") and getattr(torch.neuron, "is_available",
 
 @pytest.mark.skipif(not _HAS_NEURON, reason="needs a Trainium host with torch-neuronx (the neuron backend has not run on hardware yet)")
 def test_on_trainium_a_training_step_matches_cpu():  # pragma: no cover - runs on Trainium only
-    def train(device: str, lazy: bool):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 3)).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        x, y = torch.randn(16, 12).to(device), torch.randint(0, 3, (16,)).to(device)
-        with ae.adaptive_eager(device="neuron", backend="neuron", hot_after=1, async_compile=False) if lazy else contextlib.nullcontext():
-            losses = []
-            for _ in range(3):
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-        return losses
-
     ae.reset_metrics()
-    got = train("neuron", lazy=True)
+    got, _ = train_mlp("neuron", dict(device="neuron", backend="neuron", hot_after=1, async_compile=False))
     assert ae.metrics()["compiled_runs"] >= 3
-    torch.testing.assert_close(got, train("cpu", lazy=False), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(got, train_mlp("cpu", None)[0], rtol=1e-3, atol=1e-4)

@@ -6,7 +6,6 @@ from first sight (``hot_after=1``) in this process, so every window exercises th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ import adaptive_eager as ae
 from adaptive_eager.config import ConfigError, load_options
 from fuser.backends.stablehlo import INSTALL_HINT, StablehloBackend, missing_requirements
 from test_generated_programs import assert_lazy_matches_eager, programs
+from test_neuron_backend import train_mlp
 
 _MISSING = missing_requirements()
 needs_stablehlo = pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}: {INSTALL_HINT}")
@@ -50,24 +50,9 @@ def test_backend_is_chosen_by_the_environment_for_cpu_only():
 
 @needs_stablehlo
 def test_training_loop_matches_eager(fresh_regions):
-    def train(lazy: bool):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        x, y = torch.randn(16, 12), torch.randint(0, 3, (16,))
-        losses = []
-        with ae.adaptive_eager(**STABLEHLO) if lazy else contextlib.nullcontext():
-            for _ in range(3):
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-        return losses, [p.detach().clone() for p in model.parameters()]
-
-    want_losses, want_params = train(lazy=False)
+    want_losses, want_params = train_mlp("cpu", None)
     ae.reset_metrics()
-    got_losses, got_params = train(lazy=True)
+    got_losses, got_params = train_mlp("cpu", STABLEHLO)
     m = ae.metrics()
     assert m["compiled_runs"] >= 3 and m["blacklisted"] == 0 and m["compile_failures"] == 0, m
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-5)
