@@ -620,3 +620,25 @@ def test_a_region_whose_run_fails_but_replay_succeeds_is_blacklisted(fresh_regio
     m = ae.metrics()
     assert m["blacklisted"] == 1 and m["compiled_runs"] == 1 and m["replayed_regions"] == 2
     assert "bad kernel" in caplog.text
+
+
+def test_a_view_after_a_cat_onto_an_empty_cache_compiles_whole(fresh_regions):
+    """GPT-2's key cache: ``cat([empty(0), k], -2)`` of a permuted key, then attention's ``view``.
+    Inductor decomposes that ``cat`` to ``k.clone()`` with another layout than eager's, in which the
+    recorded ``view`` is no view: the graph compiles with ``reshape`` (Note [Views as reshapes] in
+    fuser.backends.inductor), not with every ``view`` run alone."""
+    qkv, empty = torch.randn(2, 6, 24), torch.empty(0)
+
+    def attention_scores(qkv):
+        q, k, _ = qkv.split(8, dim=2)
+        k = torch.cat([empty, k.view(2, 6, 2, 4).permute(0, 2, 1, 3)], dim=-2)
+        q = q.view(2, 6, 2, 4).permute(0, 2, 1, 3)
+        return torch.matmul(q, k.transpose(-1, -2) * 0.5)
+
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        got = attention_scores(qkv)
+    want = attention_scores(qkv)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want)
+    m = ae.metrics()
+    assert m["compiled_runs"] == 1 and m["run_alone"] == {} and m["blacklisted"] == 0, str(m)
