@@ -642,3 +642,22 @@ def test_a_view_after_a_cat_onto_an_empty_cache_compiles_whole(fresh_regions):
     torch.testing.assert_close(got, want)
     m = ae.metrics()
     assert m["compiled_runs"] == 1 and m["run_alone"] == {} and m["blacklisted"] == 0, str(m)
+
+
+def test_a_dead_view_of_a_dead_value_stays_out_of_the_program(fresh_regions):
+    """BERT's mask building makes ``arange(n)`` and views of it that nothing reads: the program
+    held the views but not their input (``KeyError: 131072`` building the graph, every window
+    replayed). A view is in the program only if something needed reads it, as in replay."""
+    x = torch.randn(6, 4)
+
+    def program(x):
+        unused = torch.arange(6).unsqueeze(0).unsqueeze(2)  # noqa: F841 - dead before the flush
+        return x * 2
+
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        for _ in range(2):
+            got = program(x)
+            ae.sync()
+    torch.testing.assert_close(got, x * 2, rtol=0, atol=0)
+    m = ae.metrics()
+    assert m["compile_failures"] == 0 and m["compiled_runs"] == 2 and m["blacklisted"] == 0, str(m)
