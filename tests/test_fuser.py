@@ -661,3 +661,29 @@ def test_a_dead_view_of_a_dead_value_stays_out_of_the_program(fresh_regions):
     torch.testing.assert_close(got, x * 2, rtol=0, atol=0)
     m = ae.metrics()
     assert m["compile_failures"] == 0 and m["compiled_runs"] == 2 and m["blacklisted"] == 0, str(m)
+
+
+def test_a_compile_failure_is_one_warning_line_and_the_whole_error_is_debug(monkeypatch, caplog, fresh_regions):
+    """A compiler's error can run to twenty lines: the warning is its first line, with the region
+    and what to do, once per region; the traceback is at DEBUG (NEURON_EAGER_LOG=debug)."""
+    import logging
+
+    from fuser.backends import BackendCompileError, get_backend
+
+    def broken(gm, example_inputs):
+        raise BackendCompileError("inductor: cannot compile aten.cos.default (node cos): boom\n" + "detail\n" * 20)
+
+    monkeypatch.setattr(get_backend("inductor", "cpu"), "compile", broken)
+    x = torch.randn(16)
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir()), log="debug"):
+        for _ in range(3):
+            y = (x * 7 + 3).cos()
+            ae.sync()
+    torch.testing.assert_close(y, (x * 7 + 3).cos(), rtol=0, atol=0)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert "\n" not in message and "aten.cos.default" in message and "NEURON_EAGER_LOG=debug" in message
+    (entry,) = [e for e in fuser.regions.CACHE.entries.values() if e.blacklisted]
+    assert f"region {entry.region}" in message
+    assert any("detail" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
