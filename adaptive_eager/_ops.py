@@ -67,6 +67,7 @@ class OpFacts:
     __slots__ = (
         "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
+        "dropout_arg", "unseeded",
     )
 
     def __repr__(self) -> str:
@@ -96,8 +97,10 @@ def _type_class(t: str) -> str:
 _SHAPE_FROM_FLOATS = ("arange", "linspace", "logspace", "range", "upsample", "interpolate", "histogram")
 
 
-def classify(func: torch._ops.OpOverload) -> OpFacts:
+def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
+    """``seeded=False``: the facts of a call that draws nothing (Note [Dropout probability])."""
     f = OpFacts()
+    f.dropout_arg = f.unseeded = None
     schema = func._schema
     f.func = func
     f.name = str(func)
@@ -174,13 +177,17 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
         f.kind = ALLOC
     elif f.name == "aten.native_batch_norm.default":
         f.kind = BATCH_NORM
-    elif torch.Tag.nondeterministic_seeded in tags:
+    elif seeded and torch.Tag.nondeterministic_seeded in tags:
         if f.factory or base.endswith("_like"):
             f.kind = RANDOM_NEW
         elif mutates and tensor_pos == [0] and not list_pos and not tensor_kw and f.alias_ret == (0,):
             f.kind = RANDOM_FILL
         else:
             f.kind, f.reason = FLUSH, "random"
+            for i, a in enumerate(schema.arguments):
+                if a.name == "dropout_p" and str(a.type) == "float":  # Note [Dropout probability]
+                    f.dropout_arg = (i, a.name)
+                    f.unseeded = classify(func, seeded=False)
     elif is_view and not mutates:
         f.kind = VIEW
     else:
@@ -201,6 +208,26 @@ def classify(func: torch._ops.OpOverload) -> OpFacts:
         and f.tensor_pos[:1] == (0,) and not f.has_device_kw
     )
     return f
+
+
+# Note [Dropout probability]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The fused attention kernels (``_scaled_dot_product_flash_attention_for_cpu``, ``_efficient_attention``,
+# ``_cudnn_attention``...) carry ``nondeterministic_seeded`` because they draw a dropout mask, but
+# only when their ``dropout_p`` is not 0: in ``eval()`` and in models without attention dropout
+# (Llama) a call reads no generator and is an ordinary op, recorded with the facts ``unseeded``
+# holds (the op classified as if untagged). A call with dropout ends the window as other random ops
+# that cannot be drawn at record time do (Note [RNG]); the CPU kernel never takes that path
+# (``F.scaled_dot_product_attention`` with dropout on CPU runs the math decomposition, whose mask is
+# a ``bernoulli_`` fill drawn at record time). The check costs nothing on the record path: only ops
+# that would flush look at their arguments (``unseeded_facts``).
+
+
+def unseeded_facts(f: OpFacts, args: tuple, kwargs: dict) -> OpFacts | None:
+    """The facts to record this call of a FLUSH op with, when it draws no random numbers."""
+    pos, name = f.dropout_arg
+    p = args[pos] if len(args) > pos else kwargs.get(name, 0.0)
+    return f.unseeded if p == 0 else None
 
 
 FACTS: dict = {}

@@ -92,7 +92,8 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
             if (not isinstance(target, torch._ops.OpOverload) or target in failed
                     or len(failed) >= _MAX_FAILED_OPS):
                 raise
-            log.info("adaptive_eager: %s; compiling the rest with it run alone", e)
+            log.info("adaptive_eager: %s; compiling the rest with it run alone", str(e).splitlines()[0])
+            log.debug("adaptive_eager: the whole error: %s", e)
             failed.add(target)
 
 

@@ -105,7 +105,10 @@ def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, b
             if isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape):
                 raise BackendCompileError("a region with nodes that run alone is compiled per shape")
     partitioner = CapabilityBasedPartitioner(gm, _Compilable(alone), allows_single_node_partition=True)
-    pieces = [p for p in partitioner.propose_partitions() if any(n.op == "call_function" for n in p.nodes)]
+    # A piece of views only computes nothing: Inductor would compile no code for it (AOTAutograd
+    # turns outputs that alias inputs into views it regenerates outside the graph), so its views
+    # stay in the plan, where they cost what they cost in eager.
+    pieces = [p for p in partitioner.propose_partitions() if any(_computes(n) for n in p.nodes)]
     outer = fuse_by_partitions(gm, [dict.fromkeys(p.nodes) for p in pieces], prefix="piece_",
                                always_return_tuple=True)
     index: dict = {}
@@ -129,6 +132,11 @@ def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, b
     if len(examples) != sum(1 for n in outer.graph.nodes if n.op == "placeholder"):
         raise BackendCompileError(f"split graph does not take the region's {len(examples)} inputs")
     return pack_sections({"plan": {"inputs": len(examples), "nodes": nodes, "outputs": outputs}}, parts)
+
+
+def _computes(node: torch.fx.Node) -> bool:
+    """A call that is more than a view of its inputs (``operator.getitem`` of a split is one)."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and not node.target.is_view
 
 
 def counts(alone: dict) -> dict:

@@ -110,7 +110,9 @@ class Program:
 
         ops = []
         for node in window.nodes:
-            if not (node.needed or node.is_view):
+            if not node.needed:
+                # as in replay: a view nothing needed reads is dead, and so may be its input
+                # (``arange(n).unsqueeze(0)`` of a mask that was never used)
                 continue
             outs = [None if o is None else (o.kind, o.uid, enc(o.alias) if o.kind == ALIAS else None)
                     for o in node.outs]

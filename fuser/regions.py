@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import threading
+import traceback
 from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
@@ -383,7 +384,8 @@ def poll_jobs() -> None:
     neff_cache.jobs)."""
     for entry, result in finished_jobs():
         entry.other_process = False
-        _compile_failed(entry, result.failure or result.error.splitlines()[0], "background compile failed")
+        _compile_failed(entry, result.failure or result.error.splitlines()[0], "background compile failed",
+                        detail=result.error)
 
 
 def _failed_before(entry: _Entry, store, backend) -> bool:
@@ -430,9 +432,10 @@ def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str) -> FlushResult:
     return FlushResult(launched, *entry.counts, outcome, entry.region)
 
 
-def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = True) -> None:
+def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = True, detail: str | None = None) -> None:
     """``entry``'s compile failed with ``reason`` (``_failure_reason``), in this process or, when not
-    ``attempted`` here, in an earlier one."""
+    ``attempted`` here, in an earlier one. The warning is one line, once per region (a compiler's
+    error can run to twenty lines in the middle of training); ``detail``, the traceback, is DEBUG."""
     if reason.startswith(_LIFT_ERROR):
         # The floats cannot be graph inputs: from now on windows of this structure are keyed by
         # their values (each value compiles once it is hot) instead.
@@ -448,7 +451,11 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
         STATS.compile_failures += 1
     else:
         STATS.not_compiled["failed_before"] += 1
-    _blacklist(entry, f"{what}: {reason}", "compile_failed" if attempted else "failed_before")
+    log.debug("adaptive_eager: region %s: %s: %s", entry.region, what, detail or reason)
+    first_line = reason.strip().partition("\n")[0]
+    _blacklist(entry, f"region {entry.region}: {what}: {first_line} "
+               "(correct, only slower; NEURON_EAGER_LOG=debug prints the whole error, worth reporting)",
+               "compile_failed" if attempted else "failed_before")
 
 
 def _blacklist(entry: _Entry, why: str, reason: str) -> None:
@@ -477,7 +484,7 @@ def _collect(entry: _Entry) -> None:
     try:
         entry.run, lifted_inputs, seconds, how = _result(future)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: replay this key
-        _compile_failed(entry, _failure_reason(e), "compile failed")
+        _compile_failed(entry, _failure_reason(e), "compile failed", detail="".join(traceback.format_exception(e)))
         return
     entry.lifted_inputs = lifted_inputs
     entry.inplace = how["inplace"]  # the compile's answer (Note [Partitions]), also for artifacts from disk

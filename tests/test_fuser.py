@@ -620,3 +620,70 @@ def test_a_region_whose_run_fails_but_replay_succeeds_is_blacklisted(fresh_regio
     m = ae.metrics()
     assert m["blacklisted"] == 1 and m["compiled_runs"] == 1 and m["replayed_regions"] == 2
     assert "bad kernel" in caplog.text
+
+
+def test_a_view_after_a_cat_onto_an_empty_cache_compiles_whole(fresh_regions):
+    """GPT-2's key cache: ``cat([empty(0), k], -2)`` of a permuted key, then attention's ``view``.
+    Inductor decomposes that ``cat`` to ``k.clone()`` with another layout than eager's, in which the
+    recorded ``view`` is no view: the graph compiles with ``reshape`` (Note [Views as reshapes] in
+    fuser.backends.inductor), not with every ``view`` run alone."""
+    qkv, empty = torch.randn(2, 6, 24), torch.empty(0)
+
+    def attention_scores(qkv):
+        q, k, _ = qkv.split(8, dim=2)
+        k = torch.cat([empty, k.view(2, 6, 2, 4).permute(0, 2, 1, 3)], dim=-2)
+        q = q.view(2, 6, 2, 4).permute(0, 2, 1, 3)
+        return torch.matmul(q, k.transpose(-1, -2) * 0.5)
+
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        got = attention_scores(qkv)
+    want = attention_scores(qkv)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want)
+    m = ae.metrics()
+    assert m["compiled_runs"] == 1 and m["run_alone"] == {} and m["blacklisted"] == 0, str(m)
+
+
+def test_a_dead_view_of_a_dead_value_stays_out_of_the_program(fresh_regions):
+    """BERT's mask building makes ``arange(n)`` and views of it that nothing reads: the program
+    held the views but not their input (``KeyError: 131072`` building the graph, every window
+    replayed). A view is in the program only if something needed reads it, as in replay."""
+    x = torch.randn(6, 4)
+
+    def program(x):
+        unused = torch.arange(6).unsqueeze(0).unsqueeze(2)  # noqa: F841 - dead before the flush
+        return x * 2
+
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        for _ in range(2):
+            got = program(x)
+            ae.sync()
+    torch.testing.assert_close(got, x * 2, rtol=0, atol=0)
+    m = ae.metrics()
+    assert m["compile_failures"] == 0 and m["compiled_runs"] == 2 and m["blacklisted"] == 0, str(m)
+
+
+def test_a_compile_failure_is_one_warning_line_and_the_whole_error_is_debug(monkeypatch, caplog, fresh_regions):
+    """A compiler's error can run to twenty lines: the warning is its first line, with the region
+    and what to do, once per region; the traceback is at DEBUG (NEURON_EAGER_LOG=debug)."""
+    import logging
+
+    from fuser.backends import BackendCompileError, get_backend
+
+    def broken(gm, example_inputs):
+        raise BackendCompileError("inductor: cannot compile aten.cos.default (node cos): boom\n" + "detail\n" * 20)
+
+    monkeypatch.setattr(get_backend("inductor", "cpu"), "compile", broken)
+    x = torch.randn(16)
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir()), log="debug"):
+        for _ in range(3):
+            y = (x * 7 + 3).cos()
+            ae.sync()
+    torch.testing.assert_close(y, (x * 7 + 3).cos(), rtol=0, atol=0)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert "\n" not in message and "aten.cos.default" in message and "NEURON_EAGER_LOG=debug" in message
+    (entry,) = [e for e in fuser.regions.CACHE.entries.values() if e.blacklisted]
+    assert f"region {entry.region}" in message
+    assert any("detail" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)

@@ -212,3 +212,21 @@ def test_split_region_with_a_lifted_float(no_sin, fresh_regions):
     m = ae.metrics()
     assert m["compile_failures"] == 0 and m["blacklisted"] == 0 and m["compiled_runs"] >= 2, str(m)
     assert m["run_alone"] == {"not_lowerable": 1}, str(m)
+
+
+def test_a_piece_of_views_only_stays_in_the_plan(no_sin, fresh_regions):
+    """Between two ops that run alone, a ``detach`` computes nothing: Inductor would compile no
+    code for it (it used to fail with "compiled a function, which has no Python wrapper" and send
+    GPT-2's whole step to replay), so it runs in the plan."""
+    x = torch.randn(8, 4)
+
+    def program(x):
+        return (x * 2).sin().detach().sin() * 3
+
+    with adaptive_eager(**_options()):
+        for _ in range(3):
+            got = program(x)
+            ae.sync()
+    torch.testing.assert_close(got, program(x), rtol=0, atol=0)
+    m = ae.metrics()
+    assert m["blacklisted"] == 0 and m["compiled_runs"] == 2 and m["run_alone"] == {"not_lowerable": 2}, str(m)

@@ -235,6 +235,7 @@ def _run_inductor(
     # compile_fx takes ownership of the graph and its passes rewrite it in place; gm is the fuser's
     # record of the window (it may replay it after a failed compile), so Inductor gets a copy.
     gm = copy.deepcopy(gm)
+    _views_as_reshapes(gm)
     # Detached, so AOTAutograd traces an inference graph (outputs 1:1 with ours, no backward), and
     # distinct objects, so a tensor passed for two placeholders is not deduplicated into one input.
     inputs = [t.detach() for t in example_inputs]
@@ -290,6 +291,27 @@ def _run_inductor(
             raise BackendCompileError(f"inductor: the generated wrapper does not load: {type(e).__name__}: {e}") from e
         triton_files = _collect_triton(_device_index(example_inputs)) if device_type == "cuda" else {}
     return source, cpp_kernels, triton_files, list(compiled.inputs_to_check), relayout
+
+
+# Note [Views as reshapes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A ``view`` in the fuser's graph is one eager ran: its input's strides allowed it. Inductor traces
+# the graph again with its own decompositions, which do not always give eager's strides: ``cat``
+# of a legacy empty tensor and one other tensor (GPT-2's key cache, ``cat([empty(0), k], -2)``)
+# decomposes to ``k.clone()``, which keeps ``k``'s permuted layout where eager's ``cat`` returns a
+# contiguous tensor, and the ``view`` that follows then fails in the trace. In a functional graph
+# ``view`` and ``reshape`` give the same values, and ``reshape`` is a view wherever the traced
+# strides allow one (a copy elsewhere), so the compiled graph asks for ``reshape``. Outputs whose
+# layout then differs from eager's are copied into eager's (Note [Calling the wrapper directly]).
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
+    """Note [Views as reshapes]: rewrites ``gm`` in place."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEWS:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
 
 
 def _check_calling_convention(
