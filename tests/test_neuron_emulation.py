@@ -241,3 +241,34 @@ def test_train_example_on_the_emulated_device_matches_eager(tmp_path):
     out = _child("", tmp_path, script=ROOT / "examples" / "train.py", args=("--device", "neuron", "--steps", "10"))
     assert "the neuron device is emulated" in out
     assert "timed adaptive steps: 10 compiled, 0 replayed" in out, out
+
+
+@needs_stablehlo
+@pytest.mark.parametrize("backend", ["replay", "stablehlo"])
+def test_generated_programs_on_the_emulated_device_match_eager_there(tmp_path, backend):
+    """tests/test_generated_programs.py's differential test with every tensor on ``neuron``: views
+    among outputs, write-backs, dead values, int64/bool programs, replayed and compiled from first
+    sight (the oracle is eager on the same device, whose values are CPU's)."""
+    out = _child(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from hypothesis import Phase, given, settings
+        import test_generated_programs as g
+        ne.emulate_neuron()
+        g.DEVICE = "neuron"
+        runs = []
+
+        @settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+                  database=None)
+        @given(g.programs(drop_values=True))
+        def check(program):
+            g.assert_lazy_matches_eager(program, backend={backend!r}, hot_after=1, async_compile=False)
+            runs.append(1)
+
+        check()
+        m = ae.metrics()
+        print("programs", len(runs), "compiled_runs", m["compiled_runs"], "ops", m["ops_recorded"])
+        """, tmp_path)
+    programs, compiled = int(out.split("programs ")[1].split()[0]), int(out.split("compiled_runs ")[1].split()[0])
+    assert programs >= 12 and int(out.split(" ops ")[1].split()[0]) > 0, out
+    assert (compiled > 0) == (backend == "stablehlo"), out
