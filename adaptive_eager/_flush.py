@@ -12,11 +12,10 @@ import torch.autograd.profiler as _profiler
 from torch.utils._python_dispatch import _disable_current_modes
 
 import fuser
-from fuser.window import Window, where
+from fuser.window import Window, op_ids, where
 
 from ._log import log
 from ._metrics import METRICS
-from ._signatures import _op_ids
 from ._source import _user_source
 from ._state import TracerState, _default_dtype, _step_back, _tls
 
@@ -63,7 +62,7 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
     site = result = None
     try:
         per = st.periodicity
-        per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, _op_ids)
+        per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, op_ids)
         st.cut_at = per.next_cut()
         METRICS.flushes[reason] += 1
         METRICS.windows += 1

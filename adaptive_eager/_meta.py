@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from fuser.window import ARITY
 
 from . import _signatures
 from ._log import log
@@ -159,7 +160,7 @@ def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, ari
         entry = _Failed(f.name, f"{type(e).__name__}: {e}")
     else:
         if entry.__class__ is tuple:
-            _signatures._ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
+            ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
     return _signatures.bounded_put(cache, key, entry)
 
 

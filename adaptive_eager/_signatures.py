@@ -1,10 +1,11 @@
-"""Op signature ids and the decoder of a window's flat ``sigs`` (Note [Window signature] in
-``fuser.window``). The decoder belongs with the window's format, in ``fuser.window``: it is here
-until that module takes it."""
+"""Op signature ids (Note [Window signature] in ``fuser.window``, which also holds their arities
+and the decoder of a window's flat ``sigs``)."""
 
 from __future__ import annotations
 
 import itertools
+
+from fuser.window import ARITY
 
 # Note [Bounded tables]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -15,8 +16,8 @@ import itertools
 # quarter of inserts). Dropping an entry costs a recomputation (a meta-cache miss, ~65 us) or a new
 # id for a structure seen again (its windows are new regions: compiled again, or loaded from the
 # persistent cache); an id is never given to two signatures (``_SIGNATURE_IDS`` only counts up).
-# ``_ARITY`` is not bounded: a window open in any thread may hold any id ever given, and its
-# decoding needs that id's arity (two ints an id).
+# ``fuser.window.ARITY`` is not bounded: a window open in any thread may hold any id ever given,
+# and its decoding needs that id's arity.
 MAX_ENTRIES = 1 << 16
 EVICTIONS = [0]  # entries dropped from full tables since the last cache_clear()
 
@@ -36,7 +37,6 @@ def bounded_put(table: dict, key, value):
 _STRUCTURE_IDS: dict = {}  # op signature -> its id (>= 1); views' ids are negative (``_VIEW_IDS``)
 _VIEW_IDS: dict = {}
 _SIGNATURE_IDS = itertools.count(1)
-_ARITY: dict = {}  # op signature id -> how many dataflow refs follow it in ``Window.sigs``
 
 
 def structure_id(structure) -> int:
@@ -52,17 +52,5 @@ def view_id(key) -> int:
     eid = _VIEW_IDS.get(key)
     if eid is None:
         eid = bounded_put(_VIEW_IDS, key, -next(_SIGNATURE_IDS))
-        _ARITY[eid] = 1
+        ARITY[eid] = 1
     return eid
-
-
-def _op_ids(sigs: list) -> list[int]:
-    """The op signature ids of a window, one per node, out of its flat ``sigs``."""
-    ids = []
-    i, n = 0, len(sigs)
-    arity = _ARITY
-    while i < n:
-        eid = sigs[i]
-        ids.append(eid)
-        i += 1 + arity[eid]
-    return ids

@@ -2,6 +2,7 @@
 time both, check that they compute the same losses, and explain what adaptive eager did.
 
     python examples/train.py
+    python examples/train.py --device neuron --steps 20   # on Trainium, or an emulated neuron device
 
 Two copies of the same model (same seed, same batches) train side by side. Steps alternate in
 blocks, eager then adaptive, so a noisy machine slows both alike; the medians of the per-step
@@ -17,6 +18,7 @@ this script compiles nothing and loads them from disk. On a 2-core CPU (torch 2.
 script took 36 s with an empty cache (26 s of it compiling the step) and 12 s with a warm one.
 """
 
+import argparse
 import statistics
 import time
 
@@ -52,8 +54,9 @@ def make_data(n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class Trainer:
-    def __init__(self):
-        self.model = make_model()
+    def __init__(self, device: str):
+        self.device = device
+        self.model = make_model().to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=1e-2)
         self.losses: list[float] = []
         self.times: list[float] = []
@@ -61,6 +64,7 @@ class Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         t0 = time.perf_counter()
         self.opt.zero_grad()
+        x, y = x.to(self.device), y.to(self.device)
         loss = torch.nn.functional.cross_entropy(self.model(x), y)
         loss.backward()
         self.opt.step()
@@ -69,11 +73,23 @@ class Trainer:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda, or neuron (emulated in CPU memory where torch-neuronx is not installed)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps for each of eager and adaptive")
+    args = parser.parse_args()
+    if args.device == "neuron":
+        from adaptive_eager import neuron_emulation
+
+        if not neuron_emulation.real_device_present():
+            neuron_emulation.emulate_neuron()  # the stablehlo backend stands in for neuronx-cc
+            print("no torch-neuronx here: the neuron device is emulated (CPU memory)")
+    steps = args.steps
     # A model this small gains nothing from intra-op threads, and on a shared 2-core machine they
     # mostly wait on each other (steps 3-10x slower under load); both runs use one thread.
     torch.set_num_threads(1)
-    data = make_data(WARMUP + STEPS)
-    eager, lazy = Trainer(), Trainer()
+    data = make_data(WARMUP + steps)
+    eager, lazy = Trainer(args.device), Trainer(args.device)
     # what each adaptive step ran as: "compiled" or "replayed" (from metrics() deltas)
     kinds: list[str] = []
 
@@ -98,7 +114,7 @@ def main() -> None:
           f"from the persistent cache; steps ran as {', '.join(kinds)}")
     del eager.times[:], lazy.times[:]
 
-    for start in range(WARMUP, WARMUP + STEPS, BLOCK):
+    for start in range(WARMUP, WARMUP + steps, BLOCK):
         block = data[start:start + BLOCK]
         eager_steps(block)
         adaptive_steps(block)
@@ -106,7 +122,7 @@ def main() -> None:
     e_ms = statistics.median(eager.times) * 1e3
     a_ms = statistics.median(lazy.times) * 1e3
     steady = kinds[WARMUP:]
-    print(f"{STEPS} timed steps each: median step time  eager {e_ms:.2f} ms   adaptive eager {a_ms:.2f} ms   "
+    print(f"{steps} timed steps each: median step time  eager {e_ms:.2f} ms   adaptive eager {a_ms:.2f} ms   "
           f"(adaptive / eager = {a_ms / e_ms:.2f}; below 1 is faster)")
     print(f"timed adaptive steps: {steady.count('compiled')} compiled, {steady.count('replayed')} replayed")
 

@@ -61,6 +61,24 @@ FRESH, ALIAS, VIEW = 0, 1, 2
 OUTS_PER_NODE = 1 << 16  # uid = (node index + 1) * OUTS_PER_NODE + output index
 
 
+# Note [Window signature] (the decoder): the tracer gives each op signature an id and records here how
+# many dataflow refs follow that id in ``Window.sigs``. Not bounded: a window open in any thread may
+# hold any id ever given, and decoding it needs that id's arity (two ints an id).
+ARITY: dict[int, int] = {}
+
+
+def op_ids(sigs: list) -> list[int]:
+    """The op signature ids of a window, one per node, out of its flat ``sigs``."""
+    ids = []
+    i, n = 0, len(sigs)
+    arity = ARITY
+    while i < n:
+        eid = sigs[i]
+        ids.append(eid)
+        i += 1 + arity[eid]
+    return ids
+
+
 class Out:
     """One value produced by a node (see Note [Out kinds])."""
 
@@ -158,7 +176,7 @@ class Window:
         # costs nothing to build at flush and little to hash and free (no tuples per node). A
         # ref is an Out's ``uid`` (> 0) or ``-(slot + 1)`` for a real (non-pending) input tensor.
         # The list reads back unambiguously: a signature id fixes how many refs follow it (the
-        # op's tensor arguments are part of what the id stands for; ``adaptive_eager._signatures._ARITY``).
+        # op's tensor arguments are part of what the id stands for; ``ARITY``, ``op_ids``).
         self.sigs: list[int] = []
         self.slots: dict[int, int] = {}  # id(real tensor) -> slot
         self.real_inputs: list = []  # the real tensors the window reads or writes, by slot

@@ -28,6 +28,7 @@ from adaptive_eager import adaptive_eager
 MAX_STEPS = 24
 MAX_NUMEL = 256  # keeps cat/stack/matmul chains from growing: the bugs live in the structure
 RNG_SEED = 1234
+DEVICE = "cpu"  # where inputs are made (tests/test_neuron_emulation.py runs these programs on ``neuron``)
 
 # -------------------------------------------------------------------------------------------------
 # Programs
@@ -51,6 +52,7 @@ class Input:
             t = torch.randint(-8, 9, shape, generator=g)
         else:
             t = torch.rand(shape, generator=g) > 0.5
+        t = t.to(DEVICE)  # before the layout is made: ``to`` does not keep a non-dense one
         if self.layout == "transposed":
             return t.permute(tuple(reversed(range(t.dim()))))
         if self.layout == "strided" and t.dim():

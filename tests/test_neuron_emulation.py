@@ -7,6 +7,7 @@ child interpreter, which prints what the test asserts on.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -51,14 +52,14 @@ PRELUDE = textwrap.dedent(
 )
 
 
-def _child(code: str, tmp_path, env: dict | None = None, script: str | None = None) -> str:
+def _child(code: str, tmp_path, env: dict | None = None, script: str | None = None, args=()) -> str:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
     environ.update({"PYTHONPATH": str(ROOT), "NEURON_EAGER_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
     if script is None:
         script = tmp_path / "child.py"
         script.write_text(PRELUDE + textwrap.dedent(code))
-    out = subprocess.run([sys.executable, str(script)], env=environ, capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(script), *args], env=environ, capture_output=True, text=True,
+                         timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout + out.stderr
 
@@ -195,3 +196,79 @@ def test_trainium_example_runs_emulated(tmp_path):
     eager = out.split("losses, eager:")[1].split("\n")[0].split()
     adaptive = out.split("losses, adaptive:")[1].split("\n")[0].split()
     assert eager == adaptive and len(eager) == 4
+
+
+@needs_stablehlo
+def test_warm_restart_on_the_emulated_device_compiles_nothing(tmp_path):
+    """The second process of a run on ``neuron`` (the same cache directory) loads every NEFF
+    stand-in from disk: no lowering, no compile, the same losses."""
+    code = """
+        import json, sys
+        import fuser.backends.stablehlo as stablehlo
+        if sys.argv[1:] == ["warm"]:
+            def no_lowering(*args, **kwargs):
+                raise AssertionError("a warm process lowered a graph")
+            stablehlo._lower = no_lowering  # fails any compile, and any op probe, loudly
+        ne.emulate_neuron()
+        ae.reset_metrics()
+        losses, _ = train("neuron", steps=4, adaptive={"hot_after": 1, "async_compile": False})
+        m = ae.metrics()
+        print("RESULT", json.dumps({k: m[k] for k in ("compiles", "cache_hits_disk", "compiled_runs",
+                                                      "compile_failures", "blacklisted")} | {"losses": losses}))
+        """
+    script = tmp_path / "warm.py"
+    script.write_text(PRELUDE + textwrap.dedent(code))
+
+    def run(mode):
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+        environ.update({"PYTHONPATH": str(ROOT), "NEURON_EAGER_CACHE_DIR": str(tmp_path / "cache")})
+        out = subprocess.run([sys.executable, str(script), mode], env=environ, capture_output=True, text=True,
+                             timeout=900, cwd=tmp_path)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout.split("RESULT ")[1].splitlines()[0])
+
+    cold, warm = run("cold"), run("warm")
+    assert cold["compiles"] >= 1 and cold["compile_failures"] == 0 and cold["blacklisted"] == 0, cold
+    assert warm["compiles"] == 0 and warm["cache_hits_disk"] == cold["compiles"], (cold, warm)
+    assert warm["compile_failures"] == 0 and warm["compiled_runs"] == cold["compiled_runs"], (cold, warm)
+    assert warm["losses"] == cold["losses"]
+
+
+@needs_stablehlo
+def test_train_example_on_the_emulated_device_matches_eager(tmp_path):
+    """examples/train.py --device neuron: eager on the emulated device and adaptive eager compiled by
+    stablehlo train to the same losses (the example asserts it), and the steps run compiled."""
+    out = _child("", tmp_path, script=ROOT / "examples" / "train.py", args=("--device", "neuron", "--steps", "10"))
+    assert "the neuron device is emulated" in out
+    assert "timed adaptive steps: 10 compiled, 0 replayed" in out, out
+
+
+@needs_stablehlo
+@pytest.mark.parametrize("backend", ["replay", "stablehlo"])
+def test_generated_programs_on_the_emulated_device_match_eager_there(tmp_path, backend):
+    """tests/test_generated_programs.py's differential test with every tensor on ``neuron``: views
+    among outputs, write-backs, dead values, int64/bool programs, replayed and compiled from first
+    sight (the oracle is eager on the same device, whose values are CPU's)."""
+    out = _child(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from hypothesis import Phase, given, settings
+        import test_generated_programs as g
+        ne.emulate_neuron()
+        g.DEVICE = "neuron"
+        runs = []
+
+        @settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+                  database=None)
+        @given(g.programs(drop_values=True))
+        def check(program):
+            g.assert_lazy_matches_eager(program, backend={backend!r}, hot_after=1, async_compile=False)
+            runs.append(1)
+
+        check()
+        m = ae.metrics()
+        print("programs", len(runs), "compiled_runs", m["compiled_runs"], "ops", m["ops_recorded"])
+        """, tmp_path)
+    programs, compiled = int(out.split("programs ")[1].split()[0]), int(out.split("compiled_runs ")[1].split()[0])
+    assert programs >= 12 and int(out.split(" ops ")[1].split()[0]) > 0, out
+    assert (compiled > 0) == (backend == "stablehlo"), out

@@ -283,3 +283,38 @@ def test_opinfo_float32_samples_compiled_by_stablehlo_agree_with_eager(monkeypat
         print(f"  samples whose region failed to compile and was replayed ({sum(replayed.values())}): "
               + ", ".join(f"{k} ({v})" for k, v in sorted(replayed.items())))
     assert tally.rate >= opinfo.REQUIRED_AGREEMENT, f"agreement {tally.rate:.2%}"
+
+
+_ZERO_DIM = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import adaptive_eager as ae
+
+    def program(t, i):
+        x = t.sum() * 0.25  # pending: a 0-dim op on real cpu tensors would run at once (the scalar fast path)
+        return [x.var(), x.std(), x.logsumexp(0), x.argmax(), torch.var_mean(x)[0], x.softmax(0), x.cumsum(0),
+                x.sum() + x.amax() * 2, torch.lt(x, i)]
+
+    t, i = torch.tensor([0.75, 2.0, -1.0]), torch.tensor(3)
+    want = program(t, i)
+    with ae.adaptive_eager(cache_dir=sys.argv[2], backend="stablehlo", hot_after=1, async_compile=False):
+        got = program(t, i)
+        ae.sync()
+    m = ae.metrics()
+    assert m["compiled_runs"] == 1 and sum(m["run_alone"].values()) >= 7, m
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, equal_nan=True)
+    print("ok")
+    """
+)
+
+
+@needs_stablehlo
+def test_reductions_over_a_0_dim_tensor_run_alone_instead_of_crashing_torch_mlir(tmp_path):
+    """torch-mlir's passes crash the process (SIGSEGV) on these (Note [Lowerings that crash]): a
+    child process, so that a regression fails this test instead of killing the test run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    out = subprocess.run([sys.executable, "-c", _ZERO_DIM, REPO, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-3000:])

@@ -112,6 +112,32 @@ _PIPELINES = (
 )
 
 
+# Note [Lowerings that crash]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch-mlir (20261001) does not reject some graphs: its passes crash the process (SIGSEGV), which
+# no ``except`` can catch, so a program would die where eager runs. Seen: an op over dimensions of a
+# 0-dim tensor (``var``, ``std``, ``logsumexp``, ``argmax``, ``var_mean``, ``_softmax``,
+# ``cumsum``; ``sum``, ``mean``, ``amax``, ``prod`` lower). Such graphs are refused before the
+# passes run: a reduction (``Tag.reduction``) or an op taking a ``dim`` whose first tensor argument
+# has no dimension (harmless ones included: they are trivial, and run alone). The whole region is
+# checked after decomposition, so a composite that decomposes into one is caught too.
+
+
+def _crashes_torch_mlir(graph: torch.fx.Graph) -> str | None:
+    """The op of ``graph`` that torch-mlir would crash on (Note [Lowerings that crash]), or None."""
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+        value = first.meta.get("val") if first is not None else None
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            continue
+        if torch.Tag.reduction in target.tags or any(a.name == "dim" for a in target._schema.arguments):
+            return f"{target} over a 0-dim tensor"
+    return None
+
+
 def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_64bit: bool) -> str:
     """StableHLO text of ``gm`` (Note [StableHLO lowering]); BackendCompileError if it does not lower.
 
@@ -130,6 +156,9 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_
             decomposed = make_fx(gm, decomposition_table=_decompositions(), tracing_mode="fake")(*example_inputs)
     except Exception as e:
         raise BackendCompileError(f"stablehlo: cannot decompose the graph: {type(e).__name__}: {str(e)[:800]}") from e
+    crash = _crashes_torch_mlir(decomposed.graph)
+    if crash is not None:
+        raise BackendCompileError(f"stablehlo: torch-mlir would crash lowering {crash} (Note [Lowerings that crash])")
     context = ir.Context()
     torch_dialect.register_dialect(context)
     errors: list[str] = []

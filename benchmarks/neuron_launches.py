@@ -1,0 +1,129 @@
+"""NEFF launches per step on the ``neuron`` device: plain eager, adaptive eager, and what
+torch-neuronx's own op concatenation would make of the same op stream at best.
+
+    python benchmarks/neuron_launches.py [--only mlp_train,gpt] [--steps 3]
+
+Runs the suite's workloads (``workloads.py``) on ``neuron``: the real device where torch-neuronx is
+installed, else the emulated one (``adaptive_eager.emulate_neuron()``, the stablehlo backend standing
+in for neuronx-cc). These are counts, not times, so the machine's load does not change them.
+
+- eager: the ops of one eager step that compute (Note [Emulated launches] in
+  ``adaptive_eager.neuron_emulation``: views, metadata and allocations launch nothing);
+- adaptive: ``metrics()['launches']`` per steady-state step (compiled region runs, replayed ops and
+  copies), after warm-up steps that compile every region in place;
+- concatenation: the same eager op stream cut as torch-neuronx's concatenation engine cuts it
+  (``../shared/TRAINIUM.md``): a fused segment ends at a matmul-family op and includes it; a copy,
+  an in-place op (dead intermediates are pruned by default) or any op it cannot compile ends the
+  open segment and runs alone; a step's end (its sync) ends the open segment. This is its best case:
+  it ignores the 1024-op buffer limit and the unfused flush when the device queue runs low.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import adaptive_eager as ae  # noqa: E402
+from adaptive_eager import neuron_emulation as ne  # noqa: E402
+from workloads import BUILDERS  # noqa: E402
+
+# torch-neuronx ends a fused segment at these (forward and backward: their ATen ops)
+MATMUL_FAMILY = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul", "convolution",
+                 "convolution_backward", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention"}
+RUNS_ALONE = {"copy_", "_to_copy", "_local_scalar_dense"}  # copies and host reads: not fused
+
+
+class OpStream(TorchDispatchMode):
+    """The packet names of the ops that launch (Note [Emulated launches]), in program order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in ("empty", "empty_strided"):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def concatenated_launches(ops: list[str]) -> int:
+    """Launches of one step's op stream under torch-neuronx's concatenation, at best (see above)."""
+    launches, open_segment = 0, 0
+    for name in ops:
+        if name in MATMUL_FAMILY:
+            launches += 1  # the segment, ending with (and including) the matmul
+            open_segment = 0
+        elif name in RUNS_ALONE or name.endswith("_"):
+            launches += (1 if open_segment else 0) + 1
+            open_segment = 0
+        else:
+            open_segment += 1
+    return launches + (1 if open_segment else 0)
+
+
+def measure(key: str, steps: int) -> dict:
+    w = BUILDERS[key]("neuron")
+    w.eager()  # warm: lazily made state (AdamW's moments) launches only on the first step
+    stream = OpStream()
+    before = ne.launches()
+    with stream:
+        w.eager()
+    eager = ne.launches() - before
+    with ae.adaptive_eager(hot_after=1, async_compile=False):
+        for _ in range(3):  # first sight, compile in place, compiled hits
+            out = w.adaptive()  # held over the sync: what nobody holds is rightly not computed
+            ae.sync()
+        m0 = ae.metrics()
+        for _ in range(steps):
+            out = w.adaptive()
+            ae.sync()
+        m1 = ae.metrics()
+    del out
+    return {
+        "title": w.title,
+        "eager": eager,
+        "stream": len(stream.ops),
+        "concatenation": concatenated_launches(stream.ops),
+        "adaptive": (m1["launches"] - m0["launches"]) / steps,
+        "compiles": m1["compiles"],
+        "run_alone": (sum(m1["run_alone"].values()) - sum(m0["run_alone"].values())) / steps,
+        "eager_run": (m1["ops_eager"] - m0["ops_eager"]) / steps,
+        "replayed": (m1["replayed_regions"] - m0["replayed_regions"]) / steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
+    parser.add_argument("--steps", type=int, default=3, help="steady-state steps counted per workload")
+    args = parser.parse_args()
+    keys = [k for k in args.only.split(",") if k]
+    unknown = [k for k in keys if k not in BUILDERS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {', '.join(BUILDERS)}")
+    device = "the real neuron device"
+    if not ne.real_device_present():
+        ne.emulate_neuron()
+        device = "the emulated neuron device (stablehlo backend)"
+    print(f"python benchmarks/neuron_launches.py --only {','.join(keys)} --steps {args.steps}; {device}, "
+          f"backend {ae.load_options().backend}, torch {torch.__version__}")
+    print("| workload | eager launches / step | torch-neuronx concatenation, at best | adaptive eager "
+          "| eager / adaptive | concatenation / adaptive | of adaptive's: ops run alone, ops run eagerly, windows replayed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for key in keys:
+        r = measure(key, args.steps)
+        a = max(r["adaptive"], 1e-9)
+        print(f"| {key} | {r['eager']} | {r['concatenation']} | {r['adaptive']:.1f} | {r['eager'] / a:.1f}x "
+              f"| {r['concatenation'] / a:.1f}x | {r['run_alone']:g}, {r['eager_run']:g}, {r['replayed']:g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
