@@ -4,17 +4,17 @@ called that flushed, for ``explain()``: Note [Whose line])."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
-import torch
-
-import fuser
-
 _getframe = sys._getframe
 
+# torch's, fuser's and this package's directories. Found without importing fuser: ``warn`` may run
+# while ``import torch`` is still loading this package (_autoload), when torch is half imported.
 _LIB_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (torch, fuser, sys.modules[__name__.rsplit(".", 1)[0]])
+    os.path.dirname(importlib.util.find_spec(name).origin) + os.sep
+    for name in ("torch", "fuser", __name__.rsplit(".", 1)[0])
 )
 # id(code object) -> whether it is torch's or this library's code. Keyed by id: a code object
 # hashes its bytecode, constants and names on every lookup (0.2-0.5 us for an optimizer's loop
@@ -129,3 +129,20 @@ def module_of(code) -> str:
         return os.path.basename(name)
     rel = os.path.splitext(name[len(max(roots, key=len)):])[0].split(os.sep)
     return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` at the user's own line (Note [Whose line]): not at this library's frames,
+    nor at torch's ``import torch`` machinery or ``contextlib`` between them, which a fixed
+    ``stacklevel`` cannot skip (the same warning is reached through different depths)."""
+    import warnings
+
+    f = _getframe(1)
+    while f is not None and _kind(f.f_code) != _USER:
+        f = f.f_back
+    if f is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    g = f.f_globals
+    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno, module=g.get("__name__", "<string>"),
+                           registry=g.setdefault("__warningregistry__", {}))
