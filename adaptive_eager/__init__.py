@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 from ._metrics import METRICS, format_report
-from .config import ConfigError, Options, defaults, load_options, with_overrides
+from .config import ConfigError, Options, defaults, entry_options, load_options, options_doc
 from .errors import AdaptiveEagerError
 
 # The tracer imports torch internals; ``import torch`` imports this package (backend autoload)
@@ -47,7 +47,7 @@ def enable(**options: Any) -> None:
     from ._flush import flush
     from ._mode import activate
 
-    opts = load_options(**options)
+    opts = entry_options(None, **options)
     st = _state_or_none()
     if st is not None:
         flush(st, "options")
@@ -76,14 +76,14 @@ def adaptive_eager(**options: Any):
 
     st = _state_or_none()
     if st is None:
-        opts = load_options(**options)
+        opts = entry_options(None, **options)
         st = activate(opts)
         owner = True
         previous = None
     else:
         owner = False
         previous = st.options
-        opts = with_overrides(previous, **options)
+        opts = entry_options(previous, **options)
         if opts != previous:
             flush(st, "options")
             st.set_options(opts)
@@ -111,6 +111,11 @@ def adaptive_eager(**options: Any):
         finally:
             if previous is not None and previous != st.options:
                 st.set_options(previous)
+
+
+# help() lists every option with its default and meaning, from the one table of settings
+adaptive_eager.__doc__ = adaptive_eager.__doc__.rstrip() + options_doc()
+enable.__doc__ = enable.__doc__.rstrip() + options_doc()
 
 
 def sync() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import sys
-import warnings
 
 
 def autoload() -> None:
@@ -22,7 +21,9 @@ def autoload() -> None:
 
             emulate_neuron()
     except Exception as e:  # never break ``import torch`` for the user
-        warnings.warn(f"adaptive_eager stays off: {e}", stacklevel=2)
+        from ._source import warn
+
+        warn(f"adaptive_eager stays off: {e}")
         return
     if mode != "adaptive":
         return
@@ -34,7 +35,9 @@ def autoload() -> None:
             return  # a DataLoader worker or another multiprocessing child: Note [Worker processes]
         enable()
     except Exception as e:  # never break ``import torch`` for the user
-        warnings.warn(f"adaptive_eager could not turn on ({type(e).__name__}: {e}); running eagerly", stacklevel=2)
+        from ._source import warn
+
+        warn(f"adaptive_eager could not turn on ({type(e).__name__}: {e}); running eagerly")
         return
     # the main thread's window must run before the interpreter tears torch down
     atexit.register(disable)

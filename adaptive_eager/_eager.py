@@ -13,7 +13,7 @@ from ._flush import flush
 from ._log import log
 from ._metrics import METRICS
 from .reasons import REASONS
-from ._source import _user_source
+from ._source import _flush_site
 from ._state import TracerState, _on_target
 from ._threads import _check_elsewhere
 
@@ -58,8 +58,8 @@ def _eager(st: TracerState, f, args, kwargs, reason: str | None):
             METRICS.host_scalar_ops += 1
         if REASONS[reason].fallback:
             METRICS.fallback_ops[f.name] += 1
-            site = _user_source(2)
-            METRICS.fallback_sites[(f.name, reason, site)] += 1
+            site, inside = _flush_site(2)  # Note [Whose line]
+            METRICS.fallback_sites[(f.name, reason, site, inside)] += 1
             if log.isEnabledFor(logging.INFO):
                 log.info("eager op %s (%s) at %s", f.name, reason, where(site))
     METRICS.ops_eager += 1

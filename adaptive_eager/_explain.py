@@ -12,21 +12,36 @@ from collections import Counter
 
 from fuser.window import where as _where
 
-from .reasons import REASONS
-
-_RECOMPILE_ADVICE = {
-    "new_shape": "shapes change between windows (a varying batch size or sequence length): pad or bucket "
-                 "them; after a few sizes adaptive eager compiles the region with symbolic sizes",
-    "new_dtype": "a region was seen with new dtypes: keep dtypes stable across steps",
-    "scalar_lifted": "a Python number that changes every step (a learning-rate schedule) became a runtime "
-                     "input: expected once per region",
-    "dynamic": "a region was compiled with symbolic sizes: expected once per region",
-}
+from ._source import module_of
+from .reasons import NOT_COMPILED, REASONS, RECOMPILES
 
 
 def _advice(reason: str) -> str | None:
     r = REASONS.get(reason)
     return r.advice if r is not None else ""  # a reason missing from the table: tests/test_explain.py
+
+
+def _site_lines(reason: str, inside) -> list[str]:
+    """What explain() says under a flush or fallback site: what to change on the user's line, or,
+    where a library it called did it, which library and what the user can do (Note [Whose line]
+    in _source)."""
+    r = REASONS.get(reason)
+    if r is None:
+        return []  # a reason missing from the table: tests/test_explain.py
+    if r.advice is None:
+        return [f"      -> expected: this line {r.does}"]
+    if inside is None:
+        return [f"      -> {r.advice}"]
+    package = module_of(inside[0]).rsplit(".", 1)[0]  # torch.optim, transformers.models.llama
+    return [_inside_line(inside),
+            f"      -> {package} {r.does} there: that is {package}'s code, not yours, and nothing on your line "
+            f"needs to change. What you can do: if it shows every step, call into it less often, or look for "
+            f"an option of {package} that avoids it"]
+
+
+def _inside_line(inside) -> str:
+    code, line = inside
+    return f"      inside {module_of(code)}.{code.co_name} ({code.co_filename}:{line}), which the line above calls"
 
 
 def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: int = 5) -> str:
@@ -64,35 +79,41 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     lines.append("")
     lines.append("top flush sites (reason, count, where, what to change)")
     # what the user can act on first, unless it is rare (AdamW reads its step counter once, in
-    # its first step); expected reasons (leaving the block, optimizer steps) after
+    # its first step); expected reasons (leaving the block, optimizer steps) and a library's own
+    # reads after
     rare = max(2, windows // 100)
-    ranked = [(n, reason, site) for (reason, site), n in flush_sites.items()]
-    ranked.sort(key=lambda x: (_advice(x[1]) is None or x[0] < rare, -x[0]))
+    ranked = [(n, reason, site, inside) for (reason, site, inside), n in flush_sites.items()]
+    ranked.sort(key=lambda x: (_advice(x[1]) is None or x[0] < rare, x[3] is not None, -x[0]))
     if not ranked:
         lines.append("  (none)")
-    for n, reason, site in ranked[:top]:
+    for n, reason, site, inside in ranked[:top]:
         lines.append(f"  {reason:<40}{n:>8}  {_where(site)}")
-        advice = _advice(reason)
-        if advice:
-            lines.append(f"      -> {advice}")
+        lines.extend(_site_lines(reason, inside))
 
-    lines.append("")
-    lines.append("recompiles by cause")
-    recompiles = metrics.get("recompiles", {})
-    if not recompiles:
-        lines.append("  (none)")
-    for cause, n in sorted(recompiles.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {cause:<40}{n:>8}")
-        if cause in _RECOMPILE_ADVICE:
-            lines.append(f"      -> {_RECOMPILE_ADVICE[cause]}")
+    _counted(lines, "recompiles by cause", metrics.get("recompiles", {}), RECOMPILES)
+    _counted(lines, "windows not compiled, by why (each replayed op by op: eager's values, eager's speed)",
+             metrics.get("not_compiled", {}), NOT_COMPILED)
 
     lines.append("")
     lines.append("top eager fallbacks (op, reason, count, where)")
-    ranked = sorted(((n, op, reason, site) for (op, reason, site), n in fallback_sites.items()), key=lambda x: -x[0])
+    ranked = sorted(((n, op, reason, site, inside) for (op, reason, site, inside), n in fallback_sites.items()),
+                    key=lambda x: -x[0])
     if not ranked:
         lines.append("  (none)")
-    for n, op, reason, site in ranked[:top]:
+    for n, op, reason, site, inside in ranked[:top]:
         lines.append(f"  {op + ' (' + reason + ')':<40}{n:>8}  {_where(site)}")
+        if inside is not None:
+            lines.append(_inside_line(inside))
     if ranked:
         lines.append("      -> each one flushes the window first; see the flush advice for its reason")
     return "\n".join(lines)
+
+
+def _counted(lines: list[str], title: str, counts: dict, texts: dict[str, str]) -> None:
+    lines.append("")
+    lines.append(title)
+    if not counts:
+        lines.append("  (none)")
+    for key, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {key:<40}{n:>8}")
+        lines.append(f"      -> {texts.get(key, 'no explanation yet: please report it')}")

@@ -16,7 +16,7 @@ from fuser.window import Window, op_ids, where
 
 from ._log import log
 from ._metrics import METRICS
-from ._source import _user_source
+from ._source import _flush_site
 from ._state import TracerState, _default_dtype, _step_back, _tls
 
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
@@ -66,8 +66,9 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         st.cut_at = per.next_cut()
         METRICS.flushes[reason] += 1
         METRICS.windows += 1
-        site = _user_source(2)  # the line that triggered the flush
-        METRICS.flush_sites[(reason, site)] += 1
+        # the user's line that triggered the flush, and a library's it called: Note [Whose line]
+        site, inside = _flush_site(2)
+        METRICS.flush_sites[(reason, site, inside)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
               else contextlib.nullcontext()), _disable_current_modes(), _recorded_dtype(st.dtype):
             result = fuser.run_window(window, st.options)

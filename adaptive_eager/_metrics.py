@@ -28,7 +28,8 @@ class Metrics:
         self.flush_seconds = 0.0
         self.flushes: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
-        # for explain(): (reason, (code, line)) and (op, reason, (code, line)) of the user's lines
+        # for explain(): (reason, user, inside) and (op, reason, user, inside), each a (code, line) of
+        # the user's line and of the library's it called or None (Note [Whose line] in _source)
         self.flush_sites: Counter[tuple] = Counter()
         self.fallback_sites: Counter[tuple] = Counter()
 

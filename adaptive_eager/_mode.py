@@ -24,6 +24,27 @@ from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader
 from .config import Options
 
 _empty_strided = torch.empty_strided
+
+# Note [Tensor subclasses]
+# A mode sees an op before any tensor subclass among its arguments does. A subclass made of inner
+# tensors (``__tensor_flatten__``: DTensor, which FSDP2 and tensor parallelism hand out as
+# parameters) is left to its own ``__torch_dispatch__`` (NotImplemented): it unwraps, computes its
+# own metadata and runs plain ops on its inner tensors, which come back here and are recorded.
+# Recorded with the subclass as an input, the op would run at the flush on a mix of subclass and
+# plain (pending) tensors, which DTensor refuses. Other subclasses (the emulated neuron device's
+# wrapper) are recorded as before.
+_composite_types: dict[type, bool] = {}
+
+
+def _composite(types) -> bool:
+    for t in types:
+        known = _composite_types.get(t)
+        if known is None:
+            known = _composite_types[t] = hasattr(t, "__tensor_flatten__")
+        if known:
+            return True
+    return False
+
 _copy_ = torch.ops.aten.copy_.default
 
 def _dense(t: torch.Tensor) -> bool:
@@ -88,6 +109,8 @@ class LazyMode(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and _composite(types):  # empty for plain tensors: Note [Tensor subclasses]
+            return NotImplemented
         if _profiler._is_profiler_enabled and not self.profiling:
             # torch.profiler is recording: show each op's recording as a range
             self.profiling = True

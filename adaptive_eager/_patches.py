@@ -146,7 +146,10 @@ def _opaque(original, reason: str):
 
 def _opaque_entry_points():
     """(owner, attribute name, flush reason) of every C++ function that must run eagerly."""
-    points = [(torch.UntypedStorage, name, "storage") for name in ("_share_fd_cpu_", "_share_filename_cpu_")]
+    # resize_: FSDP2 frees a parameter's unsharded storage after its forward and backward
+    # (``resize_(0)``) and allocates it again before the all-gather; recorded ops that read the
+    # old memory must run before it goes
+    points = [(torch.UntypedStorage, name, "storage") for name in ("_share_fd_cpu_", "_share_filename_cpu_", "resize_")]
     try:
         import torch.distributed as dist
     except ImportError:

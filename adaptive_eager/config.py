@@ -13,7 +13,6 @@ import dataclasses
 import difflib
 import logging
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +55,11 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
+class _Invalid(ValueError):
+    """A parser's rejection, saying what it expected; the caller names the setting as the user spelled
+    it (``NEURON_EAGER_WINDOW='abc'`` from the environment, ``option window='abc'`` from a keyword)."""
+
+
 # name -> (parser, description) ; the settings table in README.md mirrors this.
 def _parse_bool(name: str, raw: str) -> bool:
     low = raw.strip().lower()
@@ -63,16 +67,16 @@ def _parse_bool(name: str, raw: str) -> bool:
         return True
     if low in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{_env(name)}={raw!r}: expected 1/0 (or true/false)")
+    raise _Invalid("1/0 (or true/false)")
 
 
 def _parse_int(name: str, raw: str, minimum: int = 1) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ConfigError(f"{_env(name)}={raw!r}: expected an integer >= {minimum}") from None
+        raise _Invalid(f"an integer >= {minimum}") from None
     if value < minimum:
-        raise ConfigError(f"{_env(name)}={raw!r}: expected an integer >= {minimum}")
+        raise _Invalid(f"an integer >= {minimum}")
     return value
 
 
@@ -81,9 +85,9 @@ def _parse_float(name: str, raw: str, minimum: float | None = None) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{_env(name)}={raw!r}: expected {expected}") from None
+        raise _Invalid(expected) from None
     if not (value > 0 if minimum is None else value >= minimum):
-        raise ConfigError(f"{_env(name)}={raw!r}: expected {expected}")
+        raise _Invalid(expected)
     return value
 
 
@@ -95,7 +99,7 @@ def _parse_choice(choices: tuple[str, ...]):
     def parse(name: str, raw: str) -> str:
         low = raw.strip().lower()
         if low not in choices:
-            raise ConfigError(f"{_env(name)}={raw!r}: expected one of {', '.join(choices)}")
+            raise _Invalid(f"one of {', '.join(choices)}")
         return low
 
     return parse
@@ -104,13 +108,13 @@ def _parse_choice(choices: tuple[str, ...]):
 def _parse_device(name: str, raw: str) -> str:
     low = raw.strip().lower()
     if not low or ":" in low:
-        raise ConfigError(f"{_env(name)}={raw!r}: expected a device type such as cpu, cuda or neuron")
+        raise _Invalid("a device type such as cpu, cuda or neuron")
     return low
 
 
 def _parse_str(name: str, raw: str) -> str:
     if not raw:
-        raise ConfigError(f"{_env(name)} is empty: unset it or give a value")
+        raise _Invalid("a value (it is empty: unset it or give one)")
     return raw
 
 
@@ -133,7 +137,7 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                              "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
                 "instead of triggering full collections (default 1; the program's thresholds come back at exit)"),
-    "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning`, `info` or `debug`"),
+    "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` or `debug`"),
     "emulate": (_parse_bool, "give a machine without Trainium a `neuron` device backed by CPU memory, on which plain "
                 "eager counts one NEFF launch per op, to size the win before renting one (default 0; "
                 "`adaptive_eager.emulate_neuron()`; needs the [neuron] extra for the stablehlo backend)"),
@@ -142,8 +146,27 @@ SETTINGS: dict[str, tuple[Any, str]] = {
 }
 
 
+def options_doc() -> str:
+    """The options as ``help(adaptive_eager.adaptive_eager)`` lists them, built from ``SETTINGS``."""
+    import textwrap
+
+    # indented as the docstrings it ends, which help() dedents
+    lines = ["", "", "    Options (each a keyword, or the environment variable named after it; a keyword wins):", ""]
+    for name, (_, description) in SETTINGS.items():
+        lines += textwrap.wrap(f"{name}: {description} [{_env(name)}]", width=100, initial_indent="      ",
+                               subsequent_indent="          ")
+    return "\n".join(lines) + "\n"
+
+
 def _env(name: str) -> str:
     return ENV_PREFIX + name.upper()
+
+
+def _parsed(name: str, raw: str, spelled: str) -> Any:
+    try:
+        return SETTINGS[name][0](name, raw)
+    except _Invalid as e:
+        raise ConfigError(f"{spelled}: expected {e}") from None
 
 
 def default_device_type() -> str:
@@ -170,9 +193,12 @@ def _warn_unknown(environ: Mapping[str, str]) -> None:
     for key in environ:
         if key.startswith(ENV_PREFIX) and key not in valid and key not in _warned_unknown:
             _warned_unknown.add(key)
-            close = difflib.get_close_matches(key, sorted(valid), n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(sorted(valid))}"
-            warnings.warn(f"unknown setting {key} is ignored{hint}", stacklevel=3)
+            # matched without the prefix, which every name shares (NEURON_EAGER_FOO is not close to _LOG)
+            close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), list(SETTINGS), n=1)
+            hint = f"; did you mean {_env(close[0])}?" if close else f"; valid: {', '.join(sorted(valid))}"
+            from ._source import warn  # not at import: torch imports this module (_autoload)
+
+            warn(f"unknown setting {key} is ignored{hint}")
 
 
 _defaults: dict[str, Any] = {}
@@ -201,7 +227,7 @@ def _validate(overrides: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"unknown option {name!r}{hint}")
         if value is None:
             continue
-        values[name] = SETTINGS[name][0](name, str(value)) if isinstance(value, str) else value
+        values[name] = _parsed(name, value, f"option {name}={value!r}") if isinstance(value, str) else value
     _check_types(values)
     return values
 
@@ -216,10 +242,10 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
     environ = os.environ if environ is None else environ
     _warn_unknown(environ)
     values: dict[str, Any] = {}
-    for name, (parse, _) in SETTINGS.items():
+    for name in SETTINGS:
         raw = environ.get(_env(name))
         if raw is not None:
-            values[name] = parse(name, raw)
+            values[name] = _parsed(name, raw, f"{_env(name)}={raw!r}")
     values.update(_defaults)
     values.update(_validate(overrides))
     if values.get("emulate"):
@@ -275,6 +301,14 @@ def _check_backend(name: str, device: str, compiles_for: str) -> None:
 
 
 def _check_types(values: dict[str, Any]) -> None:
+    device = values.get("device")
+    if device is not None and not isinstance(device, str):
+        import torch
+
+        if not isinstance(device, torch.device) or device.index is not None:
+            raise ConfigError(f"option device={device!r}: expected a device type such as 'cpu', 'cuda' or 'neuron' "
+                              f"(or torch.device('cuda')): adaptive eager records the ops of every device of that type")
+        values["device"] = device.type
     for name in ("window", "cache_size_mb", "hot_after"):
         if name in values and (type(values[name]) is not int or values[name] < 1):
             raise ConfigError(f"option {name}={values[name]!r}: expected an integer >= 1")
@@ -286,6 +320,34 @@ def _check_types(values: dict[str, Any]) -> None:
     for name in ("async_compile", "tune_gc", "workers", "emulate"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
+
+
+def entry_options(base: Options | None, **overrides: Any) -> Options:
+    """The options ``enable()`` / ``adaptive_eager()`` turn on with: ``load_options`` (``base`` None)
+    or ``base`` with the block's keywords, refused for a device this machine lacks."""
+    opts = load_options(**overrides) if base is None else with_overrides(base, **overrides)
+    if base is None or "device" in overrides:
+        check_device(opts.device, keyword="device" in overrides or "device" in _defaults)
+    return opts
+
+
+def check_device(device: str, keyword: bool) -> None:
+    """Refuse a device type this machine lacks: recording for it would silently record nothing
+    (every op runs on another device, untouched). ``keyword``: it came from ``device=``, not from
+    NEURON_EAGER_DEVICE."""
+    import torch
+
+    spelled = f"option device={device!r}" if keyword else f"{_env('device')}={device}"
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"{spelled}: torch knows no such device type: use cpu, cuda or neuron") from None
+    is_available = getattr(getattr(torch, device, None), "is_available", None)
+    if is_available is not None and not is_available():
+        fix = (f"pass device='{default_device_type()}' or leave it out" if keyword
+               else f"unset {_env('device')} (the default here is {default_device_type()})")
+        raise ConfigError(f"{spelled}: this machine has no {device} device, so adaptive eager would record "
+                          f"nothing: {fix}")
 
 
 def _emulated() -> bool:
@@ -307,7 +369,7 @@ def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """One setting from the environment, else its default (at ``import torch``: nothing else is read)."""
     environ = os.environ if environ is None else environ
     raw = environ.get(_env(name))
-    return getattr(Options, name) if raw is None else SETTINGS[name][0](name, raw)
+    return getattr(Options, name) if raw is None else _parsed(name, raw, f"{_env(name)}={raw!r}")
 
 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:

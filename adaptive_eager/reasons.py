@@ -14,7 +14,10 @@ from typing import NamedTuple
 class Reason(NamedTuple):
     name: str
     fallback: bool  # an op run eagerly for this reason is counted in ``fallback_ops``
-    advice: str | None  # what explain() suggests at a flush site; None: expected
+    advice: str | None  # what explain() suggests at a flush site of the user's own code; None: expected
+    # what the code at the site does, after a subject ("this line ...", "transformers ..."): explain()
+    # prints it for expected reasons and for sites inside a library (Note [Whose line] in _source)
+    does: str = ""
 
 
 _HOST_READ = "reads the tensor on the host here: move it out of the hot loop, or read it every N steps"
@@ -22,48 +25,93 @@ _HOST_READ = "reads the tensor on the host here: move it out of the hot loop, or
 REASONS: dict[str, Reason] = {r.name: r for r in (
     # a value read on the host, or the program observed
     Reason("item", False, "a value is read on the host (`.item()`) here: each read ends the window. Read it every N "
-                          "steps, or keep it a tensor (accumulate losses in a tensor, call .item() once at the end)"),
+                          "steps, or keep it a tensor (accumulate losses in a tensor, call .item() once at the end)",
+           "reads a tensor's value on the host (`.item()`)"),
     Reason("bool", False, "Python control flow on a tensor value (`if t:`, `while t:`) ends the window here. Use "
-                          "torch.where / masks, or decide on the host every N steps"),
-    Reason("tolist", False, f"`.tolist()` {_HOST_READ}"),
-    Reason("numpy", False, f"`.numpy()` / `np.asarray(t)` / DLPack {_HOST_READ}"),
-    Reason("data_ptr", False, f"`.data_ptr()` (an extension or a C library reading the memory) {_HOST_READ}"),
+                          "torch.where / masks, or decide on the host every N steps",
+           "branches on a tensor's value (`if t:`, `while t:`)"),
+    Reason("tolist", False, f"`.tolist()` {_HOST_READ}", "reads a tensor on the host (`.tolist()`)"),
+    Reason("numpy", False, f"`.numpy()` / `np.asarray(t)` / DLPack {_HOST_READ}", "hands a tensor to NumPy or DLPack"),
+    Reason("data_ptr", False, f"`.data_ptr()` (an extension or a C library reading the memory) {_HOST_READ}",
+           "takes a tensor's memory address (`.data_ptr()`)"),
     Reason("storage", False, "the tensor's storage is taken here (`.untyped_storage()`, `.storage()`, "
-                             "`share_memory_()`): its memory is read, so the window ends. Move it out of the hot loop"),
+                             "`share_memory_()`): its memory is read, so the window ends. Move it out of the hot loop",
+           "takes a tensor's storage"),
     Reason("pickle", False, "the tensor is pickled or copied here (`torch.save`, `copy.deepcopy`, a multiprocessing "
-                            "queue): save or hand over values every N steps, after a sync point"),
-    Reason("print", False, "printing while adaptive eager is on flushes (output order stays eager): print every N steps"),
-    Reason("repr", False, "formatting a pending tensor (repr/str/f-string) flushes: format every N steps"),
-    Reason("breakpoint", False, None),
+                            "queue): save or hand over values every N steps, after a sync point",
+           "pickles or deep-copies a tensor"),
+    Reason("print", False, "printing while adaptive eager is on flushes (output order stays eager): print every N steps",
+           "prints"),
+    Reason("repr", False, "formatting a pending tensor (repr/str/f-string) flushes: format every N steps",
+           "formats a tensor (repr/str/f-string)"),
+    Reason("breakpoint", False, None, "stops in the debugger, which may read any value"),
     Reason("other_thread", False, "another thread read a value still pending in a recording thread (the line shown "
                                   "is the reader's): its window ended wherever the owner was. Hand values to other "
                                   "threads after a sync point of the owner (`.item()`, `sync()`), or read them less "
-                                  "often"),
+                                  "often",
+           "reads a value another thread has not computed yet"),
     # ops that run eagerly
     Reason("data_dependent", False, "an op whose result depends on the data (nonzero, masked indexing, unique, equal) "
                                     "runs eagerly after a flush: use a fixed-shape form (torch.where, masked_fill) if "
-                                    "you can"),
+                                    "you can",
+           "runs an op whose result depends on the data (nonzero, masked indexing, unique, equal)"),
     Reason("dynamic_shape", True, "an op with a data-dependent output shape runs eagerly after a flush: use a "
-                                  "fixed-shape form (torch.where, masked_fill) if you can"),
+                                  "fixed-shape form (torch.where, masked_fill) if you can",
+           "runs an op whose output shape depends on the data"),
     Reason("device_copy", False, "a copy to or from another device flushes here (`.cpu()`, `.to(...)`): move "
-                                 "transfers out of the hot loop or batch them"),
-    Reason("random", True, "a random op that cannot be drawn at record time flushes here"),
+                                 "transfers out of the hot loop or batch them",
+           "copies a tensor to or from another device"),
+    Reason("random", True, "a random op that cannot be drawn at record time flushes here",
+           "draws random numbers with an op that cannot be drawn at record time"),
     Reason("metadata_mutation", True, "an in-place change of a tensor's shape or storage (resize_, t_, set_) flushes "
-                                      "here: use the out-of-place form"),
-    Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)"),
-    Reason("collective", False, None),
+                                      "here: use the out-of-place form",
+           "changes a tensor's shape or storage in place (resize_, t_, set_)"),
+    Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
+           "runs an op adaptive eager cannot record"),
+    Reason("collective", False, None, "runs a torch.distributed collective, a sync point between processes"),
     # the window's own ends
     Reason("window_cap", False, "the window reached the op cap and no period was found yet: raise "
                                 "NEURON_EAGER_WINDOW, or sync at a step boundary (adaptive eager cuts at "
-                                "optimizer.step() by itself)"),
-    Reason("bytes_cap", False, "pending outputs reached the byte cap: raise NEURON_EAGER_WINDOW_MB if memory allows"),
+                                "optimizer.step() by itself)",
+           "records ops past the window's op cap (NEURON_EAGER_WINDOW)"),
+    Reason("bytes_cap", False, "pending outputs reached the byte cap: raise NEURON_EAGER_WINDOW_MB if memory allows",
+           "leaves more pending bytes than the window's cap (NEURON_EAGER_WINDOW_MB)"),
     Reason("default_dtype", False, "the default dtype changed (torch.set_default_dtype) with ops pending: the window "
-                                   "ends there. Set it once, before the loop"),
-    Reason("period", False, None),
-    Reason("optimizer_step", False, None),
-    Reason("exit", False, None),
-    Reason("sync", False, None),
-    Reason("options", False, None),
-    Reason("cell", False, None),
-    Reason("fork", False, None),
+                                   "ends there. Set it once, before the loop",
+           "changes the default dtype (torch.set_default_dtype)"),
+    Reason("period", False, None, "ends a step of the loop: adaptive eager cuts windows at the period it found"),
+    Reason("optimizer_step", False, None, "steps an optimizer: adaptive eager ends a window at each step"),
+    Reason("exit", False, None, "leaves an adaptive_eager block, which runs what is pending"),
+    Reason("sync", False, None, "calls adaptive_eager.sync()"),
+    Reason("options", False, None, "changes adaptive eager's options, which runs what is pending first"),
+    Reason("cell", False, None, "ends a notebook cell (%load_ext adaptive_eager)"),
+    Reason("fork", False, None, "forks the process, which runs what is pending first"),
 )}
+
+# Why a region was compiled again (``metrics()["recompiles"]``), for explain(); a cause given by
+# fuser/ and missing here fails tests/test_explain.py.
+RECOMPILES: dict[str, str] = {
+    "new_shape": "shapes change between windows (a varying batch size or sequence length): pad or bucket them; "
+                 "after a few sizes adaptive eager compiles the region with symbolic sizes",
+    "new_dtype": "a region was seen with new dtypes: keep dtypes stable across steps",
+    "scalar_lifted": "a Python float that changes between steps became a runtime input of its region, which was "
+                     "compiled again for it: expected once per region",
+    "dynamic": "a region was compiled with symbolic sizes: expected once per region",
+}
+
+# Why a window was replayed op by op instead of compiled (``metrics()["not_compiled"]``), for
+# explain(); each is bitwise eager, only slower. A key given by fuser/ and missing here fails
+# tests/test_explain.py.
+NOT_COMPILED: dict[str, str] = {
+    "aliased_inputs": "the window writes a tensor that shares memory with another of its inputs (a tensor and a view "
+                      "of it kept across steps): the compiled graph cannot express that. Make the view inside the "
+                      "step, or write through one of them only",
+    "overlapping_write": "the window writes through a tensor whose elements share memory (`x.expand(...).fill_()`, a "
+                         "stride-0 dimension): write to a real copy (`.clone()`) instead",
+    "unencodable_argument": "an op has an argument the persistent cache cannot describe (NEURON_EAGER_LOG=info names "
+                            "it): pass tensors, numbers, dtypes or devices",
+    "unliftable_scalars": "floats that change between steps could not become runtime inputs, so each value compiles "
+                          "once it repeats: pass a value that changes every step as a 0-dim tensor",
+    "failed_before": "compiling it failed in an earlier process (remembered in the cache directory; the warning said "
+                     "why): it is tried again after a day, or after `python -m neff_cache clear`",
+}

@@ -38,7 +38,7 @@ from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .lru import LRU
 from .replay import mark_needed, replay_window
 from .program import Program
-from .scalars import GROUPS, _LIFT_ERROR, _scalar_key
+from .scalars import GROUPS, _LIFT_ERROR, _scalar_key, lift_cause
 from .shapes import _CLASSES, _FAMILIES, _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols, _ShapeClass
 from .partition import is_check
 from .stats import STATS, _recompile
@@ -268,7 +268,8 @@ def _obtain(entry: _Entry, store, backend, options, wait: bool, data: bytes | No
             STATS.waited_for_other_process += 1
         entry.other_process = True
         return
-    cause = "dynamic" if entry.dynamic else _static_cause(entry)
+    lifted = lift_cause(entry.group)  # at every compile of the group: Note [Scalar lifting]
+    cause = "dynamic" if entry.dynamic else _static_cause(entry) or lifted
     if cause is not None:
         _recompile(cause, entry.region)
     if not wait and submit_job(entry, backend, store, options):

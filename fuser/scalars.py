@@ -11,8 +11,9 @@ the type ``float`` in the op's signature and their values appended to ``Window.s
 (``Node.fbase``/``Node.fpos`` say where each sits in the op's arguments). Ops whose floats decide an
 output shape (``arange``, ``interpolate``, ...) keep them in the signature instead (``_ops``).
 At the flush, ``_scalar_key`` finds the structure's ``_Group`` and compares the values with those of
-its last window: a position whose value changed ``LIFT_AFTER`` times is lifted (counted as a
-``scalar_lifted`` recompile). The region key is (group, lifted positions, the values not lifted):
+its last window: a position whose value changed ``LIFT_AFTER`` times is lifted (a compile of the
+group after one with fewer floats lifted counts as a ``scalar_lifted`` recompile: ``lift_cause``;
+a float lifted before anything of the group compiled recompiles nothing). The region key is (group, lifted positions, the values not lifted):
 values that stay put are still baked in, so a constant ``0.9`` costs nothing at run time.
 In the Program a lifted float is ``_Lifted(index)``; the graph is traced with a quiet-NaN sentinel
 carrying the index in its payload (``_sentinel``), and ``lift`` turns each sentinel into a 0-dim
@@ -33,7 +34,6 @@ from itertools import compress as _compress
 import torch
 
 from .lru import LRU
-from .stats import _recompile
 
 # a lifted scalar's 0-dim input: torch.tensor's argument parsing and type inference cost twice as
 # much, per scalar per run (AdamW lifts 2 per parameter)
@@ -46,7 +46,7 @@ LIFT_AFTER = 2  # a float argument that changed this many times becomes a runtim
 class _Group:
     """What windows of one structure (scalar values aside) have shown: Note [Scalar lifting]."""
 
-    __slots__ = ("last", "changes", "lifted", "unliftable", "keep")
+    __slots__ = ("last", "changes", "lifted", "unliftable", "keep", "compiled_lifted")
 
     def __init__(self):
         self.last: tuple | None = None
@@ -54,6 +54,7 @@ class _Group:
         self.lifted: tuple[int, ...] = ()
         self.unliftable = False  # the compiled graph could not take these floats as inputs
         self.keep: list[bool] | None = None  # per scalar: not lifted (the baked ones), for compress
+        self.compiled_lifted: tuple[int, ...] | None = None  # ``lifted`` at its last compile; None: none yet
 
 
 GROUPS = LRU(_Group)  # structure -> its scalar group; as many as the region LRU holds regions
@@ -82,13 +83,21 @@ def _scalar_key(structure, scalars: list) -> tuple:
             if len(lifted) != len(group.lifted):
                 group.lifted = tuple(sorted(lifted))
                 group.keep = baked = None
-                _recompile("scalar_lifted", None)
     group.last = values
     if not group.lifted:
         return (group, (), values)
     if baked is None:
         baked = tuple(_compress(values, _keep(group, len(values))))
     return (group, group.lifted, baked)
+
+
+def lift_cause(group: _Group | None) -> str | None:
+    """"scalar_lifted" when ``group`` compiles again because more of its floats are lifted than at
+    its last compile (Note [Scalar lifting]); called for each compile of the group."""
+    if group is None:
+        return None
+    before, group.compiled_lifted = group.compiled_lifted, group.lifted
+    return "scalar_lifted" if before is not None and before != group.lifted else None
 
 
 def _keep(group: _Group, n: int) -> list[bool]:

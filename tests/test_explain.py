@@ -283,3 +283,141 @@ def test_every_reason_the_code_gives_is_in_the_table():
     # every actionable reason has advice explain() prints; only expected ends of a window have none
     assert {r.name for r in REASONS.values() if r.advice is None} == {
         "breakpoint", "collective", "period", "optimizer_step", "exit", "sync", "options", "cell", "fork"}
+
+
+LIBRARY = textwrap.dedent('''
+    import torch
+
+    def normalize(x):
+        if x.abs().max() > 1:  # a branch on a value: the window ends inside this package
+            x = x / x.abs().max()
+        return x * 2
+''')
+
+
+@pytest.fixture
+def installed_library(tmp_path, monkeypatch):
+    """A package as pip installs one (under a ``site-packages`` directory), which a user's loop calls."""
+    root = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    (root / "somelib").mkdir(parents=True)
+    (root / "somelib" / "__init__.py").write_text(LIBRARY)
+    monkeypatch.syspath_prepend(str(root))
+    import somelib
+
+    yield somelib
+    sys.modules.pop("somelib", None)
+
+
+def test_explain_names_the_users_line_and_the_library_that_flushed(installed_library):
+    """Note [Whose line]: a flush inside an installed package is attributed to the user's line that
+    called it, names the package's line, and never advises editing that package's code."""
+    x = torch.randn(16) * 3
+    with ae.adaptive_eager(backend="replay"):
+        for _ in range(4):
+            y = installed_library.normalize(x + 1)  # MARK-library
+    torch.testing.assert_close(y, (x + 1) / (x + 1).abs().max() * 2)
+    text = ae.explain()
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["bool"])
+    assert f"{__file__}:{_line_of('MARK-library')}" in lines[at], text
+    assert "inside somelib.normalize (" in lines[at + 1] and "somelib" + os.sep + "__init__.py:5" in lines[at + 1], text
+    assert "somelib's code, not yours" in lines[at + 2], text
+    assert "torch.where" not in text, text  # the user's-own-code advice is not given for a library's line
+
+
+def test_explain_attributes_the_optimizers_own_read_to_the_optimizer():
+    """AdamW reads its step counter (``.item()``) inside torch.optim: explain() names the user's
+    ``opt.step()`` line and says torch.optim did it, instead of telling the user to stop calling
+    ``.item()`` there."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 4)
+    with ae.adaptive_eager(backend="replay"):
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()  # MARK-step
+            opt.zero_grad()
+    lines = ae.explain().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["item"])
+    assert f"{__file__}:{_line_of('MARK-step')}" in lines[at], lines
+    assert lines[at + 1].strip().startswith("inside torch.optim."), lines
+    assert "torch.optim reads a tensor's value on the host" in lines[at + 2], lines
+    assert ".item() once" not in "\n".join(lines), lines
+
+
+def test_no_recompile_is_counted_when_nothing_compiled():
+    """A float that changes every step is lifted, but nothing compiled before it was: no region was
+    compiled again, so no recompile is counted (nor printed)."""
+    x = torch.randn(8)
+    with ae.adaptive_eager(hot_after=1000):  # never hot: nothing compiles
+        for step in range(6):
+            (x * (0.1 * (step + 1))).sum().item()
+    assert ae.metrics()["compiles"] == 0
+    assert ae.metrics()["recompiles"] == {}
+    text = ae.explain()
+    assert "scalar_lifted" not in text and "learning-rate" not in text, text
+
+
+def _fuser_counter_keys() -> tuple[set, set]:
+    """The recompile causes and the not-compiled reasons fuser/ can count: the string constants
+    given to ``_recompile`` / ``STATS.not_compiled[...]``, and those returned by the functions
+    whose result is counted (``_static_cause``, ``lift_cause``, ``_not_compilable``)."""
+    import ast
+    import pathlib
+
+    import fuser
+
+    recompiles, not_compiled = set(), set()
+    returning = {"_static_cause": recompiles, "lift_cause": recompiles, "_not_compilable": not_compiled}
+
+    def strings(node):
+        return {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and type(c.value) is str}
+
+    for path in pathlib.Path(fuser.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in returning:
+                for r in ast.walk(node):
+                    if isinstance(r, ast.Return) and r.value is not None:
+                        returning[node.name].update(strings(r.value))
+            elif isinstance(node, ast.Subscript) and getattr(node.value, "attr", None) == "not_compiled":
+                not_compiled.update(strings(node.slice))
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_recompile":
+                recompiles.update(strings(node.args[0]))
+            elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["cause"]:
+                recompiles.update(strings(node.value))  # cause = "dynamic" if ... else ...
+    return recompiles, not_compiled
+
+
+def test_every_reason_and_counter_key_explain_prints_has_text():
+    """Every flush reason (at the user's line and inside a library), every recompile cause and
+    every not-compiled reason that explain() can print is followed by its explanation."""
+    from adaptive_eager._explain import explain
+    from adaptive_eager.reasons import NOT_COMPILED, REASONS, RECOMPILES
+
+    recompiles, not_compiled = _fuser_counter_keys()
+    assert {"new_shape", "scalar_lifted", "dynamic"} <= recompiles and {"aliased_inputs", "failed_before"} <= not_compiled
+    assert recompiles <= set(RECOMPILES), sorted(recompiles - set(RECOMPILES))
+    assert not_compiled <= set(NOT_COMPILED), sorted(not_compiled - set(NOT_COMPILED))
+    assert all(r.does for r in REASONS.values()), [r.name for r in REASONS.values() if not r.does]
+
+    def user_code():
+        return sys._getframe().f_code, 1
+
+    def library_code():
+        return torch.optim.Optimizer.zero_grad.__code__, 2
+
+    site, inside = user_code(), library_code()
+    flush_sites = Counter({(name, site, where): 1 for name in REASONS for where in (None, inside)})
+    metrics = {"windows": 1, "recompiles": dict.fromkeys(recompiles, 1), "not_compiled": dict.fromkeys(not_compiled, 1)}
+    text = explain(metrics, flush_sites, Counter(), top=len(flush_sites))
+    lines = text.splitlines()
+    printed = [(i, line.split()[0]) for i, line in enumerate(lines)
+               if line.startswith("  ") and not line.startswith("   ") and line.split()[0] in
+               set(REASONS) | recompiles | not_compiled]
+    assert len(printed) == len(flush_sites) + len(recompiles) + len(not_compiled), text
+    for i, key in printed:
+        follow = lines[i + 1].strip()
+        if follow.startswith("inside "):
+            follow = lines[i + 2].strip()
+        assert follow.startswith("-> ") and len(follow) > 20 and "no explanation" not in follow, (key, text)

@@ -1,0 +1,141 @@
+"""What the user reads: warnings point at the user's own line, settings errors name the setting as
+the user spelled it, a device the machine lacks is refused, and help() lists every option."""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+import fuser
+import neff_cache
+from adaptive_eager.config import SETTINGS, ConfigError, load_options
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "_line_of" not in line)
+
+
+def test_every_warning_of_the_library_goes_through_the_users_line_helper():
+    """``warnings.warn`` with a fixed stacklevel points into this library or torch whenever the
+    depth differs (a ``with`` block adds contextlib's frame, ``import torch`` its own): every
+    warning of the library is issued by ``_source.warn``, which finds the user's frame."""
+    raw = []
+    for package in (ae, fuser, neff_cache):
+        for path in pathlib.Path(package.__file__).parent.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("warn", "warn_explicit")
+                        and getattr(node.func.value, "id", None) == "warnings"):
+                    raw.append(f"{path.name}:{node.lineno}")
+    assert raw == ["_source.py:" + str(n) for n in _warn_lines()], raw
+
+
+def _warn_lines() -> list[int]:
+    import adaptive_eager._source as source
+
+    tree = ast.parse(pathlib.Path(source.__file__).read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "warn")
+    return [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) in
+            ("warn", "warn_explicit")]
+
+
+def test_unknown_setting_warning_points_at_the_users_with_line(monkeypatch):
+    monkeypatch.setenv("NEURON_EAGER_WINDOWZ", "7")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ae.adaptive_eager(backend="replay"):  # MARK-with
+            pass
+    (w,) = [w for w in caught if "NEURON_EAGER_WINDOWZ" in str(w.message)]
+    assert (w.filename, w.lineno) == (__file__, _line_of("MARK-with")), (w.filename, w.lineno)
+    assert "did you mean NEURON_EAGER_WINDOW?" in str(w.message)
+
+
+def test_unknown_setting_suggests_a_name_only_when_one_is_close():
+    with pytest.warns(UserWarning) as caught:
+        load_options({"NEURON_EAGER_FOO": "1"}, device="cpu")
+    message = str(caught[0].message)
+    assert "did you mean" not in message and "valid: NEURON_EAGER_ASYNC_COMPILE" in message, message
+    with pytest.warns(UserWarning, match="did you mean NEURON_EAGER_HOT_AFTER"):
+        load_options({"NEURON_EAGER_HOTAFTER": "1"}, device="cpu")
+
+
+SCRIPT = textwrap.dedent("""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import torch
+    for w in caught:
+        if "adaptive_eager" in str(w.message):
+            print("WARNING", w.filename, w.lineno, w.message)
+""")
+
+
+@pytest.mark.parametrize("env", [{"NEURON_EAGER": "adaptiv"},  # stays off
+                                 {"NEURON_EAGER": "adaptive", "NEURON_EAGER_BACKEND": "nope"}])  # cannot turn on
+def test_warnings_at_import_torch_point_at_the_users_import(tmp_path, env):
+    script = tmp_path / "prog.py"
+    script.write_text(SCRIPT)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    full.update(env, NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(script)], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(lines) == 1 and lines[0].startswith(f"WARNING {script} 5 "), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_bad_keyword_names_the_keyword_not_the_environment_variable(value):
+    with pytest.raises(ConfigError) as e:
+        with ae.adaptive_eager(window=value):
+            pass
+    assert str(e.value).startswith(f"option window={value!r}: expected an integer >= 1"), str(e.value)
+    assert "NEURON_EAGER" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^NEURON_EAGER_WINDOW='abc': expected an integer >= 1$"):
+        load_options({"NEURON_EAGER_WINDOW": "abc"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_the_machine_lacks_is_a_clear_error(monkeypatch):
+    """Recording for cuda on a machine without it recorded nothing, silently: every op ran on cpu."""
+    with pytest.raises(ConfigError, match="option device='cuda': this machine has no cuda device, so adaptive "
+                                          "eager would record nothing: pass device='cpu' or leave it out"):
+        with ae.adaptive_eager(device="cuda"):
+            pass
+    monkeypatch.setenv("NEURON_EAGER_DEVICE", "cuda")
+    with pytest.raises(ConfigError, match="NEURON_EAGER_DEVICE=cuda: .* unset NEURON_EAGER_DEVICE"):
+        ae.enable()
+    assert not ae.is_enabled()
+    with pytest.raises(ConfigError, match="no such device type"):
+        with ae.adaptive_eager(device="gpu"):
+            pass
+
+
+def test_a_device_object_is_its_device_type():
+    x = torch.randn(8)
+    with ae.adaptive_eager(device=torch.device("cpu"), backend="replay"):
+        y = x * 2 + 1
+        assert ae.is_lazy(y)  # recorded: before, a device object matched no tensor's device
+    torch.testing.assert_close(y, x * 2 + 1)
+    assert ae.metrics()["ops_recorded"] == 2
+    with pytest.raises(ConfigError, match="expected a device type"):
+        with ae.adaptive_eager(device=torch.device("cpu", 0)):
+            pass
+
+
+def test_help_shows_every_option_with_its_default_and_meaning():
+    """The docstring of ``adaptive_eager`` is built from config.SETTINGS: it cannot drift."""
+    import pydoc
+
+    text = pydoc.render_doc(ae.adaptive_eager, renderer=pydoc.plaintext)
+    for name, (_, description) in SETTINGS.items():
+        assert f"{name}: " in text and f"NEURON_EAGER_{name.upper()}" in text, name
+        assert "default" in description, name
+        assert " ".join(description.split()[:4]) in " ".join(text.split()), name
+    assert ae.enable.__doc__.count("NEURON_EAGER_") >= len(SETTINGS)
