@@ -29,7 +29,9 @@ class Metrics:
         self.flushes: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
         # Note [Optimizer capture] in ``_optim``: steps compiled, steps run as one guarded call,
-        # steps that ran recorded instead (guard misses and why the step is not captured), by cause
+        # steps recorded before a (re)capture, steps that ran recorded instead (guard misses and
+        # why the step is not captured), by cause
+        self.optimizer_cold_steps = 0
         self.optimizer_captures = 0
         self.optimizer_hot_steps = 0
         self.optimizer_misses: Counter[str] = Counter()
@@ -50,6 +52,7 @@ class Metrics:
             "flush_seconds": self.flush_seconds,
             "flushes": dict(self.flushes),
             "fallback_ops": dict(self.fallback_ops),
+            "optimizer_cold_steps": self.optimizer_cold_steps,
             "optimizer_captures": self.optimizer_captures,
             "optimizer_hot_steps": self.optimizer_hot_steps,
             "optimizer_misses": dict(self.optimizer_misses),

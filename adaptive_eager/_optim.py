@@ -154,6 +154,7 @@ def _step(st, opt, raw):
             return raw(opt)
         if cap.steps < st.options.hot_after:
             cap.steps += 1
+            METRICS.optimizer_cold_steps += 1
             return raw(opt)
         if st.window.nodes:
             flush(st, "optimizer_step")

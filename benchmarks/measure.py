@@ -130,13 +130,14 @@ class Runner:
                 after = ae.metrics()
                 d = {k: _metric_delta(before, after, k) for k in
                      ("compiled_runs", "replayed_regions", "compiles", "cache_hits_disk", "blacklisted",
-                      "windows", "optimizer_hot_steps", "optimizer_captures")}
+                      "windows", "optimizer_hot_steps", "optimizer_cold_steps", "optimizer_captures")}
                 info["iterations"] = i + 1
                 log(f"    adaptive warm-up {i + 1}: {info['last_s'] * 1e3:.1f} ms, {d}")
                 # a hot optimizer step is one compiled call too (Note [Optimizer capture] in adaptive_eager._optim)
                 ran_compiled = d["compiled_runs"] + d["optimizer_hot_steps"] > 0
+                # and no optimizer step still to be captured (its compile would land in the timing)
                 if ran_compiled and d["replayed_regions"] == 0 and d["compiles"] == 0 and d["optimizer_captures"] == 0 \
-                        and d["cache_hits_disk"] == 0 and d["blacklisted"] == 0:
+                        and d["optimizer_cold_steps"] == 0 and d["cache_hits_disk"] == 0 and d["blacklisted"] == 0:
                     info["state"] = "compiled"
                     break
                 info["state"] = "partly compiled" if ran_compiled else "replay only"
