@@ -176,17 +176,33 @@ def _step(st, opt, raw):
         return out
     if st.window.nodes:
         flush(st, "optimizer_step")
+    from torch._dynamo.eval_frame import _set_stance
+
+    prior = _set_stance(_fail_on_recompile())
     try:
-        with _disable_current_modes(), _grad_mode(opt), torch.compiler.set_stance("fail_on_recompile"):
+        with _disable_current_modes(), _grad_mode(opt):
             out = cap.fn()
     except RuntimeError as e:
         if not str(e).startswith(_RECOMPILE):
             raise
-        METRICS.optimizer_misses[_cause(str(e))] += 1
-        cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
-        return raw(opt)
-    METRICS.optimizer_hot_steps += 1
-    return out
+        miss = _cause(str(e))
+    else:
+        METRICS.optimizer_hot_steps += 1
+        return out
+    finally:
+        _set_stance(prior)
+    METRICS.optimizer_misses[miss] += 1
+    cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
+    return raw(opt)
+
+
+@functools.cache
+def _fail_on_recompile():
+    """``torch.compiler.set_stance("fail_on_recompile")``'s stance, built once: the context manager
+    builds one per use (80-600 us a step measured under load, against 24 us for setting it)."""
+    from torch._dynamo.eval_frame import DynamoStance
+
+    return DynamoStance("fail_on_recompile", False, None)
 
 
 def _grad_mode(opt):
