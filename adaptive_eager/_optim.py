@@ -42,10 +42,11 @@ from ._state import current_state
 # Dynamo is sound by construction and needs no per-optimizer code, so it is the mechanism; the
 # replay prototype was not built. Measured (``python benchmarks/suite.py --quick --only adamw``,
 # AdamW foreach=False 200 x 256, medians of 3, on 2 shared cores at load 9-10, so only the order
-# of magnitude holds): this branch, adaptive 29.9 ms, torch.compile 21.2 ms, eager foreach=True
-# 42.1 ms, eager 80.9 ms; before it (e91fd87), adaptive 1115 ms (recorded, replayed), torch.compile
-# 24.7 ms, eager foreach=True 73.3 ms. The capture compiles what torch.compile compiles (there,
-# 1.5-4 min for this step under that load; seconds for a small model), once per capture.
+# of magnitude holds): adaptive 16.6 ms, torch.compile 14.9 ms, eager foreach=True 34.2 ms, eager
+# 55.7 ms (an earlier run: 29.9 / 21.2 / 42.1 / 80.9); before this (e91fd87): adaptive 1115 ms
+# (every op recorded, replayed), torch.compile 24.7 ms, eager foreach=True 73.3 ms. The capture
+# compiles what torch.compile compiles, once per capture: 4 min for this step under that load
+# (torch.compile's warm-up there: 1.5-2 min), seconds for a small model.
 #
 # What holds it together:
 # - the grads are placeholders of the backward window: the open window is flushed first (the
