@@ -28,6 +28,13 @@ class Metrics:
         self.flush_seconds = 0.0
         self.flushes: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
+        # Note [Optimizer capture] in ``_optim``: steps compiled, steps run as one guarded call,
+        # steps recorded before a (re)capture, steps that ran recorded instead (guard misses and
+        # why the step is not captured), by cause
+        self.optimizer_cold_steps = 0
+        self.optimizer_captures = 0
+        self.optimizer_hot_steps = 0
+        self.optimizer_misses: Counter[str] = Counter()
         # for explain(): (reason, user, inside) and (op, reason, user, inside), each a (code, line) of
         # the user's line and of the library's it called or None (Note [Whose line] in _source)
         self.flush_sites: Counter[tuple] = Counter()
@@ -46,6 +53,10 @@ class Metrics:
             "flush_seconds": self.flush_seconds,
             "flushes": dict(self.flushes),
             "fallback_ops": dict(self.fallback_ops),
+            "optimizer_cold_steps": self.optimizer_cold_steps,
+            "optimizer_captures": self.optimizer_captures,
+            "optimizer_hot_steps": self.optimizer_hot_steps,
+            "optimizer_misses": dict(self.optimizer_misses),
         }
 
 
@@ -56,14 +67,16 @@ def format_report(m: dict) -> str:
     lines = ["adaptive_eager report", "=" * 40]
     for k in ("ops_recorded", "ops_eager", "host_scalar_ops", "windows", "ops_materialized", "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
-              "cache_hits_memory", "cache_hits_disk", "blacklisted"):
+              "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
+              "optimizer_hot_steps"):
         if k in m:
             lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]
     if eq:
         lines.append(f"{'launches / eager':<28}{m['launches'] / eq:>12.3f}")
     for title, key in (("flushes by reason", "flushes"), ("fallback ops", "fallback_ops"),
-                       ("recompiles by cause", "recompiles"), ("windows not compiled", "not_compiled"),
+                       ("recompiles by cause", "recompiles"), ("optimizer steps not hot", "optimizer_misses"),
+                       ("windows not compiled", "not_compiled"),
                        ("nodes run alone in compiled regions", "run_alone")):
         if key not in m:
             continue

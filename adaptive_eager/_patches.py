@@ -24,6 +24,7 @@ import threading
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import _optim
 from ._flush import flush
 from ._state import current_state
 from ._threads import pending_mark, sync_value
@@ -185,6 +186,7 @@ def install() -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
+        _optim.install()  # Note [Optimizer capture]
         for owner, name, reason in _opaque_entry_points():
             original = getattr(owner, name)
             _saved[("opaque", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
@@ -204,6 +206,7 @@ def uninstall() -> None:
                 sys.breakpointhook = value
             elif key == "optimizer_hook":
                 value.remove()
+                _optim.uninstall()
             elif key[0] == "opaque":
                 if value is _MISSING:
                     delattr(key[1], key[2])

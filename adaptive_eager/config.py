@@ -50,6 +50,7 @@ class Options:
     tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
+    optimizer_capture: bool = True  # a hot optimizer.step() runs as one guarded call: Note [Optimizer capture]
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -141,6 +142,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "emulate": (_parse_bool, "give a machine without Trainium a `neuron` device backed by CPU memory, on which plain "
                 "eager counts one NEFF launch per op, to size the win before renting one (default 0; "
                 "`adaptive_eager.emulate_neuron()`; needs the [neuron] extra for the stablehlo backend)"),
+    "optimizer_capture": (_parse_bool, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
+                          "call compiled by TorchDynamo with the step's guards (default 1)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, `multiprocessing` children, forked processes) "
                 "record too (default 0: they run eagerly; a spawned child reads it from the environment)"),
 }

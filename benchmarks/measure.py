@@ -106,7 +106,7 @@ class Runner:
         delta = {k: _metric_delta(before, after, k) / iters for k in (
             "launches", "eager_equivalent_launches", "compiled_runs", "replayed_regions",
             "compiles", "cache_hits_memory", "cache_hits_disk", "blacklisted", "windows", "ops_eager",
-            "host_scalar_ops", "flush_seconds")}
+            "host_scalar_ops", "optimizer_hot_steps", "flush_seconds")}
         return dt / iters, delta.pop("flush_seconds"), delta
 
     # -- warm-up ---------------------------------------------------------------------------
@@ -130,14 +130,17 @@ class Runner:
                 after = ae.metrics()
                 d = {k: _metric_delta(before, after, k) for k in
                      ("compiled_runs", "replayed_regions", "compiles", "cache_hits_disk", "blacklisted",
-                      "windows")}
+                      "windows", "optimizer_hot_steps", "optimizer_cold_steps", "optimizer_captures")}
                 info["iterations"] = i + 1
                 log(f"    adaptive warm-up {i + 1}: {info['last_s'] * 1e3:.1f} ms, {d}")
-                if d["compiled_runs"] > 0 and d["replayed_regions"] == 0 and d["compiles"] == 0 \
-                        and d["cache_hits_disk"] == 0 and d["blacklisted"] == 0:
+                # a hot optimizer step is one compiled call too (Note [Optimizer capture] in adaptive_eager._optim)
+                ran_compiled = d["compiled_runs"] + d["optimizer_hot_steps"] > 0
+                # and no optimizer step still to be captured (its compile would land in the timing)
+                if ran_compiled and d["replayed_regions"] == 0 and d["compiles"] == 0 and d["optimizer_captures"] == 0 \
+                        and d["optimizer_cold_steps"] == 0 and d["cache_hits_disk"] == 0 and d["blacklisted"] == 0:
                     info["state"] = "compiled"
                     break
-                info["state"] = "partly compiled" if d["compiled_runs"] > 0 else "replay only"
+                info["state"] = "partly compiled" if ran_compiled else "replay only"
         end = ae.metrics()
         info["seconds"] = time.perf_counter() - t_start
         info["compile_s"] = _metric_delta(start, end, "compile_seconds")
@@ -302,6 +305,7 @@ class Result:
         if not self.deltas:
             return None
         compiled, replayed = self.per_iter("compiled_runs"), self.per_iter("replayed_regions")
+        compiled += self.per_iter("optimizer_hot_steps")  # Note [Optimizer capture] in adaptive_eager._optim
         if compiled and not replayed:
             return "compiled"
         return "partly compiled" if compiled else "replay only"

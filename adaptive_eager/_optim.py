@@ -1,0 +1,235 @@
+"""A hot ``optimizer.step()`` runs as one guarded call (Note [Optimizer capture]).
+
+While adaptive eager is on, the ``step`` of the optimizers in ``_CAPTURED`` is the function below:
+cold, it runs the step as before (every op recorded); once the optimizer has taken ``hot_after``
+steps, the step is handed to TorchDynamo (``fullgraph``, the backend the options name) and later
+steps run as a single call of what it compiled, with the dispatch mode suspended. The step
+pre/post hooks, the LR scheduler's wrapper and ``_optimizer_step_code`` stay outside that call,
+in ``Optimizer.profile_hook_step``, and run eagerly every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ._flush import flush
+from ._log import log
+from ._metrics import METRICS
+from ._state import current_state
+
+# Note [Optimizer capture]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Per-op interception cannot make an optimizer step fast: AdamW foreach=False over 200 params is
+# ~2600 ATen ops, and an empty TorchDispatchMode alone makes that step 2.75x eager's. The step's
+# Python has to be skipped. Two ways were weighed:
+# - replaying the window our recorder captured, with guards and scalars of our own: the step's
+#   Python reads the param list, each grad, the state, every group value, hooks and global flags,
+#   and its floats (lr, ``1 - beta1 ** step`` from ``step.item()``) are computed in Python from
+#   them; replaying means re-deriving each lifted scalar from the group values and the step
+#   counters, i.e. re-implementing every optimizer's arithmetic by hand, and a guard set that
+#   misses one read gives a wrong value;
+# - TorchDynamo: it traces the same Python and guards exactly what that Python read (params and
+#   state as static tensors, grads' presence and metadata, group values, global flags such as grad
+#   mode), and its optimizer support traces the step counters as tensors (``_get_value`` keeps the
+#   tensor while compiling), so the bias corrections are graph computations, and a group float
+#   that changes becomes a graph input (below).
+# Dynamo is sound by construction and needs no per-optimizer code, so it is the mechanism; the
+# replay prototype was not built. Measured (``python benchmarks/suite.py --quick --only adamw``,
+# AdamW foreach=False 200 x 256, medians of 3, on 2 shared cores at load 9-10, so only the order
+# of magnitude holds): adaptive 16.6 ms, torch.compile 14.9 ms, eager foreach=True 34.2 ms, eager
+# 55.7 ms (an earlier run: 29.9 / 21.2 / 42.1 / 80.9); before this (e91fd87): adaptive 1115 ms
+# (every op recorded, replayed), torch.compile 24.7 ms, eager foreach=True 73.3 ms. The capture
+# compiles what torch.compile compiles, once per capture: 4 min for this step under that load
+# (torch.compile's warm-up there: 1.5-2 min), seconds for a small model.
+#
+# What holds it together:
+# - the grads are placeholders of the backward window: the open window is flushed first (the
+#   flush Note [Step alignment] asks for at the end of the step, made at its start), then the
+#   compiled call runs with our mode suspended, on real tensors;
+# - ``fullgraph=True``: the step is one frame whose guards are checked before anything runs, so a
+#   miss (``fail_on_recompile``, a stance that holds only during the call) leaves nothing half
+#   done. That step then runs recorded, as when cold, is counted by cause, and the next one is
+#   captured again (a new entry of the same frame; ``_MAX_CAPTURES`` per optimizer, then it stays
+#   recorded, counted);
+# - one code object per optimizer (``_fresh``): Dynamo's recompile limit counts entries per code
+#   object, and every optimizer of the process would otherwise share one;
+# - a group float is specialized at the first capture (Dynamo's ``assume_static_by_default``);
+#   when it changes (a scheduled lr) that step misses, and the recapture makes it a graph input
+#   (automatic dynamic): one recapture per float that changes, never one per value. Dynamo keeps
+#   that knowledge per function, so a later optimizer may have it from its first capture;
+# - Python-visible effects are Dynamo's to replay: ``state[p]["step"]`` stays a tensor and is
+#   incremented in place; params and state tensors are marked static (``mark_static_address``,
+#   as ``torch.compile`` of an optimizer does);
+# - the compile runs inside a step the program called, as ``torch.compile``'s does: the
+#   benchmarks warm up past it.
+
+# The optimizers whose step is captured: torch.optim's, with the flags the tests cover.
+_CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad)
+# Dynamo's backend for each of ours. Not ``replay``: the captured step computes in the tensor-step
+# formulation, within compiled tolerances of eager, and replay is bitwise eager (DESIGN.md);
+# stablehlo and neuron compile windows only.
+_DYNAMO_BACKENDS = {"inductor": "inductor"}
+_MAX_CAPTURES = 4
+_RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+_saved: list[tuple] = []  # (class, its step) and (cell, what it held), to put back
+
+
+class _Capture:
+    """One optimizer's compiled step and how many steps it took since its last (re)capture."""
+
+    __slots__ = ("fn", "steps", "captures", "off")
+
+    def __init__(self):
+        self.fn = None
+        self.steps = 0
+        self.captures = 0
+        self.off: str | None = None  # why this optimizer's step is not captured any more
+
+
+_captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def install() -> None:
+    """Put ``_capturing`` around each captured class's step; called once, by ``_patches.install``.
+
+    An optimizer's first ``__init__`` wraps its class's step in ``profile_hook_step`` (the hooks),
+    and an LR scheduler keeps a reference to that wrapper (``patch_track_step_called``), taken
+    before adaptive eager may have been turned on; so where the wrapper exists, what it calls is
+    replaced in its closure cell, for every reference to it at once."""
+    for cls in _CAPTURED:
+        step = cls.__dict__.get("step")
+        if step is None:
+            continue  # inherited (AdamW's is Adam's): wrapped where it is defined
+        if getattr(step, "hooked", False):
+            cell = step.__closure__[step.__code__.co_freevars.index("func")]
+            _saved.append((cell, cell.cell_contents))
+            cell.cell_contents = _capturing(cell.cell_contents)
+        else:
+            _saved.append((cls, step))
+            cls.step = torch.optim.Optimizer.profile_hook_step(_capturing(step))
+            cls.step.hooked = True  # so that __init__ does not wrap it again
+
+
+def uninstall() -> None:
+    for owner, original in _saved:
+        if isinstance(owner, type):
+            owner.step = original
+        else:
+            owner.cell_contents = original
+    _saved.clear()
+
+
+def _capturing(raw):
+    @functools.wraps(raw)
+    def step(self, *args, **kwargs):
+        st = current_state()
+        if args or kwargs or st is None or st.mode is None or not st.options.optimizer_capture:
+            return raw(self, *args, **kwargs)  # a closure (its Python must run), or adaptive eager is off here
+        return _step(st, self, raw)
+
+    return step
+
+
+def _step(st, opt, raw):
+    cap = _captures.get(opt)
+    if cap is None:
+        cap = _captures[opt] = _Capture()
+    backend = _DYNAMO_BACKENDS.get(st.options.backend)
+    if backend is None or st.options.device not in ("cpu", "cuda"):
+        METRICS.optimizer_misses["backend"] += 1
+        return raw(opt)
+    if cap.fn is None:
+        if cap.off is None and cap.captures == _MAX_CAPTURES:
+            cap.off = "recapture_limit"
+            log.warning("adaptive_eager: %s.step() missed its guards after each of %d captures; it is recorded op "
+                        "by op from now on (metrics()['optimizer_misses'] says why)", type(opt).__name__, _MAX_CAPTURES)
+        if cap.off is not None:
+            METRICS.optimizer_misses[cap.off] += 1
+            return raw(opt)
+        if cap.steps < st.options.hot_after:
+            cap.steps += 1
+            METRICS.optimizer_cold_steps += 1
+            return raw(opt)
+        if st.window.nodes:
+            flush(st, "optimizer_step")
+        try:
+            with _disable_current_modes(), _grad_mode(opt), warnings.catch_warnings():
+                # what Dynamo's tracing imports deprecates is not the program's (``-W error``)
+                warnings.filterwarnings("ignore", category=DeprecationWarning)
+                fn = torch.compile(_fresh(opt, raw), backend=backend, fullgraph=True)
+                out = fn()
+        except Exception as e:  # noqa: BLE001 - counted, logged, and the step runs as before
+            # Dynamo and the backend fail before the step runs (fullgraph: one frame, nothing updated)
+            cap.off = "capture_failed"
+            METRICS.optimizer_misses[cap.off] += 1
+            log.warning("adaptive_eager: %s.step() could not be captured (%s: %s); it is recorded op by op",
+                        type(opt).__name__, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return raw(opt)
+        cap.fn, cap.captures = fn, cap.captures + 1
+        METRICS.optimizer_captures += 1
+        return out
+    if st.window.nodes:
+        flush(st, "optimizer_step")
+    from torch._dynamo.eval_frame import _set_stance
+
+    prior = _set_stance(_fail_on_recompile())
+    try:
+        with _disable_current_modes(), _grad_mode(opt):
+            out = cap.fn()
+    except RuntimeError as e:
+        if not str(e).startswith(_RECOMPILE):
+            raise
+        miss = _cause(str(e))
+    else:
+        METRICS.optimizer_hot_steps += 1
+        return out
+    finally:
+        _set_stance(prior)
+    METRICS.optimizer_misses[miss] += 1
+    cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
+    return raw(opt)
+
+
+@functools.cache
+def _fail_on_recompile():
+    """``torch.compiler.set_stance("fail_on_recompile")``'s stance, built once: the context manager
+    builds one per use (80-600 us a step measured under load, against 24 us for setting it)."""
+    from torch._dynamo.eval_frame import DynamoStance
+
+    return DynamoStance("fail_on_recompile", False, None)
+
+
+def _grad_mode(opt):
+    """What ``_use_grad_for_differentiable`` (``raw``) does around the step's body, whose graph
+    breaks (``torch._dynamo.graph_break()``) keep it out of the compiled frame."""
+    return torch.set_grad_enabled(opt.defaults["differentiable"])
+
+
+def _fresh(opt, raw):
+    """The body of ``raw(opt)`` as a function with a code object of its own (Note [Optimizer
+    capture]); ``_grad_mode`` is ``raw``'s part."""
+    body = raw.__wrapped__
+    ref = weakref.ref(opt)  # ``_captures`` holds this function and must not keep ``opt`` alive
+
+    def run():
+        return body(ref())
+
+    return types.FunctionType(run.__code__.replace(), run.__globals__, "step", None, run.__closure__)
+
+
+def _cause(message: str) -> str:
+    """What the first failed guard of a Dynamo recompile message is about."""
+    first = message.partition("guard failure(s):")[2].strip().lstrip("- ").partition("\n")[0]
+    guard = first.partition("  #")[0]  # what follows is the source line that read the value
+    for word, cause in (("grad", "grad"), ("state", "state"), ("param_groups", "param_group"),
+                        ("hooks", "hooks")):
+        if word in guard:
+            return cause
+    return "other"

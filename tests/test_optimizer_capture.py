@@ -1,0 +1,294 @@
+"""A hot optimizer.step() runs as one guarded call: Note [Optimizer capture] in adaptive_eager._optim.
+
+Every test trains the same tiny model eagerly and under adaptive eager (same seeds) and compares
+parameters, optimizer state and ``param_groups``; ``metrics()`` says whether the hot path ran or
+missed. Most run the capture with TorchDynamo's ``eager`` backend (the same guarded call, without an
+Inductor compile, so each test stays short) under the name ``replay``; the 1,000-step test and
+``test_replay_is_not_captured`` use the library's own mapping.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager import _optim
+
+HOT_AFTER = 2  # the default: steps 1-2 are recorded, step 3 is captured, later steps are hot
+# hot steps of a run whose step ``i`` misses once: it runs recorded and step ``i + 1`` recaptures
+ONE_MISS = HOT_AFTER + 3
+X = torch.linspace(-1, 1, 12).reshape(3, 4)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(monkeypatch):
+    """Dynamo remembers which floats changed in earlier frames of the same function (its automatic
+    dynamic state): forget it, so that a float's first change is a miss in every test. A test
+    that calls ``monkeypatch.undo()`` sees the library's own backend mapping."""
+    torch._dynamo.reset()
+    monkeypatch.setitem(_optim._DYNAMO_BACKENDS, "replay", "eager")
+
+
+def _params():
+    torch.manual_seed(0)
+    return [torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+
+
+def _backward(params, i):
+    loss = ((X @ params[0] + params[1]) ** 2 * (1 + i % 3)).sum()
+    loss.backward()
+
+
+def _train(make_opt, steps, lazy, edit=None, sched=None, set_to_none=True, backend="replay"):
+    """``steps`` steps of ``make_opt(params)``; ``edit(i, params, opt)`` runs before step ``i``."""
+    params = _params()
+    opt = make_opt(params)
+    scheduler = sched(opt) if sched else None
+    ctx = ae.adaptive_eager(backend=backend) if lazy else _nothing()
+    with ctx:
+        for i in range(steps):
+            opt.zero_grad(set_to_none=set_to_none)
+            _backward(params, i)
+            if edit is not None:
+                edit(i, params, opt)
+            opt.step()
+            if scheduler is not None:
+                scheduler.step()
+    return params, opt
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _assert_same(eager, lazy, **tol):
+    (pe, oe), (pl, ol) = eager, lazy
+    for a, b in zip(pe, pl):
+        torch.testing.assert_close(b, a, **tol)
+    se, sl = oe.state_dict(), ol.state_dict()
+    assert sl["param_groups"] == se["param_groups"]  # floats stay floats, capturable stays False
+    assert sl["state"].keys() == se["state"].keys()
+    for k in se["state"]:
+        assert sl["state"][k].keys() == se["state"][k].keys()
+        for name, v in se["state"][k].items():
+            w = sl["state"][k][name]
+            assert type(w) is type(v)
+            if isinstance(v, torch.Tensor):
+                assert (w.dtype, w.shape, w.device) == (v.dtype, v.shape, v.device), name
+                torch.testing.assert_close(w, v, **tol)
+            else:
+                assert w == v, name
+
+
+def _check(make_opt, steps=6, **kw):
+    eager = _train(make_opt, steps, False, **kw)
+    ae.reset_metrics()
+    lazy = _train(make_opt, steps, True, **kw)
+    _assert_same(eager, lazy)
+    return ae.metrics()
+
+
+CASES = {
+    "sgd": lambda p, f: torch.optim.SGD(p, lr=0.1, foreach=f),
+    "sgd_momentum_nesterov_wd": lambda p, f: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True,
+                                                            weight_decay=0.01, foreach=f),
+    "sgd_maximize": lambda p, f: torch.optim.SGD(p, lr=0.1, momentum=0.5, maximize=True, foreach=f),
+    "adam": lambda p, f: torch.optim.Adam(p, lr=0.01, foreach=f),
+    "adam_amsgrad_wd": lambda p, f: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.1, foreach=f),
+    "adamw_maximize": lambda p, f: torch.optim.AdamW(p, lr=0.01, maximize=True, foreach=f),
+    "rmsprop_centered": lambda p, f: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True,
+                                                         weight_decay=0.1, foreach=f),
+    "adagrad_wd": lambda p, f: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.1, foreach=f),
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hot_steps_match_eager(case, foreach):
+    m = _check(lambda p: CASES[case](p, foreach), steps=6)
+    assert m["optimizer_captures"] == 1
+    assert m["optimizer_hot_steps"] == 6 - HOT_AFTER - 1
+    assert m["optimizer_misses"] == {}
+
+
+def test_1000_steps_with_a_schedule_compiled_by_inductor(monkeypatch):
+    """A cosine schedule changes lr every step: after the first change lr is a graph input (one
+    recapture, then no more), no scheduler warning, values within compiled tolerances."""
+    monkeypatch.undo()
+    def sched(opt):
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+
+    def make(p):
+        return torch.optim.AdamW(p, lr=0.01, weight_decay=0.05)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eager = _train(make, 1000, False, sched=sched)
+        ae.reset_metrics()
+        lazy = _train(make, 1000, True, sched=sched, backend="inductor")
+    _assert_same(eager, lazy, rtol=1e-4, atol=1e-5)
+    m = ae.metrics()
+    assert m["optimizer_misses"] == {"param_group": 1}, m  # the first lr change: lr becomes an input
+    assert m["optimizer_captures"] == 2
+    assert m["optimizer_hot_steps"] == 1000 - ONE_MISS
+
+
+def test_a_scheduler_sees_its_step_after_the_optimizers():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would raise
+        m = _check(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), steps=8,
+                   sched=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    assert m["optimizer_misses"] == {"param_group": 1}  # lr changes: after one recapture an input
+    assert m["optimizer_hot_steps"] == 8 - ONE_MISS
+
+
+def _hot_then(edit_at, edit, make=lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1), steps=8):
+    def at(i, params, opt):
+        if i == edit_at:
+            edit(params, opt)
+    return _check(make, steps=steps, edit=at)
+
+
+def test_hyperparameters_edited_mid_run():
+    def edit(params, opt):
+        g = opt.param_groups[0]
+        g["lr"], g["weight_decay"], g["betas"] = 0.05, 0.0, (0.5, 0.6)
+
+    m = _hot_then(4, edit)
+    assert m["optimizer_misses"] == {"param_group": 1}
+    assert m["optimizer_captures"] == 2 and m["optimizer_hot_steps"] == 8 - ONE_MISS
+
+
+def test_a_parameter_added_to_a_group():
+    def edit(params, opt):
+        extra = torch.ones(3, requires_grad=True)  # one per run
+        extra.grad = torch.full((3,), 0.5)
+        opt.add_param_group({"params": [extra], "lr": 0.2})
+
+    m = _hot_then(4, edit)
+    assert m["optimizer_misses"] == {"param_group": 1}
+    assert m["optimizer_hot_steps"] == 8 - ONE_MISS
+
+
+def test_a_grad_set_to_none():
+    def at(i, params, opt):
+        if i == 4:
+            params[1].grad = None  # this step skips params[1]
+
+    m = _check(lambda p: torch.optim.Adam(p, lr=0.01), steps=7, edit=at)
+    assert m["optimizer_misses"] == {"grad": 1}
+    assert m["optimizer_hot_steps"] == 7 - ONE_MISS
+
+
+def test_zero_grad_keeping_the_grads():
+    m = _check(lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), steps=7, set_to_none=False)
+    assert m["optimizer_misses"] == {} and m["optimizer_hot_steps"] == 7 - HOT_AFTER - 1
+
+
+def test_a_hook_registered_after_capture_runs():
+    seen = []
+
+    def edit(params, opt):
+        opt.register_step_pre_hook(lambda o, a, k: seen.append(("pre", o.state[params[0]]["step"].item())))
+        opt.register_step_post_hook(lambda o, a, k: seen.append(("post", o.state[params[0]]["step"].item())))
+
+    m = _hot_then(4, edit, steps=7)
+    # the hooks run around the compiled call, eagerly, and see the state before and after it
+    assert seen == [("pre", 4.0), ("post", 5.0), ("pre", 5.0), ("post", 6.0), ("pre", 6.0), ("post", 7.0)] * 2
+    assert m["optimizer_misses"] == {} and m["optimizer_hot_steps"] == 7 - HOT_AFTER - 1
+
+
+def test_load_state_dict_after_capture():
+    saved = {}
+
+    def at(i, params, opt):
+        if i == 2:
+            saved["sd"] = opt.state_dict()
+            saved["sd"] = {"state": {k: {n: v.clone() for n, v in s.items()} for k, s in saved["sd"]["state"].items()},
+                           "param_groups": saved["sd"]["param_groups"]}
+        if i == 5:
+            opt.load_state_dict(saved["sd"])
+
+    m = _check(lambda p: torch.optim.Adam(p, lr=0.01), steps=8, edit=at)
+    assert m["optimizer_misses"] == {"state": 1}
+    assert m["optimizer_hot_steps"] == 8 - ONE_MISS
+
+
+def test_two_optimizers_sharing_parameters():
+    def run(lazy):
+        params = _params()
+        sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        adam = torch.optim.Adam(params[:1], lr=0.01)
+        with ae.adaptive_eager(backend="replay") if lazy else _nothing():
+            for i in range(6):
+                sgd.zero_grad()
+                _backward(params, i)
+                sgd.step()
+                adam.step()
+        return params, sgd, adam
+
+    eager = run(False)
+    ae.reset_metrics()
+    lazy = run(True)
+    _assert_same((eager[0], eager[1]), (lazy[0], lazy[1]))
+    _assert_same((eager[0], eager[2]), (lazy[0], lazy[2]))
+    m = ae.metrics()
+    assert m["optimizer_captures"] == 2 and m["optimizer_hot_steps"] == 2 * (6 - HOT_AFTER - 1)
+
+
+def test_turned_off():
+    eager = _train(lambda p: torch.optim.Adam(p, lr=0.01), 5, False)
+    params = _params()
+    opt = torch.optim.Adam(params, lr=0.01)
+    with ae.adaptive_eager(backend="replay", optimizer_capture=False):
+        for i in range(5):
+            opt.zero_grad()
+            _backward(params, i)
+            opt.step()
+    _assert_same(eager, (params, opt))
+    m = ae.metrics()
+    assert m["optimizer_captures"] == m["optimizer_hot_steps"] == 0 and m["ops_recorded"] > 0
+
+
+def test_a_captured_optimizer_is_not_kept_alive():
+    import gc
+    import weakref
+
+    params = _params()
+    opt = torch.optim.Adam(params, lr=0.01)
+    with ae.adaptive_eager(backend="replay"):
+        for i in range(4):
+            opt.zero_grad()
+            _backward(params, i)
+            opt.step()
+    assert ae.metrics()["optimizer_hot_steps"] == 1
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+
+
+def test_replay_is_not_captured(monkeypatch):
+    """The replay backend is bitwise eager; the captured step is not (tensor step counters)."""
+    monkeypatch.undo()
+    eager = _train(lambda p: torch.optim.Adam(p, lr=0.01), 5, False)
+    lazy = _train(lambda p: torch.optim.Adam(p, lr=0.01), 5, True)
+    _assert_same(eager, lazy, rtol=0, atol=0)
+    m = ae.metrics()
+    assert m["optimizer_captures"] == 0 and m["optimizer_misses"] == {"backend": 5}
+
+
+def test_a_step_that_keeps_missing_stays_recorded():
+    def at(i, params, opt):
+        if i >= 3 and i % 2:
+            params[1].grad = None  # every other step: each capture misses at the next step
+
+    m = _check(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), steps=14, edit=at)
+    assert m["optimizer_captures"] == _optim._MAX_CAPTURES and m["optimizer_hot_steps"] == 0
+    limit = _optim._MAX_CAPTURES
+    assert m["optimizer_misses"] == {"grad": limit, "recapture_limit": 14 - HOT_AFTER - 2 * limit}
