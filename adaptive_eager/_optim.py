@@ -84,10 +84,11 @@ _saved: list[tuple] = []  # (class, its step) and (cell, what it held), to put b
 class _Capture:
     """One optimizer's compiled step and how many steps it took since its last (re)capture."""
 
-    __slots__ = ("fn", "steps", "captures", "off")
+    __slots__ = ("fn", "steps", "captures", "off", "launches")
 
     def __init__(self):
         self.fn = None
+        self.launches = 0  # what the last recorded step launched in eager (ops recorded or run eagerly)
         self.steps = 0
         self.captures = 0
         self.off: str | None = None  # why this optimizer's step is not captured any more
@@ -156,7 +157,11 @@ def _step(st, opt, raw):
         if cap.steps < st.options.hot_after:
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
-            return raw(opt)
+            before = METRICS.ops_recorded + METRICS.eager_equivalent_launches
+            try:
+                return raw(opt)
+            finally:
+                cap.launches = METRICS.ops_recorded + METRICS.eager_equivalent_launches - before
         if st.window.nodes:
             flush(st, "optimizer_step")
         try:
@@ -174,6 +179,7 @@ def _step(st, opt, raw):
             return raw(opt)
         cap.fn, cap.captures = fn, cap.captures + 1
         METRICS.optimizer_captures += 1
+        _count_launches(cap)
         return out
     if st.window.nodes:
         flush(st, "optimizer_step")
@@ -189,12 +195,19 @@ def _step(st, opt, raw):
         miss = _cause(str(e))
     else:
         METRICS.optimizer_hot_steps += 1
+        _count_launches(cap)
         return out
     finally:
         _set_stance(prior)
     METRICS.optimizer_misses[miss] += 1
     cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
     return raw(opt)
+
+
+def _count_launches(cap: _Capture) -> None:
+    """A compiled step is one launch where eager launches what the recorded step did (``metrics()``)."""
+    METRICS.launches += 1
+    METRICS.eager_equivalent_launches += cap.launches
 
 
 @functools.cache

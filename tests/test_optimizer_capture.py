@@ -292,3 +292,19 @@ def test_a_step_that_keeps_missing_stays_recorded():
     assert m["optimizer_captures"] == _optim._MAX_CAPTURES and m["optimizer_hot_steps"] == 0
     limit = _optim._MAX_CAPTURES
     assert m["optimizer_misses"] == {"grad": limit, "recapture_limit": 14 - HOT_AFTER - 2 * limit}
+
+
+def test_a_hot_step_counts_one_launch_for_what_eager_launches():
+    """``metrics()``: eager's launches are the same whether the step is captured or recorded, and a
+    captured step is one launch."""
+    make = lambda p: torch.optim.AdamW(p, lr=0.01, foreach=False)  # noqa: E731
+    counts = {}
+    for capture in (False, True):
+        ae.reset_metrics()
+        with ae.defaults(optimizer_capture=capture):
+            _train(make, 7, lazy=True)
+        counts[capture] = ae.metrics()
+    on, off = counts[True], counts[False]
+    assert on["optimizer_hot_steps"] == 7 - HOT_AFTER - 1 and off["optimizer_hot_steps"] == 0
+    assert on["eager_equivalent_launches"] == off["eager_equivalent_launches"], (on, off)
+    assert on["launches"] < off["launches"]
