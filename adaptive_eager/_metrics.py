@@ -31,6 +31,12 @@ class Metrics:
         # for explain(): (reason, (code, line)) and (op, reason, (code, line)) of the user's lines
         self.flush_sites: Counter[tuple] = Counter()
         self.fallback_sites: Counter[tuple] = Counter()
+        # Note [Hot windows] in _hot: windows validated against a template and run directly, the
+        # ops they took, and the windows demoted, by cause; for explain(): (cause, expected op, line)
+        self.hot_windows = 0
+        self.hot_ops = 0
+        self.hot_mismatches: Counter[str] = Counter()
+        self.hot_break_sites: Counter[tuple] = Counter()
 
     def as_dict(self) -> dict:
         return {
@@ -45,6 +51,9 @@ class Metrics:
             "flush_seconds": self.flush_seconds,
             "flushes": dict(self.flushes),
             "fallback_ops": dict(self.fallback_ops),
+            "hot_windows": self.hot_windows,
+            "hot_ops": self.hot_ops,
+            "hot_mismatches": dict(self.hot_mismatches),
         }
 
 
