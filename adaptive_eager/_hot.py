@@ -16,10 +16,11 @@ window, each real input in its expected slot with that slot's metadata, the same
 value for each float compiled into the region and a float for each one it takes as an input) and makes the placeholder or ALIAS Out exactly as ``_record_fast`` would,
 with the same slots, written/mutated marks, scalars and pending bytes. It skips what the template
 already knows: the signature, the meta-cache lookup, the Node, the user's line. ``window.nodes``
-then holds, per validated op, a *hot record* ``(args, kwargs, ins, out)`` instead of a Node (its
-arguments with each pending input's Out in place, as a Node holds them: Note [Weak window]), so
-everything that asks whether a window has pending ops (``window.nodes``, its length, the cuts)
-reads it unchanged.
+then holds, per validated op, its Out instead of a Node (its *hot record*), so everything that asks
+whether a window has pending ops (``window.nodes``, its length, the cuts) reads it unchanged. The
+rest of each op's arguments needs no record: a validated op's pending inputs are the Outs the
+template names by uid, its real inputs the tensors in the slots it names, its numbers the
+template's (equal) and its floats the window's scalars, in order.
 
 Every validated window is one a full recording would have keyed to the same region: same ops,
 bindings, metadata, baked numbers, slots. At its flush, if it ended exactly at the template's end,
@@ -109,14 +110,31 @@ class Template:
         window.hot = None
         records = window.nodes
         nodes = window.nodes = []
+        outs = {o.uid: o for o in records}  # the outputs the ops made, by uid (their inputs' refs)
+        real, scalars = window.real_inputs, window.scalars
         fbase = 0
-        for k, (args, kwargs, ins, o) in enumerate(records):
+        for k, out in enumerate(records):
             p = self.ops[k]
-            # a list with the pending inputs' Outs already in place, or the op's own arguments
-            nargs = args if type(args) is list else list(args)
-            node = Node(p.f.func, nargs, kwargs, list(ins), p.source, k)
+            args = [None] * p.n
+            inputs = []
+            for pos, ref in p.tensors:
+                if ref > 0:
+                    args[pos] = inp = outs[ref]
+                    inputs.append(inp)
+                else:
+                    args[pos] = real[-1 - ref]
+            for pos, v in p.consts:
+                args[pos] = v  # equal to the program's (validated)
+            floats = {}
+            for j, pos in enumerate(p.fpos):  # in Window.scalars order, as recorded
+                if type(pos) is int:
+                    args[pos] = scalars[fbase + j]
+                else:
+                    floats[pos] = scalars[fbase + j]
+            kwargs = {name: floats[name] if v is float else v for name, v in p.kw}
+            node = Node(p.f.func, args, kwargs, inputs, p.source, k)
             node.mutates = p.f.fast_inplace
-            node.outs.append(o)
+            node.outs.append(out)
             if p.fpos:
                 node.fbase = fbase
                 node.fpos = list(p.fpos)

@@ -209,7 +209,6 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         return _miss(window, n0, "default_dtype")
     token = window.token
     slots = window.slots
-    ins = []
     src = None  # an in-place op's first argument as recorded: its Out when pending
     for pos, ref in p.tensors:
         a = args[pos]
@@ -217,7 +216,6 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         if ref > 0:
             if o is None or o.win is not token or o.uid != ref:
                 return _miss(window, n0, "binding")
-            ins.append(o)
             if pos == 0:
                 src = o
             continue
@@ -270,11 +268,7 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         sc = window.scalars
         for pos in fpos:
             sc.append(args[pos] if type(pos) is int else kwargs[pos])
-    if ins:  # the record holds pending inputs by their Outs, never their tensors: Note [Weak window]
-        args = list(args)
-        for pos, inp in zip(p.pending, ins):
-            args[pos] = inp
-    window.nodes.append((args, kwargs, ins, o))  # a hot record: Note [Hot windows]
+    window.nodes.append(o)  # its hot record: Note [Hot windows]
     window.pending_bytes += p.nbytes
     METRICS.ops_recorded += 1
     METRICS.hot_ops += 1
