@@ -94,6 +94,16 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     _counted(lines, "windows not compiled, by why (each replayed op by op: eager's values, eager's speed)",
              metrics.get("not_compiled", {}), NOT_COMPILED)
 
+    from ._metrics import METRICS
+
+    if METRICS.hot_break_sites:  # Note [Hot windows] in _hot
+        lines.append("")
+        lines.append("lines that break hot windows (cause, count, where, op expected there)")
+        for (cause, expected, site), n in METRICS.hot_break_sites.most_common(top):
+            lines.append(f"  {cause:<40}{n:>8}  {_where(site)}  (expected {expected})")
+        lines.append("      -> a window that differs from the compiled one is recorded in full: keep the step's "
+                     "ops, shapes and Python numbers the same every step")
+
     lines.append("")
     lines.append("top eager fallbacks (op, reason, count, where)")
     ranked = sorted(((n, op, reason, site, inside) for (op, reason, site, inside), n in fallback_sites.items()),

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 import fuser
 from fuser.window import Window, op_ids, where
 
+from ._hot import expect_hot, template_of
 from ._log import log
 from ._metrics import METRICS
 from ._source import _flush_site
@@ -61,8 +62,12 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
     ran = False
     site = result = None
     try:
+        hot = window.hot  # Note [Hot windows] in _hot
+        if hot is not None and len(window.nodes) != len(hot.ops):
+            hot.demote(window, "ended_early")
+            hot = None
         per = st.periodicity
-        per.on_flush(len(window.nodes), window.sigs, reason in _CUTS, op_ids)
+        per.on_flush(len(window.nodes), window.sigs if hot is None else hot.sigs, reason in _CUTS, op_ids)
         st.cut_at = per.next_cut()
         METRICS.flushes[reason] += 1
         METRICS.windows += 1
@@ -73,6 +78,9 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
               else contextlib.nullcontext()), _disable_current_modes(), _recorded_dtype(st.dtype):
             result = fuser.run_window(window, st.options)
         ran = True  # ``Window.live`` is read: Note [Window release]
+        if window.hot is not None:  # validated, and run without a key (else it was demoted)
+            METRICS.hot_windows += 1
+        _arm(st, window, result)
         METRICS.launches += result.launches
         METRICS.ops_materialized += result.computed
         METRICS.ops_eliminated += result.dead
@@ -94,6 +102,21 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         if not ran:
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
+
+
+def _arm(st: TracerState, window: Window, result: fuser.FlushResult) -> None:
+    """After a window ran: the next one is recorded against the template of the last window that
+    ran compiled, or of the one that followed that last time (Note [Hot windows])."""
+    entry = result.entry
+    if entry is not None:
+        template = entry.template
+        if template is None:
+            template = entry.template = template_of(st, window, entry) or False
+        if template:
+            if st.hot_prev is not None:
+                st.hot_prev.after = template
+            st.hot_prev = template
+    expect_hot(st)
 
 
 @contextlib.contextmanager

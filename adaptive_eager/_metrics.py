@@ -39,6 +39,12 @@ class Metrics:
         # the user's line and of the library's it called or None (Note [Whose line] in _source)
         self.flush_sites: Counter[tuple] = Counter()
         self.fallback_sites: Counter[tuple] = Counter()
+        # Note [Hot windows] in _hot: windows validated against a template and run directly, the
+        # ops they took, and the windows demoted, by cause; for explain(): (cause, expected op, line)
+        self.hot_windows = 0
+        self.hot_ops = 0
+        self.hot_mismatches: Counter[str] = Counter()
+        self.hot_break_sites: Counter[tuple] = Counter()
 
     def as_dict(self) -> dict:
         return {
@@ -57,6 +63,9 @@ class Metrics:
             "optimizer_captures": self.optimizer_captures,
             "optimizer_hot_steps": self.optimizer_hot_steps,
             "optimizer_misses": dict(self.optimizer_misses),
+            "hot_windows": self.hot_windows,
+            "hot_ops": self.hot_ops,
+            "hot_mismatches": dict(self.hot_mismatches),
         }
 
 

@@ -166,10 +166,114 @@ def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, f
     window.nodes.append(node)
     window.pending_bytes += nbytes
     METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
+    _cut(st, window)
+
+
+def _cut(st: TracerState, window: Window) -> None:
+    """End the window after an op if it reached its cut (Note [Period detection]) or byte cap."""
     if len(window.nodes) >= st.cut_at:
         flush(st, "period" if st.periodicity.period else "window_cap")
     elif window.pending_bytes >= st.max_bytes:
         flush(st, "bytes_cap")
+
+
+def _demote(window: Window, cause: str) -> None:
+    """A recording path is about to add to a hot window: turn it into an ordinary one first (Note
+    [Hot windows] in ``_hot``), counted under the cause ``_record_hot`` found at this position."""
+    miss = window.hot_miss
+    if miss is not None and miss[1] == len(window.nodes):
+        cause = miss[0]
+    window.hot.demote(window, cause)
+
+
+def _miss(window: Window, n0: int, cause: str):
+    """``_record_hot``'s answer for an op that does not match: nothing of it stays in the window."""
+    window.hot_miss = (cause, len(window.nodes))
+    return _decline(window, n0)
+
+
+def _record_hot(st: TracerState, window: Window, f, args, kwargs):
+    """Record a fast-path op of a hot window against its template's position (Note [Hot windows]
+    in ``_hot``): the same placeholder or ALIAS Out, slots and marks as ``_record_fast``, without
+    its signature, meta lookup or Node. ``_DECLINED`` (nothing changed) when it does not match."""
+    ops = window.hot.ops
+    real = window.real_inputs
+    n0 = len(real)
+    i = len(window.nodes)
+    if i >= len(ops):
+        return _miss(window, n0, "past_end")
+    p = ops[i]
+    if p.f is not f or len(args) != p.n:
+        return _miss(window, n0, "op")
+    if _default_dtype() is not st.dtype:
+        return _miss(window, n0, "default_dtype")
+    token = window.token
+    slots = window.slots
+    src = None  # an in-place op's first argument as recorded: its Out when pending
+    for pos, ref in p.tensors:
+        a = args[pos]
+        o = getattr(a, "_ae", None)
+        if ref > 0:
+            if o is None or o.win is not token or o.uid != ref:
+                return _miss(window, n0, "binding")
+            if pos == 0:
+                src = o
+            continue
+        if o is not None and (o.win is token or pending_mark(o)) or not isinstance(a, _Tensor):
+            return _miss(window, n0, "binding")
+        slot = slots.get(id(a))
+        if slot is None:
+            slot = -1 - ref
+            if slot != len(real):
+                return _miss(window, n0, "binding")
+            shape, stride, dtype = window.hot.slot_meta[slot]
+            if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
+                return _miss(window, n0, "metadata")
+            slots[id(a)] = slot
+            real.append(a)
+        elif slot != -1 - ref:
+            return _miss(window, n0, "binding")
+    for pos, v in p.consts:
+        a = args[pos]
+        if a.__class__ is not v.__class__ or a != v:
+            return _miss(window, n0, "scalar")
+    if kwargs or p.kw:
+        if len(kwargs) != len(p.kw):
+            return _miss(window, n0, "scalar")
+        for name, v in p.kw:
+            a = kwargs.get(name, _DECLINED)
+            if v is not float and (a.__class__ is not v.__class__ or a != v):
+                return _miss(window, n0, "scalar")
+    fpos = p.fpos
+    if fpos:
+        for pos, v in zip(fpos, p.fvals):
+            a = args[pos] if type(pos) is int else kwargs.get(pos)
+            if a.__class__ is not float or (v is not None and a != v):
+                return _miss(window, n0, "scalar")
+    if f.fast_inplace:
+        res = args[0]
+        written = _untyped_storage(res)._cdata
+        if _storage_use_count(written) > 2:  # another tensor over its memory: Note [Overlapping writes]
+            for j, _ in p.tensors[1:]:
+                a = args[j]
+                if a is not res and _untyped_storage(a)._cdata == written:
+                    return _miss(window, n0, "overlap")  # the general path decides
+        o = _alias_out(window, res, src if src is not None else res, p.uid)
+        window.written.add(written)
+        if o.slot >= 0:
+            window.mutated.add(o.slot)
+    else:
+        res, o = _placeholder(st, window, p.spec, p.uid, st.device)
+    if fpos:
+        sc = window.scalars
+        for pos in fpos:
+            sc.append(args[pos] if type(pos) is int else kwargs[pos])
+    window.nodes.append(o)  # its hot record: Note [Hot windows]
+    window.pending_bytes += p.nbytes
+    METRICS.ops_recorded += 1
+    METRICS.hot_ops += 1
+    _cut(st, window)
+    return res
 
 
 def _record_fast(st: TracerState, f, args, kwargs):
@@ -264,6 +368,8 @@ def _record_fast(st: TracerState, f, args, kwargs):
                     a = args[i]
                     if isinstance(a, _Tensor) and a is not res and _untyped_storage(a)._cdata == written:
                         return _decline(window, n0)  # the general path decides
+    if window.hot is not None:
+        _demote(window, "op")
     if nargs is None:
         nargs = list(args)
     node = Node(f.func, nargs, kwargs, inputs, _user_source(3), len(window.nodes))
@@ -453,7 +559,8 @@ def _record(st: TracerState, f, args, kwargs):
             return _DECLINED
         raise entry.error()  # Note [Overlapping writes]
     specs, nbytes, returns_list, eid = entry
-
+    if window.hot is not None:
+        _demote(window, "general_path")
     if snaps:
         if nargs is None:
             nargs = list(args)
@@ -516,6 +623,8 @@ def _record_view(st: TracerState, f, args, kwargs):
     if o is not None and o.win is not window.token:
         _check_elsewhere(a, o)  # a view of another thread's pending value reads it later
         o = None
+    if window.hot is not None:
+        _demote(window, "view")
     nargs = list(args)
     if o is not None:
         nargs[0] = o

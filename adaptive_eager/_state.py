@@ -9,6 +9,7 @@ import torch
 from fuser.window import Window
 
 from . import _gc
+from ._hot import expect_hot
 from ._log import _apply_log_level
 from ._meta import _META_CACHES
 from ._period import Periodicity
@@ -35,6 +36,7 @@ class TracerState:
         self.claim: threading.Event | None = None
         self.claim_lock = threading.Lock()
         self.running: Window | None = None
+        self.hot_prev = None  # the template of the last window that ran compiled (Note [Hot windows] in _hot)
         # the default dtype the open window's ops were recorded under, and that dtype's meta cache
         # (Note [Meta cache key])
         self.dtype = _default_dtype()
@@ -43,6 +45,10 @@ class TracerState:
 
     def set_options(self, options: Options) -> None:
         self.options = options
+        window = self.window
+        if window.hot is not None and window.nodes:
+            window.hot.demote(window, "options")
+        expect_hot(self)  # the options decide the regions (backend, cuts): Note [Hot windows]
         self.target = options.device
         # is_cpu / is_cuda are attribute reads; ``t.device.type`` builds a device object per call
         self.target_attr = {"cpu": "is_cpu", "cuda": "is_cuda"}.get(options.device)

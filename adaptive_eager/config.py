@@ -51,6 +51,7 @@ class Options:
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
     optimizer_capture: bool = True  # a hot optimizer.step() runs as one guarded call: Note [Optimizer capture]
+    hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -134,6 +135,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                      "(README \"Sharing a cache\")"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
+    "hot_windows": (_parse_bool, "record a window whose structure runs compiled against the expected ops, instead of "
+                    "in full (default 1; 0 for a full recording of every window)"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile still running when the program exits "
                              "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "

@@ -3,10 +3,12 @@
     python benchmarks/record_overhead.py [--ops 2000] [--repeats 15] [--inplace]
 
 All variants run in one process, interleaved, and the median of the repeats is reported, since
-absolute times drift on a shared machine. "record" is the time to record the ops (the window is
-flushed outside the timed region); "record+replay" includes running the window op by op.
-``--inplace`` times optimizer-style in-place updates instead (``mul_``, ``add_(alpha=)``,
-``addcmul_(value=)``, ``lerp_``), which take the in-place fast path.
+absolute times drift on a shared machine. "record" is the time to record the ops in full
+(``hot_windows=False``; the window is flushed outside the timed region); "record+replay" includes
+running the window op by op. "hot window" records the same window once its compiled region exists,
+against that region's template (Note [Hot windows] in adaptive_eager._hot); "hot window+run"
+includes the flush that runs the region. ``--inplace`` times optimizer-style in-place updates
+instead (``mul_``, ``add_(alpha=)``, ``addcmul_(value=)``, ``lerp_``), which take the in-place fast path.
 """
 
 from __future__ import annotations
@@ -32,9 +34,16 @@ def measure(ops: int, repeats: int, inplace: bool = False) -> dict[str, float]:
     if inplace:
         run = inplace_ops
         x, w = torch.randn(16) * 0.01, torch.randn(16) * 0.01
-    samples: dict[str, list[float]] = {"eager": [], "empty mode": [], "record": [], "record+replay": []}
-    with ae.adaptive_eager(window=ops + 10):  # warm the metadata cache once
+    samples: dict[str, list[float]] = {"eager": [], "empty mode": [], "record": [], "record+replay": [],
+                                       "hot window": [], "hot window+run": []}
+    full = dict(window=ops + 10, backend="replay", hot_windows=False)
+    hot = dict(window=ops + 10, backend="inductor", async_compile=False)
+    with ae.adaptive_eager(**full):  # warm the metadata cache once
         run(x, w, ops)
+    with ae.adaptive_eager(**hot):  # compile the window's region: the hot rows record against it
+        for _ in range(4):
+            y = run(x, w, ops)
+            ae.sync()
     for _ in range(repeats):
         t0 = time.perf_counter()
         run(x, w, ops)
@@ -45,15 +54,19 @@ def measure(ops: int, repeats: int, inplace: bool = False) -> dict[str, float]:
             run(x, w, ops)
             samples["empty mode"].append(time.perf_counter() - t0)
 
-        with ae.adaptive_eager(window=ops + 10):
-            t0 = time.perf_counter()
-            y = run(x, w, ops)
-            t1 = time.perf_counter()
-            ae.sync()
-            t2 = time.perf_counter()
-        samples["record"].append(t1 - t0)
-        samples["record+replay"].append(t2 - t0)
-        del y
+        for name, options in (("record", full), ("hot window", hot)):
+            with ae.adaptive_eager(**options):
+                t0 = time.perf_counter()
+                y = run(x, w, ops)
+                t1 = time.perf_counter()
+                ae.sync()
+                t2 = time.perf_counter()
+            samples[name].append(t1 - t0)
+            samples[name + ("+replay" if name == "record" else "+run")].append(t2 - t0)
+            del y
+    hot_windows = ae.metrics()["hot_windows"]
+    if hot_windows < repeats:
+        raise SystemExit(f"only {hot_windows} of {repeats} hot-window samples ran hot: {ae.metrics()['hot_mismatches']}")
     return {k: statistics.median(v) / ops * 1e6 for k, v in samples.items()}
 
 

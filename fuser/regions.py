@@ -55,7 +55,8 @@ _REGION_IDS = itertools.count(1)
 
 class _Entry:
     __slots__ = ("seen", "run", "n_live", "mutated", "inplace", "blacklisted", "future", "lifted_inputs", "group",
-                 "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic")
+                 "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic",
+                 "template")
 
     def __init__(self):
         # short id for logs and the profiler: pkey[:8] once the persistent key is known
@@ -77,6 +78,9 @@ class _Entry:
         self.pkey: str | None = None  # persistent key (Program.digest), computed at first sight
         self.other_process = False  # another process holds the compile claim for pkey
         self.counts = (0, 0)  # (ops computed, ops dead) of this structure, for metrics()
+        # the tracer's template of this region's windows (Note [Hot windows] in adaptive_eager._hot):
+        # None until its first compiled run, False for a window the tracer cannot record hot
+        self.template = None
 
 
 CACHE = LRU(_Entry)  # in-memory regions by key (Note [Region key])
@@ -85,6 +89,8 @@ CACHE = LRU(_Entry)  # in-memory regions by key (Note [Region key])
 def cache_clear() -> None:
     """Forget the regions, shape classes and scalar groups in memory (``fuser.cache_clear``)."""
     with _LOCK:
+        for entry in CACHE.entries.values():
+            entry.template = None  # forgotten: no window is recorded against it any more
         CACHE.clear()
         _CLASSES.clear()
         _FAMILIES.clear()
@@ -155,6 +161,8 @@ class _Flush:
 
     def mark(self) -> tuple[int, int]:
         """(ops computed, ops dead), marking the needed nodes the first time."""
+        if self.window.hot is not None:  # a validated window whose compiled run failed: its replay
+            self.window.hot.demote(self.window, "run_failed")  # needs the nodes (Note [Hot windows])
         if self.counts is None:
             dead = mark_needed(self.window)
             self.counts = (sum(1 for n in self.window.nodes if n.needed and not n.is_view), dead)
@@ -165,7 +173,25 @@ def run(window: Window, live: list[Out], backend, options) -> FlushResult:
     """Run ``window`` (``live``: its values the program can still observe) compiled when its key
     is hot or on disk, else by replay (Note [Tiers])."""
     with _LOCK:  # Note [One lock for the region tables]
+        if window.hot is not None:
+            done = _run_validated(window, live)
+            if done is not None:
+                return done
         return _run_window(_Flush(window, live), backend, options)
+
+
+def _run_validated(window: Window, live: list[Out]) -> FlushResult | None:
+    """A window the tracer validated against the template of region ``window.hot.entry`` (Note [Hot
+    windows] in adaptive_eager._hot): if its live values are those the region returns
+    (``window.hot.live``, their uids), the region runs without a key; else None, the window demoted."""
+    entry, live_uids = window.hot.entry, window.hot.live
+    if entry.run is not None and entry.template is window.hot and len(live) == len(live_uids) and all(
+            o.uid == u for o, u in zip(live, live_uids)):
+        STATS.cache_hits_memory += 1
+        entry.group.last = tuple(window.scalars)  # as ``_scalar_key`` keeps it (the baked values are equal)
+        return _run_or_replay(entry, _Flush(window, live), "compiled")
+    window.hot.demote(window, "liveness" if entry.run is not None else "region")
+    return None
 
 
 def _run_window(flush: _Flush, backend, options) -> FlushResult:
@@ -430,7 +456,7 @@ def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str) -> FlushResult:
         return done
     if check:
         entry.run = entry.run.run
-    return FlushResult(launched, *entry.counts, outcome, entry.region)
+    return FlushResult(launched, *entry.counts, outcome, entry.region, entry)
 
 
 def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = True, detail: str | None = None) -> None:

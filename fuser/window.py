@@ -147,6 +147,7 @@ class FlushResult(NamedTuple):
     dead: int  # ops found dead (nothing observes their values)
     outcome: str  # "compiled", "loaded" (from disk), "replayed", "compiling" (replayed meanwhile), "dead"
     region: str | None  # a short stable hex id of its region; None on the replay backend
+    entry: object = None  # the region entry it ran compiled with (``regions._Entry``), else None
 
 
 class Token:
@@ -164,7 +165,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "others", "fresh", "live", "viewed", "token")
+                 "others", "fresh", "live", "viewed", "token", "hot", "hot_miss")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -186,6 +187,13 @@ class Window:
         self.others: list[Out] = []  # the ALIAS and VIEW Outs
         self.live: list[Out] = []  # the FRESH Outs found live at the flush (``Out.live``)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
+        # Note [Hot windows] in adaptive_eager._hot: while ``hot`` (the tracer's template of the
+        # expected window) is set, ``nodes`` holds the tracer's hot records, not Nodes; code that
+        # reads nodes calls ``hot.demote(window, cause)`` first, which builds them and clears it.
+        # ``hot.entry`` is the region the window was validated against, ``hot.live`` the uids of
+        # the values that region returns (``fuser.regions._run_validated``)
+        self.hot = None
+        self.hot_miss: tuple | None = None  # (cause, position) of the last op that did not match
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

@@ -1,0 +1,216 @@
+"""Hot windows: a window whose structure has a compiled region is recorded against it, position by
+position (Note [Hot windows]), instead of being recorded in full.
+
+Note [Hot windows]
+~~~~~~~~~~~~~~~~~~
+After a window ran compiled (outcome compiled or loaded), its region entry keeps a ``Template``:
+per position, what recording that window again would produce and what it depends on: the op
+(``OpFacts``), the binding of each tensor argument (an earlier Out's uid, or a real-input slot, with
+the metadata of the real input a slot holds), the numbers baked into the region, where its lifted
+floats sit, its output's metadata and its signature entries (the region key's ``Window.sigs``). The
+next window is armed with it (``Window.hot``; with the template of the window that followed this
+one last time, if any, so that two alternating windows each predict the other). While armed,
+``_record_hot`` takes each fast-path op (Note [Record fast path]): it compares the op with the
+template's position ``len(window.nodes)`` (the same op, each pending input the expected Out of this
+window, each real input in its expected slot with that slot's metadata, the same numbers, the same
+value for each float compiled into the region and a float for each one it takes as an input) and makes the placeholder or ALIAS Out exactly as ``_record_fast`` would,
+with the same slots, written/mutated marks, scalars and pending bytes. It skips what the template
+already knows: the signature, the meta-cache lookup, the Node, the user's line. ``window.nodes``
+then holds, per validated op, its Out instead of a Node (its *hot record*), so everything that asks
+whether a window has pending ops (``window.nodes``, its length, the cuts) reads it unchanged. The
+rest of each op's arguments needs no record: a validated op's pending inputs are the Outs the
+template names by uid, its real inputs the tensors in the slots it names, its numbers the
+template's (equal) and its floats the window's scalars, in order.
+
+Every validated window is one a full recording would have keyed to the same region: same ops,
+bindings, metadata, baked numbers, slots. At its flush, if it ended exactly at the template's end,
+liveness is still read and, if the live values are those the region was compiled for, the entry
+runs directly (``fuser.regions._run_validated``): no key is built or hashed. Anything else *demotes* the
+window (``Template.demote``): the Nodes and signature of the validated prefix are built from the
+hot records and the template, exactly as recording would have built them (tests/test_hot_windows.py
+compares the two), and the window goes on as an ordinary one. It happens at the first op that does
+not match and that the general path records (an op the scalar fast path runs now, or one that runs
+eagerly without touching the window, leaves the window hot: ``_record.demote_if_hot`` is called where a
+recording path commits), at a flush that is not at the template's end, when the liveness differs,
+and when the compiled run fails (its replay needs the nodes). The causes are counted
+(``metrics()["hot_mismatches"]``) with the user's line (``explain()``).
+
+A demoted node's ``source`` (the user's line errors name) is the template's line at that
+position: the same op at the same position of the same structure comes, in a loop, from the same
+line; a structure reached from two call sites names the one the template saw.
+
+Hot recording is for a CPU target (one device, the placeholders' ``alloc_cpu``); a template is made
+only of windows whose every op the fast path records (no views, no general-path ops: those windows
+are recorded in full). ``hot_windows=False`` (``NEURON_EAGER_HOT_WINDOWS=0``) turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+from fuser.window import Node, Out, Window
+
+from . import _ops
+from ._metrics import METRICS
+from ._source import _user_source
+
+_Tensor = torch.Tensor
+
+
+class _Pos:
+    """One position of a template: what recording its op produced (Note [Hot windows])."""
+
+    __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid", "nbytes", "source", "sig_end",
+                 "pending")
+
+    def __init__(self):
+        self.f = None  # the op's OpFacts
+        self.n = 0  # len(args)
+        self.tensors: tuple = ()  # (arg position, ref): ref an Out uid (> 0) or -(slot + 1)
+        self.pending: tuple = ()  # the positions among ``tensors`` with a pending input, in order
+        self.consts: tuple = ()  # (arg position, value) of the other arguments, compared equal
+        # its floats kept apart from the signature (Note [Scalar recording] in ``_ops``): argument
+        # positions and keyword names, in ``Window.scalars`` order, and per float the value compiled
+        # into the region, or None for one the region takes as an input (Note [Scalar lifting])
+        self.fpos: list = []
+        self.fvals: list = []
+        self.kw: tuple = ()  # (name, value) of keywords (in-place ops); the value ``float`` for a float
+        self.spec = None  # the fresh output's (shape, stride, dtype); None for an in-place op
+        self.uid = 0  # its Out's uid
+        self.nbytes = 0  # what it adds to ``Window.pending_bytes``
+        self.source = None  # the user's line of the template's op here
+        self.sig_end = 0  # where its entries end in ``Template.sigs``
+
+
+def _storage_bytes(spec) -> int:
+    """What ``_meta`` counts for a fresh output: its ``empty_strided`` storage's bytes."""
+    shape, stride, dtype = spec
+    if any(s == 0 for s in shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
+
+
+class Template:
+    """The expected content of the next window of one compiled region (Note [Hot windows])."""
+
+    __slots__ = ("ops", "sigs", "slot_meta", "entry", "live", "dtype", "options", "after")
+
+    def __init__(self, ops, sigs, slot_meta, entry, live, dtype, options):
+        self.ops: list[_Pos] = ops
+        self.sigs: list[int] = sigs  # the region key's signature (Note [Window signature])
+        self.slot_meta: list[tuple] = slot_meta  # per real-input slot: (shape, stride, dtype)
+        self.entry = entry  # the region entry (``fuser.regions._Entry``)
+        self.live: tuple[int, ...] = live  # uids of the values the region returns
+        self.dtype = dtype  # the default dtype its window was recorded under
+        self.options = options  # the options its window ran under (they decide the region)
+        self.after: Template | None = None  # the template of the window that followed it last time
+
+    def demote(self, window: Window, cause: str) -> None:
+        """Turn ``window``'s hot records into the Nodes and signature recording would have made,
+        and end its hot recording (Note [Hot windows]); ``cause`` is counted."""
+        window.hot = None
+        records = window.nodes
+        nodes = window.nodes = []
+        outs = {o.uid: o for o in records}  # the outputs the ops made, by uid (their inputs' refs)
+        real, scalars = window.real_inputs, window.scalars
+        fbase = 0
+        for k, out in enumerate(records):
+            p = self.ops[k]
+            args = [None] * p.n
+            inputs = []
+            for pos, ref in p.tensors:
+                if ref > 0:
+                    args[pos] = inp = outs[ref]
+                    inputs.append(inp)
+                else:
+                    args[pos] = real[-1 - ref]
+            for pos, v in p.consts:
+                args[pos] = v  # equal to the program's (validated)
+            floats = {}
+            for j, pos in enumerate(p.fpos):  # in Window.scalars order, as recorded
+                if type(pos) is int:
+                    args[pos] = scalars[fbase + j]
+                else:
+                    floats[pos] = scalars[fbase + j]
+            kwargs = {name: floats[name] if v is float else v for name, v in p.kw}
+            node = Node(p.f.func, args, kwargs, inputs, p.source, k)
+            node.mutates = p.f.fast_inplace
+            node.outs.append(out)
+            if p.fpos:
+                node.fbase = fbase
+                node.fpos = list(p.fpos)
+                fbase += len(p.fpos)
+            nodes.append(node)
+        window.sigs = self.sigs[: self.ops[len(records) - 1].sig_end] if records else []
+        METRICS.hot_mismatches[cause] += 1
+        expected = self.ops[len(records)].f.name if len(records) < len(self.ops) else "(end of window)"
+        METRICS.hot_break_sites[(cause, expected, _user_source(2))] += 1
+
+
+def template_of(st, window: Window, entry) -> Template | None:
+    """The template of ``window``, which just ran compiled with region ``entry``; None if an op of
+    it is not one the record fast path takes (Note [Hot windows])."""
+    if not st.options.hot_windows or st.alloc_cpu is None or st.device_varies:
+        return None
+    slots = window.slots
+    ops = []
+    end = 0
+    scalar_fast_path = st.scalar_fast_path
+    lifted_inputs = {i for i, _ in entry.lifted_inputs}
+    for node in window.nodes:
+        f = _ops.FACTS.get(node.func)
+        if f is None or node.is_view or len(node.outs) != 1 or not ((f.fast and not node.kwargs) or f.fast_inplace):
+            return None
+        p = _Pos()
+        p.f, p.n, p.source = f, len(node.args), node.source
+        lifted = [x for x in node.fpos if type(x) is int]
+        tensors, pending, consts = [], [], []
+        for j, a in enumerate(node.args):
+            if type(a) is Out:
+                tensors.append((j, a.uid))
+                pending.append(j)
+            elif isinstance(a, _Tensor):
+                if not a.is_cpu or (scalar_fast_path and a.numel() == 1):
+                    return None  # the fast path declines it
+                tensors.append((j, -1 - slots[id(a)]))
+            elif j not in lifted:
+                consts.append((j, a))
+        if not tensors:
+            return None
+        p.tensors, p.pending, p.consts, p.fpos = tuple(tensors), tuple(pending), tuple(consts), list(node.fpos)
+        # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])
+        p.fvals = [None if node.fbase + j in lifted_inputs else window.scalars[node.fbase + j]
+                   for j in range(len(node.fpos))]
+        p.kw = tuple((name, float if name in node.fpos else v) for name, v in node.kwargs.items())
+        o = node.outs[0]
+        p.uid = o.uid
+        if not f.fast_inplace:
+            p.spec = o.meta
+            p.nbytes = _storage_bytes(o.meta)
+        # its signature entries: the id, then the refs in argument order (Note [Window signature])
+        refs = [ref for _, ref in tensors]
+        if window.sigs[end + 1: end + 1 + len(refs)] != refs:
+            return None  # not what the fast path records: never guess
+        end = p.sig_end = end + 1 + len(refs)
+        ops.append(p)
+    if end != len(window.sigs) or not ops:
+        return None
+    slot_meta = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in window.real_inputs]
+    return Template(ops, list(window.sigs), slot_meta, entry, tuple(o.uid for o in window.live), st.dtype,
+                    st.options)
+
+
+def expect_hot(st) -> None:
+    """Arm ``st``'s open window, if it is empty, with the template expected next: that of the
+    window that followed the last compiled one last time, else the last compiled one's (Note [Hot
+    windows]); none if the options or the default dtype differ from its window's, or its region
+    was forgotten (``fuser.cache_clear``)."""
+    window = st.window
+    t = st.hot_prev
+    if t is not None:
+        t = t.after or t
+    if t is not None and (t.entry.template is not t or t.dtype is not st.dtype
+                          or (t.options is not st.options and t.options != st.options)):
+        t = None
+    if not window.nodes:
+        window.hot = t
+
