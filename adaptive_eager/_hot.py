@@ -30,7 +30,7 @@ window (``Template.demote``): the Nodes and signature of the validated prefix ar
 hot records and the template, exactly as recording would have built them (tests/test_hot_windows.py
 compares the two), and the window goes on as an ordinary one. It happens at the first op that does
 not match and that the general path records (an op the scalar fast path runs now, or one that runs
-eagerly without touching the window, leaves the window hot: ``_record.demote_if_hot`` is called where a
+eagerly without touching the window, leaves the window hot: ``_record._demote`` is called where a
 recording path commits), at a flush that is not at the template's end, when the liveness differs,
 and when the compiled run fails (its replay needs the nodes). The causes are counted
 (``metrics()["hot_mismatches"]``) with the user's line (``explain()``).

@@ -18,8 +18,8 @@ from ._eager import _eager, _reason_for_unrecordable, _touches_target
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
 from ._ops import ALLOC, BATCH_NORM, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
-from ._record import (_DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_fast, _record_hot, _record_view,
-                      _unslot)
+from ._fast import _record_fast, _record_hot
+from ._record import _DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_view, _unslot
 from ._state import TracerState, _default_dtype, _on_target, _register, _step_back, _tls, _unregister, current_state
 from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader
 from .config import Options

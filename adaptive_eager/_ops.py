@@ -194,7 +194,7 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         f.kind = RECORD
         if torch.Tag.dynamic_output_shape in tags:
             f.reason = "dynamic_shape"
-    # Note [Record fast path] in adaptive_eager._record: one fresh output, positional tensors and
+    # Note [Record fast path] in adaptive_eager._fast: one fresh output, positional tensors and
     # numbers only, nothing written
     f.fast = (
         f.kind == RECORD and not f.list_pos and not f.tensor_kw and not f.mutates and f.nrets == 1

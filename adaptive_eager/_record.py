@@ -1,5 +1,5 @@
-"""One op into the window: the record fast path (Note [Record fast path]), the general path and
-views. See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pending value is.
+"""One op into the window: the general path, views, and the helpers the fast path and hot records
+share (``_fast``). See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pending value is.
 
 This is the hottest code of the library: it does no pytree walking, builds no strings, and pays one
 dict lookup for the op's facts and one for its output metadata."""
@@ -18,7 +18,7 @@ from ._metrics import METRICS
 from ._overlap import _overlap_error, _shares_written
 from ._source import _user_source
 from ._state import TracerState, _default_dtype, _on_target
-from ._threads import _check_elsewhere, _Elsewhere, pending_mark
+from ._threads import _check_elsewhere
 
 _Tensor = torch.Tensor
 _empty_strided = torch.empty_strided
@@ -68,20 +68,6 @@ def _dtype_changed(st: TracerState) -> None:
     flush(st, "default_dtype")
     dtype = st.dtype = _default_dtype()
     st.meta_cache = _META_CACHES.setdefault(dtype, {})
-
-
-# Note [Record fast path]
-# Most recorded ops are elementwise ops, reductions and matmuls: positional tensors and numbers,
-# one fresh output, nothing written (``OpFacts.fast``). ``_record_fast`` records those with the
-# same signature, meta-cache key and window entries as ``_record``, in about half the Python
-# work. Anything it does not handle (a tensor on another device, a one-element real tensor that
-# the scalar fast path must snapshot, a meta-cache miss) makes it return ``_DECLINED`` before it
-# has changed anything (registered real inputs are forgotten again), and the op takes the general
-# path. It also records in-place ops that write and return their first argument
-# (``OpFacts.fast_inplace``: optimizer updates such as ``mul_``, ``lerp_``, ``addcdiv_(value=)``),
-# which leave an ALIAS out and the write marks instead of a fresh placeholder. Measured on AdamW
-# (200 parameters, foreach=False): 63 vs 91 ms per step recorded with and without the in-place
-# case. tests/test_tracer.py checks that the window either path leaves is the same.
 
 
 def _unslot(window: Window, n0: int) -> None:
@@ -184,207 +170,6 @@ def _demote(window: Window, cause: str) -> None:
     if miss is not None and miss[1] == len(window.nodes):
         cause = miss[0]
     window.hot.demote(window, cause)
-
-
-def _miss(window: Window, n0: int, cause: str):
-    """``_record_hot``'s answer for an op that does not match: nothing of it stays in the window."""
-    window.hot_miss = (cause, len(window.nodes))
-    return _decline(window, n0)
-
-
-def _record_hot(st: TracerState, window: Window, f, args, kwargs):
-    """Record a fast-path op of a hot window against its template's position (Note [Hot windows]
-    in ``_hot``): the same placeholder or ALIAS Out, slots and marks as ``_record_fast``, without
-    its signature, meta lookup or Node. ``_DECLINED`` (nothing changed) when it does not match."""
-    ops = window.hot.ops
-    real = window.real_inputs
-    n0 = len(real)
-    i = len(window.nodes)
-    if i >= len(ops):
-        return _miss(window, n0, "past_end")
-    p = ops[i]
-    if p.f is not f or len(args) != p.n:
-        return _miss(window, n0, "op")
-    if _default_dtype() is not st.dtype:
-        return _miss(window, n0, "default_dtype")
-    token = window.token
-    slots = window.slots
-    src = None  # an in-place op's first argument as recorded: its Out when pending
-    for pos, ref in p.tensors:
-        a = args[pos]
-        o = getattr(a, "_ae", None)
-        if ref > 0:
-            if o is None or o.win is not token or o.uid != ref:
-                return _miss(window, n0, "binding")
-            if pos == 0:
-                src = o
-            continue
-        if o is not None and (o.win is token or pending_mark(o)) or not isinstance(a, _Tensor):
-            return _miss(window, n0, "binding")
-        slot = slots.get(id(a))
-        if slot is None:
-            slot = -1 - ref
-            if slot != len(real):
-                return _miss(window, n0, "binding")
-            shape, stride, dtype = window.hot.slot_meta[slot]
-            if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
-                return _miss(window, n0, "metadata")
-            slots[id(a)] = slot
-            real.append(a)
-        elif slot != -1 - ref:
-            return _miss(window, n0, "binding")
-    for pos, v in p.consts:
-        a = args[pos]
-        if a.__class__ is not v.__class__ or a != v:
-            return _miss(window, n0, "scalar")
-    if kwargs or p.kw:
-        if len(kwargs) != len(p.kw):
-            return _miss(window, n0, "scalar")
-        for name, v in p.kw:
-            a = kwargs.get(name, _DECLINED)
-            if v is not float and (a.__class__ is not v.__class__ or a != v):
-                return _miss(window, n0, "scalar")
-    fpos = p.fpos
-    if fpos:
-        for pos, v in zip(fpos, p.fvals):
-            a = args[pos] if type(pos) is int else kwargs.get(pos)
-            if a.__class__ is not float or (v is not None and a != v):
-                return _miss(window, n0, "scalar")
-    if f.fast_inplace:
-        res = args[0]
-        written = _untyped_storage(res)._cdata
-        if _storage_use_count(written) > 2:  # another tensor over its memory: Note [Overlapping writes]
-            for j, _ in p.tensors[1:]:
-                a = args[j]
-                if a is not res and _untyped_storage(a)._cdata == written:
-                    return _miss(window, n0, "overlap")  # the general path decides
-        o = _alias_out(window, res, src if src is not None else res, p.uid)
-        window.written.add(written)
-        if o.slot >= 0:
-            window.mutated.add(o.slot)
-    else:
-        res, o = _placeholder(st, window, p.spec, p.uid, st.device)
-    if fpos:
-        sc = window.scalars
-        for pos in fpos:
-            sc.append(args[pos] if type(pos) is int else kwargs[pos])
-    window.nodes.append(o)  # its hot record: Note [Hot windows]
-    window.pending_bytes += p.nbytes
-    METRICS.ops_recorded += 1
-    METRICS.hot_ops += 1
-    _cut(st, window)
-    return res
-
-
-def _record_fast(st: TracerState, f, args, kwargs):
-    """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
-    write and return their first argument): Note [Record fast path]."""
-    if _default_dtype() is not st.dtype:
-        _dtype_changed(st)  # Note [Meta cache key]
-    window = st.window
-    n0 = len(window.real_inputs)
-    n = len(args)
-    sig = list(args)
-    nargs = None
-    inputs = []
-    refs = []
-    floats = None
-    attr = st.target_attr
-    scalar_fast_path = st.scalar_fast_path
-    first = None
-    for i in f.tensor_pos:
-        if i >= n:
-            break
-        a = args[i]
-        if a is None:
-            continue
-        if not isinstance(a, _Tensor):
-            if a.__class__ is float and f.liftable:
-                sig[i] = float
-                if floats is None:
-                    floats = []
-                floats.append(i)
-            else:
-                sig[i] = (a.__class__, a)
-            continue
-        if attr is None or not getattr(a, attr):
-            return _decline(window, n0)
-        if first is None:
-            first = a
-        o = getattr(a, "_ae", None)
-        if o is not None:
-            if o.win is window.token:
-                if nargs is None:
-                    nargs = list(args)
-                nargs[i] = o
-                inputs.append(o)
-                refs.append(o.uid)
-                sig[i] = o.meta
-                continue
-            if pending_mark(o):
-                _decline(window, n0)
-                raise _Elsewhere(o.win.owner, a)
-        if scalar_fast_path and a.numel() == 1:
-            return _decline(window, n0)  # snapshots and the scalar fast path: the general path
-        slot = window.slots.get(id(a))
-        refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
-        sig[i] = (a.shape, a.stride(), a.dtype)
-    if first is None:
-        return _decline(window, n0)
-    if f.scalar_pos:
-        floats = _numbers(f, args, n, sig, floats)
-    for i in f.seq_pos:
-        if i < n and type(args[i]) is list:
-            sig[i] = tuple(args[i])
-    ksig = ()
-    if kwargs:  # fast_inplace only: numbers and flags (``alpha=``, ``value=``)
-        ksig = []
-        for k, v in kwargs.items():
-            if v.__class__ is float and f.liftable:
-                ksig.append((k, float))
-                if floats is None:
-                    floats = []
-                floats.append(k)
-            else:
-                ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
-        ksig = tuple(ksig)
-    # several devices of the target type (cuda:0, cuda:1): the first tensor's, as ``_record`` picks
-    device = first.device if st.device_varies else st.device
-    if st.device_in_key:
-        ksig = (ksig, device)
-    try:
-        entry = st.meta_cache.get((f, tuple(sig), ksig))
-    except TypeError:  # an unhashable keyword value: the general path runs it eagerly
-        return _decline(window, n0)
-    if entry.__class__ is not tuple:  # a miss, _Failed or _Raises: the general path
-        return _decline(window, n0)
-    specs, nbytes, _, eid = entry
-    if f.fast_inplace:
-        res = args[0]
-        written = _untyped_storage(res)._cdata
-        if _storage_use_count(written) > 2:  # another tensor over its memory: Note [Overlapping writes]
-            for i in f.tensor_pos[1:]:
-                if i < n:
-                    a = args[i]
-                    if isinstance(a, _Tensor) and a is not res and _untyped_storage(a)._cdata == written:
-                        return _decline(window, n0)  # the general path decides
-    if window.hot is not None:
-        _demote(window, "op")
-    if nargs is None:
-        nargs = list(args)
-    node = Node(f.func, nargs, kwargs, inputs, _user_source(3), len(window.nodes))
-    uid = (node.index + 1) * OUTS_PER_NODE
-    if f.fast_inplace:
-        node.mutates = True
-        o = _alias_out(window, res, nargs[0], uid)
-        window.written.add(written)
-        if o.slot >= 0:
-            window.mutated.add(o.slot)
-    else:
-        res, o = _placeholder(st, window, specs[0], uid, device)
-    node.outs.append(o)
-    _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
-    return res
 
 
 def _record(st: TracerState, f, args, kwargs):

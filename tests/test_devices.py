@@ -122,9 +122,9 @@ def test_a_check_runs_alone_and_raises_on_the_device(device):
 
 def test_ops_take_the_record_fast_path_on_the_device(device, monkeypatch):
     """Note [Record fast path]: on a target with several devices (cuda) too."""
-    from adaptive_eager import _mode, _record
+    from adaptive_eager import _fast, _mode, _record
 
-    real = _record._record_fast
+    real = _fast._record_fast
     recorded = []
 
     def counting(*a):

@@ -621,7 +621,7 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
     """Note [Record fast path]: the fast paths are an optimization only: the window they leave
     (op signatures, dataflow, lifted floats, written inputs) and the values equal the general
     path's, whichever path saw a signature first."""
-    from adaptive_eager import _mode, _record
+    from adaptive_eager import _fast, _mode, _record
 
     torch.manual_seed(0)
     params = [torch.randn(6, 5) for _ in range(3)]
@@ -643,7 +643,7 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
             outs.append(d)
         return ps, ms, outs
 
-    real_fast = _record._record_fast
+    real_fast = _fast._record_fast
     if inplace_first:
         _window_facts(program, make, varies)  # the fast path sees the signatures first (after a warm-up)
     monkeypatch.setattr(_mode, "_record_fast", lambda *a: _record._DECLINED)
