@@ -77,6 +77,10 @@ _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.R
 _DYNAMO_BACKENDS = {"inductor": "inductor"}
 _MAX_CAPTURES = 4
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+# Dynamo refuses to run a compiled function while FX traces anything, in any thread: the flag is
+# process-wide (``torch.fx._symbolic_trace._is_fx_tracing_flag``), and a region compiling in
+# another thread of this process traces. Such a step runs recorded, as a cold one does.
+_NESTED_TRACE = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
 _saved: list[tuple] = []  # (class, its step) and (cell, what it held), to put back
 
@@ -162,6 +166,8 @@ def _step(st, opt, raw):
                 return raw(opt)
             finally:
                 cap.launches = METRICS.ops_recorded + METRICS.eager_equivalent_launches - before
+        if _traced_elsewhere():
+            return raw(opt)
         if st.window.nodes:
             flush(st, "optimizer_step")
         try:
@@ -172,6 +178,9 @@ def _step(st, opt, raw):
                 out = fn()
         except Exception as e:  # noqa: BLE001 - counted, logged, and the step runs as before
             # Dynamo and the backend fail before the step runs (fullgraph: one frame, nothing updated)
+            if str(e).startswith(_NESTED_TRACE):  # another thread began to trace meanwhile: not a failure
+                METRICS.optimizer_misses["traced_elsewhere"] += 1
+                return raw(opt)
             cap.off = "capture_failed"
             METRICS.optimizer_misses[cap.off] += 1
             log.warning("adaptive_eager: %s.step() could not be captured (%s: %s); it is recorded op by op",
@@ -181,6 +190,8 @@ def _step(st, opt, raw):
         METRICS.optimizer_captures += 1
         _count_launches(cap)
         return out
+    if _traced_elsewhere():
+        return raw(opt)
     if st.window.nodes:
         flush(st, "optimizer_step")
     from torch._dynamo.eval_frame import _set_stance
@@ -190,6 +201,9 @@ def _step(st, opt, raw):
         with _disable_current_modes(), _grad_mode(opt):
             out = cap.fn()
     except RuntimeError as e:
+        if str(e).startswith(_NESTED_TRACE):  # checked before the call runs anything
+            METRICS.optimizer_misses["traced_elsewhere"] += 1
+            return raw(opt)
         if not str(e).startswith(_RECOMPILE):
             raise
         miss = _cause(str(e))
@@ -202,6 +216,17 @@ def _step(st, opt, raw):
     METRICS.optimizer_misses[miss] += 1
     cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
     return raw(opt)
+
+
+def _traced_elsewhere() -> bool:
+    """Whether FX is tracing in some thread, so that Dynamo would refuse the compiled step
+    (``_NESTED_TRACE``); counted: the step then runs recorded."""
+    from torch.fx import _symbolic_trace
+
+    if _symbolic_trace._is_fx_tracing_flag:
+        METRICS.optimizer_misses["traced_elsewhere"] += 1
+        return True
+    return False
 
 
 def _count_launches(cap: _Capture) -> None:

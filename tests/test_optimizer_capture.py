@@ -308,3 +308,25 @@ def test_a_hot_step_counts_one_launch_for_what_eager_launches():
     assert on["optimizer_hot_steps"] == 7 - HOT_AFTER - 1 and off["optimizer_hot_steps"] == 0
     assert on["eager_equivalent_launches"] == off["eager_equivalent_launches"], (on, off)
     assert on["launches"] < off["launches"]
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked-first", "refused-by-dynamo"])
+def test_a_step_while_another_thread_traces_runs_recorded(monkeypatch, checked):
+    """Dynamo refuses a compiled call while FX traces in any thread (a region compiling in another
+    thread): that step runs recorded, is counted, and the next one is hot again."""
+    from torch.fx import _symbolic_trace
+
+    if not checked:  # the other thread begins to trace between the check and the call
+        monkeypatch.setattr(_optim, "_traced_elsewhere", lambda: False)
+
+    def edit(i, params, opt):
+        monkeypatch.setattr(_symbolic_trace, "_is_fx_tracing_flag", i in (2, 4))  # the capture and a hot step
+
+    make = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    eager = _train(make, 7, lazy=False)
+    ae.reset_metrics()
+    lazy = _train(make, 7, lazy=True, edit=edit)
+    _assert_same(eager, lazy, rtol=1e-5, atol=1e-6)
+    m = ae.metrics()
+    assert m["optimizer_misses"] == {"traced_elsewhere": 2}, m
+    assert m["optimizer_captures"] == 1 and m["optimizer_hot_steps"] == 7 - HOT_AFTER - 1 - 2, m
