@@ -19,6 +19,8 @@ import pytest
 import torch
 from test_distributed import COLLECTIVE_TIMEOUT_S, WORLD, _free_port
 
+pytestmark = pytest.mark.slow  # two gloo ranks spawned per test (~40-180 s); DDP's tests run by default
+
 DEADLINE_S = 240
 
 

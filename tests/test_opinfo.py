@@ -304,6 +304,7 @@ def check_error_input(op, error_input, pending_inputs: bool, tally: Tally) -> No
         tally.agreed += 1
 
 
+@pytest.mark.slow  # ~80 s; the overlapping-write and tracer tests check eager's errors in the default run
 @pytest.mark.filterwarnings("ignore")
 def test_opinfo_error_inputs_raise_like_eager(float32_ops, capsys):
     tally = Tally()
