@@ -203,16 +203,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = str(tmp_path_factory.mktemp("dist_out"))
-    cache_dir = str(tmp_path_factory.mktemp("dist_cache"))
+def run_ranks(worker, out_dir: str, cache_dir: str, deadline_s: float) -> list[dict]:
+    """Spawn ``WORLD`` processes of ``worker(rank, port, out_dir, cache_dir)``, wait at most
+    ``deadline_s`` for them, fail the test on a hang or a rank's error (its ``rank<N>.pt.error``
+    file), and return what each rank saved in ``rank<N>.pt``."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, out_dir, cache_dir)) for rank in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(rank, port, out_dir, cache_dir)) for rank in range(WORLD)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [p for p in procs if p.is_alive()]
@@ -226,8 +226,15 @@ def ranks(tmp_path_factory) -> list[dict]:
             with open(err) as f:
                 errors.append(f"rank {rank}:\n{f.read()}")
     if hung or errors:
-        pytest.fail(f"{len(hung)} rank(s) still running after {DEADLINE_S} s (hang)\n" + "\n".join(errors))
-    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+        pytest.fail(f"{len(hung)} rank(s) still running after {deadline_s} s (hang)\n" + "\n".join(errors))
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out_dir = str(tmp_path_factory.mktemp("dist_out"))
+    cache_dir = str(tmp_path_factory.mktemp("dist_cache"))
+    results = run_ranks(_worker, out_dir, cache_dir, DEADLINE_S)
     for r in results:
         r["cache_dir"] = cache_dir
     return results

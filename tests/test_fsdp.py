@@ -10,14 +10,12 @@ same process is the oracle. Ranks start as in tests/test_distributed.py; a hang 
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
-import time
 import traceback
 
 import pytest
 import torch
-from test_distributed import COLLECTIVE_TIMEOUT_S, WORLD, _free_port
+from test_distributed import COLLECTIVE_TIMEOUT_S, WORLD, run_ranks
 
 pytestmark = pytest.mark.slow  # two gloo ranks spawned per test (~40-180 s); DDP's tests run by default
 
@@ -100,27 +98,7 @@ def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = str(tmp_path_factory.mktemp("fsdp_out"))
     cache_dir = str(tmp_path_factory.mktemp("fsdp_cache"))
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, out_dir, cache_dir)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join()
-    errors = []
-    for rank in range(WORLD):
-        err = os.path.join(out_dir, f"rank{rank}.pt.error")
-        if os.path.exists(err):
-            with open(err) as f:
-                errors.append(f"rank {rank}:\n{f.read()}")
-    if hung or errors:
-        pytest.fail(f"{len(hung)} rank(s) still running after {DEADLINE_S} s (hang)\n" + "\n".join(errors))
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return run_ranks(_worker, out_dir, cache_dir, DEADLINE_S)
 
 
 def test_dtensor_ops_give_eager_values(ranks):
