@@ -145,6 +145,23 @@ def _opaque(original, reason: str):
     return wrapper
 
 
+def _index_reader(original):
+    """``tensor_split(x, indices)`` with a 1-d tensor of indices reads them in C++ straight from
+    memory, without dispatching (a 0-dim one goes through ``item()``, which dispatches): recorded
+    with a pending tensor of indices, it would split at whatever the placeholder's memory held. So
+    a pending one is computed first."""
+
+    @functools.wraps(original)
+    def tensor_split(*args, **kwargs):
+        indices = args[1] if len(args) > 1 else kwargs.get(
+            "tensor_indices_or_sections", kwargs.get("indices", kwargs.get("sections")))
+        if isinstance(indices, torch.Tensor):
+            sync_value(indices, "host_indices")
+        return original(*args, **kwargs)
+
+    return tensor_split
+
+
 def _opaque_entry_points():
     """(owner, attribute name, flush reason) of every C++ function that must run eagerly."""
     # resize_: FSDP2 frees a parameter's unsharded storage after its forward and backward
@@ -189,8 +206,11 @@ def install() -> None:
         _optim.install()  # Note [Optimizer capture]
         for owner, name, reason in _opaque_entry_points():
             original = getattr(owner, name)
-            _saved[("opaque", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
+            _saved[("attr", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
             setattr(owner, name, _opaque(original, reason))
+        for owner in (torch, torch.Tensor):
+            _saved[("attr", owner, "tensor_split")] = owner.__dict__.get("tensor_split", _MISSING)
+            owner.tensor_split = _index_reader(owner.tensor_split)
 
 
 def uninstall() -> None:
@@ -207,7 +227,7 @@ def uninstall() -> None:
             elif key == "optimizer_hook":
                 value.remove()
                 _optim.uninstall()
-            elif key[0] == "opaque":
+            elif key[0] == "attr":
                 if value is _MISSING:
                     delattr(key[1], key[2])
                 else:

@@ -31,6 +31,9 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
                           "torch.where / masks, or decide on the host every N steps",
            "branches on a tensor's value (`if t:`, `while t:`)"),
     Reason("tolist", False, f"`.tolist()` {_HOST_READ}", "reads a tensor on the host (`.tolist()`)"),
+    Reason("host_indices", False, "`tensor_split` with a tensor of indices reads them on the host here: pass a "
+                                  "list of ints, or compute the indices once, before the loop",
+           "reads split indices from a tensor on the host (`tensor_split`)"),
     Reason("numpy", False, f"`.numpy()` / `np.asarray(t)` / DLPack {_HOST_READ}", "hands a tensor to NumPy or DLPack"),
     Reason("data_ptr", False, f"`.data_ptr()` (an extension or a C library reading the memory) {_HOST_READ}",
            "takes a tensor's memory address (`.data_ptr()`)"),

@@ -11,7 +11,7 @@ import traceback
 import torch
 
 from . import partition
-from .backends._common import BackendCompileError, pack_sections, unpack_sections
+from .backends._common import BackendCompileError, pack_sections, trace_lock, unpack_sections
 from .program import FORMAT, Program
 
 log = logging.getLogger("adaptive_eager.fuser")
@@ -66,6 +66,11 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     that run outside compiled code by reason (Note [Partitions]; none: the artifact is
     ``backend.load``'s, else ``partition.load``'s), and ``inplace``, whether it writes the mutated
     inputs itself (a split region never does: Note [Partitions])."""
+    with trace_lock():  # Note [One trace at a time] in fuser.backends._common
+        return _compile_program(program, backend)
+
+
+def _compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     gm = program.graph()
     examples = program.example_inputs() + program.lifted_examples()
     failed: set = set()  # ops the backend failed on: retried alone (Note [Partitions])

@@ -9,6 +9,7 @@ import io
 import pickle
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -279,3 +280,36 @@ def test_four_threads_train_at_once_with_compiled_regions(tmp_path, no_backgroun
     assert m["blacklisted"] == 0 and m["compile_failures"] == 0
     if not async_compile:
         assert m["compiled_runs"] > 0
+
+
+def test_a_region_compile_waits_while_dynamo_compiles_in_another_thread(tmp_path):
+    """FX tracing is process-wide state (Note [One trace at a time] in fuser.backends._common): a
+    region's compile does not trace while another thread holds Dynamo's compile lock (as its
+    optimizer capture or a torch.compile does); it compiles once the lock is free, and the values
+    are eager's. Before, it traced at once, and the two traces could break each other."""
+    from torch._dynamo.convert_frame import compile_lock
+    from torch.fx import _symbolic_trace
+    import torch.fx.experimental.proxy_tensor  # noqa: F401 - imported before the lock is held
+
+    held, traced_while_held = threading.Event(), []
+
+    def dynamo_compiling():
+        with compile_lock:
+            held.set()
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and not _symbolic_trace._is_fx_tracing_flag:
+                time.sleep(0.001)
+            traced_while_held.append(_symbolic_trace._is_fx_tracing_flag)
+
+    x = torch.randn(64)
+    want = ((x * 2 + 1).sin() * x).sum()
+    other = threading.Thread(target=dynamo_compiling)
+    other.start()
+    held.wait(JOIN_S)
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=str(tmp_path)):
+        got = ((x * 2 + 1).sin() * x).sum()
+        torch.testing.assert_close(got, want)
+    other.join(JOIN_S)
+    assert traced_while_held == [False]
+    m = ae.metrics()
+    assert m["compiles"] == 1 and m["compiled_runs"] == 1 and m["compile_failures"] == 0

@@ -25,6 +25,27 @@ class BackendCompileError(RuntimeError):
     inplace = False
 
 
+# Note [One trace at a time]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# FX tracing keeps process-wide state: ``torch.fx._symbolic_trace.CURRENT_PATCHER`` (make_fx's
+# tracer patches module globals for the trace's duration and reverts them at its end) and
+# ``_is_fx_tracing_flag``, and a compile patches Inductor's config. Two traces at once in two
+# threads of one process corrupt each other: with four training threads, a region compiling while
+# another thread's optimizer step was being captured by Dynamo failed with "AssertionError:
+# CURRENT_PATCHER is None in finally block" and was blacklisted (tests/test_threads.py). Dynamo
+# serializes its own compiles with ``torch._dynamo.convert_frame.compile_lock``; every compile of
+# ours (tracing the Program, partitioning, the backend's compile) holds that same lock, so ours,
+# the optimizer capture's (adaptive_eager._optim) and a user's ``torch.compile`` never trace at
+# once. No deadlock: a holder never waits for a flush. Ours holds it in the compile thread or a
+# worker process (Note [Compile thread] in fuser.artifacts), which run no user code; Dynamo holds it
+# with every dispatch mode disabled, and the capture flushes the step's window before it compiles.
+def trace_lock():
+    """The process's one lock for FX traces (Note [One trace at a time]); a reentrant lock."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
 def restrided(run, fixes: list):
     """``run`` with the outputs ``fixes`` names ((index, shape, stride) each) copied into that
     layout: eager's, where a compiled output came back in another; with no shape and stride, into

@@ -69,14 +69,13 @@ import json
 import logging
 import platform
 import sys
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
 from ._common import (
-    BackendCompileError, below_autograd, check_graph, eager_output_meta, op_name, restrided, tensor_meta,
+    BackendCompileError, below_autograd, check_graph, eager_output_meta, op_name, restrided, tensor_meta, trace_lock,
 )
 from ._inductor_artifacts import (
     _FORMAT, _atomic_builds, _build_dir, _collect_triton, _instantiate, _kernel_key, _load_cpp_kernel, _pack,
@@ -98,10 +97,6 @@ _CONFIG = {
     # Frozen parameters would become constants that the artifact would have to carry.
     "freezing": False,
 }
-
-# A compile patches Inductor's process-wide config and cache-dir environment variables for its
-# duration; two compiles at once in one process would see each other's.
-_compile_lock = threading.Lock()
 
 
 class InductorBackend:
@@ -142,7 +137,9 @@ class InductorBackend:
         symbolic = any(isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
                        for v in placeholders)
         start = time.perf_counter()
-        with _compile_lock:
+        # A compile patches Inductor's process-wide config and cache-dir environment variables for
+        # its duration: one at a time in a process (Note [One trace at a time] in ._common).
+        with trace_lock():
             source, cpp_kernels, triton_files, inputs_to_check, relayout = _run_inductor(
                 gm, example_inputs, expected, self.device_type, symbolic
             )
