@@ -297,9 +297,10 @@ def test_a_region_compile_waits_while_dynamo_compiles_in_another_thread(tmp_path
         with compile_lock:
             held.set()
             deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and not _symbolic_trace._is_fx_tracing_flag:
+            # a trace's patcher is process-wide (the tracing flag is per thread from torch 2.14)
+            while time.monotonic() < deadline and _symbolic_trace.CURRENT_PATCHER is None:
                 time.sleep(0.001)
-            traced_while_held.append(_symbolic_trace._is_fx_tracing_flag)
+            traced_while_held.append(_symbolic_trace.CURRENT_PATCHER is not None)
 
     x = torch.randn(64)
     want = ((x * 2 + 1).sin() * x).sum()

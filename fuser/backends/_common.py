@@ -28,8 +28,8 @@ class BackendCompileError(RuntimeError):
 # Note [One trace at a time]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
 # FX tracing keeps process-wide state: ``torch.fx._symbolic_trace.CURRENT_PATCHER`` (make_fx's
-# tracer patches module globals for the trace's duration and reverts them at its end) and
-# ``_is_fx_tracing_flag``, and a compile patches Inductor's config. Two traces at once in two
+# tracer patches module globals for the trace's duration and reverts them at its end), before
+# torch 2.14 also ``_is_fx_tracing_flag``, and a compile patches Inductor's config. Two traces at once in two
 # threads of one process corrupt each other: with four training threads, a region compiling while
 # another thread's optimizer step was being captured by Dynamo failed with "AssertionError:
 # CURRENT_PATCHER is None in finally block" and was blacklisted (tests/test_threads.py). Dynamo
