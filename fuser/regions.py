@@ -56,7 +56,7 @@ _REGION_IDS = itertools.count(1)
 class _Entry:
     __slots__ = ("seen", "run", "n_live", "mutated", "inplace", "blacklisted", "future", "lifted_inputs", "group",
                  "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic",
-                 "template")
+                 "template", "loading")
 
     def __init__(self):
         # short id for logs and the profiler: pkey[:8] once the persistent key is known
@@ -66,6 +66,7 @@ class _Entry:
         self.shape: tuple | None = None
         self.dynamic = False  # a symbolic region (the compile of a _ShapeClass)
         self.future = None  # a compile in flight
+        self.loading = False  # ``future`` is a load of the store's artifact, not a compile (Note [Tiers])
         self.seen = 0
         self.run = None  # the loaded compiled callable
         self.n_live = 0
@@ -128,9 +129,11 @@ _LOCK = threading.Lock()
 #   dynamic  its shape class has, or is due for, a symbolic region (Note [Dynamic shapes]); a
 #            window that does not fit it goes on per shape: compile or replay, as below
 #   compile  it was seen ``hot_after`` times: claim its key, compile here or in a worker
-#   replay   with its reason, counted in ``replay_reasons``: "cold" (not hot yet), "compiling" (a
-#            load or compile in flight, here or in another process), or the entry's memoized
-#            failure (``_Entry.blacklisted``: why it is never compiled)
+#   replay   with its reason, counted in ``replay_reasons``: "cold" (not hot yet), "loading" (its
+#            artifact loads on the compile thread: ``_obtain``), "compiling" (a compile in
+#            flight, here or in another process), or the entry's memoized failure
+#            (``_Entry.blacklisted``: why it is never compiled; "load_failed" for an artifact
+#            that did not load, evicted: Note [Artifacts from disk] in fuser.compile)
 # ``_execute`` acts. It holds the one replay exit (``_replay``), the one compiled run
 # (``_run_or_replay``: a run that fails while the replay succeeds means the compiled code was
 # wrong for the window: blacklisted) and, with ``_obtain``, the one way a region gets its
@@ -217,7 +220,7 @@ def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
     if entry.blacklisted:
         return _Plan("replay", entry.blacklisted)
     if entry.future is not None:
-        return _Plan("replay", "compiling")
+        return _Plan("replay", _in_flight(entry))
     if entry.other_process:
         poll_jobs()
         if entry.blacklisted:  # its background compile failed
@@ -271,7 +274,12 @@ def _execute(plan: _Plan, entry: _Entry, flush: _Flush, backend, options, wait: 
     _obtain(entry, store, backend, options, wait, plan.data)
     if entry.run is not None:
         return _run_or_replay(entry, flush, "loaded" if action == "load" else "compiled")
-    return _replay(flush, entry.blacklisted or "compiling", entry.region)
+    return _replay(flush, entry.blacklisted or _in_flight(entry), entry.region)
+
+
+def _in_flight(entry: _Entry) -> str:
+    """Why a window of ``entry`` replays while its callable is on the way (Note [Tiers])."""
+    return "loading" if entry.future is not None and entry.loading else "compiling"
 
 
 def _obtain(entry: _Entry, store, backend, options, wait: bool, data: bytes | None = None) -> None:
@@ -281,10 +289,10 @@ def _obtain(entry: _Entry, store, backend, options, wait: bool, data: bytes | No
     process or a worker), or the entry is blacklisted."""
     if data is not None:
         entry.other_process = False
-        entry.future = _submit(_load, data, backend, store, entry.pkey, entry.dynamic)
+        entry.future, entry.loading = _submit(_load, data, backend, store, entry.pkey, entry.dynamic), True
         if wait:
             _collect(entry)
-        # else the first load in a process imports Inductor (~1-2 s): replay meanwhile
+        # else the first load in a process imports Inductor (~1-2 s): replay meanwhile ("loading")
         return
     if _failed_before(entry, store, backend):
         return
@@ -327,6 +335,7 @@ def _describe(entry: _Entry, flush: _Flush, backend) -> bool:
 
 def _compile_here(entry: _Entry, backend, store) -> None:
     """Compile ``entry.program`` in this process and wait for it (Note [Compile thread])."""
+    entry.loading = False
     if _profiler._is_profiler_enabled:
         with _record_function("adaptive_eager.compile"):
             entry.future = _submit(_compile_and_store, entry.program, backend, store, entry.pkey)
@@ -381,7 +390,7 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
         entry.shape = None
         return None
     if sym.run is None:
-        return _replay(flush, "compiling", entry.region)
+        return _replay(flush, _in_flight(sym), entry.region)
     why = _fits(cls, entry.shape) or _guards_fail(sym.run, flush.window)
     if why is not None:
         STATS.not_dynamic[why] += 1
@@ -433,7 +442,7 @@ def _replay(flush: _Flush, reason: str, region: str | None) -> FlushResult:
     STATS.replay_reasons[reason] += 1
     computed, dead = flush.mark()
     launched = replay_window(flush.window)
-    return FlushResult(launched, computed, dead, "compiling" if reason == "compiling" else "replayed", region)
+    return FlushResult(launched, computed, dead, reason if reason in ("compiling", "loading") else "replayed", region)
 
 
 def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str) -> FlushResult:
@@ -511,6 +520,10 @@ def _collect(entry: _Entry) -> None:
     try:
         entry.run, lifted_inputs, seconds, how = _result(future)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: replay this key
+        if entry.loading:  # nothing was compiled: ``_load`` evicted the artifact (Note [Artifacts from disk])
+            _blacklist(entry, f"region {entry.region}: its artifact from disk did not load: {type(e).__name__}: {e}",
+                       "load_failed")
+            return
         _compile_failed(entry, _failure_reason(e), "compile failed", detail="".join(traceback.format_exception(e)))
         return
     entry.lifted_inputs = lifted_inputs

@@ -145,7 +145,7 @@ class FlushResult(NamedTuple):
     launches: int  # device launches: ops replayed, compiled runs and their copies
     computed: int  # ops computed (a compiled region counts its ops: the compiler does its own dead-code elimination)
     dead: int  # ops found dead (nothing observes their values)
-    outcome: str  # "compiled", "loaded" (from disk), "replayed", "compiling" (replayed meanwhile), "dead"
+    outcome: str  # "compiled", "loaded" (from disk), "replayed", "compiling" or "loading" (replayed meanwhile), "dead"
     region: str | None  # a short stable hex id of its region; None on the replay backend
     entry: object = None  # the region entry it ran compiled with (``regions._Entry``), else None
 
