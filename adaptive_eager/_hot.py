@@ -98,7 +98,7 @@ class Template:
         self.ops: list[_Pos] = ops
         self.sigs: list[int] = sigs  # the region key's signature (Note [Window signature])
         self.slot_meta: list[tuple] = slot_meta  # per real-input slot: (shape, stride, dtype)
-        self.entry = entry  # the region entry (``fuser.regions._Entry``)
+        self.entry = entry  # the region entry (``fuser.table._Entry``)
         self.live: tuple[int, ...] = live  # uids of the values the region returns
         self.dtype = dtype  # the default dtype its window was recorded under
         self.options = options  # the options its window ran under (they decide the region)

@@ -9,6 +9,7 @@ fuser -> neff_cache.
 | what a window holds; the signature format | ``window.py`` |
 | which values are observable; replay; binding results | ``replay.py`` |
 | why a window replays instead of compiling; hot_after; blacklisting | ``regions.py`` (Note [Tiers]) |
+| what is kept per region; the lock over the fuser's tables | ``table.py`` |
 | which windows may compile, or compile in place | ``compilable.py`` |
 | a float that keeps recompiling | ``scalars.py`` |
 | a varying batch size | ``shapes.py`` |
@@ -76,9 +77,9 @@ def cache_clear(store_handles: bool = False) -> None:
     """Forget every region, shape class and scalar group in memory: what a new process knows is
     only the persistent cache, which is untouched. With ``store_handles``, also forget the open store
     handles (each is opened again at its next use)."""
-    from . import artifacts, regions
+    from . import artifacts, table
 
-    regions.cache_clear()
+    table.cache_clear()
     if store_handles:
         artifacts.forget_stores()
 
@@ -87,8 +88,8 @@ def cache_info() -> dict:
     """The bounded in-memory tables, each as ``CacheInfo(hits, misses, maxsize, currsize)``:
     ``regions`` (by window structure, Note [Region key]) and ``scalar_groups`` (Note [Scalar
     lifting]). ``cache_clear()`` empties both and zeroes their counts."""
-    from .regions import CACHE
     from .scalars import GROUPS
+    from .table import CACHE
 
     return {"regions": CACHE.cache_info(), "scalar_groups": GROUPS.cache_info()}
 

@@ -14,7 +14,7 @@ from .stats import STATS
 from .window import Out, Window
 
 if TYPE_CHECKING:
-    from .regions import _Entry
+    from .table import _Entry
 
 
 class _Mismatch(Exception):

@@ -21,10 +21,7 @@ metadata plus the backend fingerprint, computed only on a compile.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import threading
 import traceback
 from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
@@ -35,13 +32,14 @@ from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submi
 from .compilable import _checks, _not_compilable
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
-from .lru import LRU
 from .replay import mark_needed, replay_window
 from .program import Program
-from .scalars import GROUPS, _LIFT_ERROR, _scalar_key, lift_cause
-from .shapes import _CLASSES, _FAMILIES, _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols, _ShapeClass
+from .scalars import _LIFT_ERROR, _scalar_key, lift_cause
+from .shapes import _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols
 from .partition import is_check
 from .stats import STATS, _recompile
+from . import table
+from .table import CACHE, _Entry
 from .window import FlushResult, Out, Window
 
 log = logging.getLogger("adaptive_eager.fuser")
@@ -50,73 +48,6 @@ log = logging.getLogger("adaptive_eager.fuser")
 # (``_run_on_profiler_start``): one attribute read, so a run pays ~nothing while no profiler records.
 _profiler = torch.autograd.profiler
 _record_function = torch.autograd.profiler.record_function
-_REGION_IDS = itertools.count(1)
-
-
-class _Entry:
-    __slots__ = ("seen", "run", "n_live", "mutated", "inplace", "blacklisted", "future", "lifted_inputs", "group",
-                 "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic",
-                 "template", "loading")
-
-    def __init__(self):
-        # short id for logs and the profiler: pkey[:8] once the persistent key is known
-        self.region = f"{next(_REGION_IDS):08x}"
-        self.shape_class: _ShapeClass | None = None  # Note [Dynamic shapes]
-        # this structure's sizes and int arguments, in class order; None: not routed to a symbolic region
-        self.shape: tuple | None = None
-        self.dynamic = False  # a symbolic region (the compile of a _ShapeClass)
-        self.future = None  # a compile in flight
-        self.loading = False  # ``future`` is a load of the store's artifact, not a compile (Note [Tiers])
-        self.seen = 0
-        self.run = None  # the loaded compiled callable
-        self.n_live = 0
-        self.mutated: tuple[int, ...] = ()
-        self.inplace = False  # the compiled region writes ``mutated`` itself (Note [In-place regions])
-        self.blacklisted: str | None = None  # why it is never compiled (a memoized failure: Note [Tiers])
-        self.lifted_inputs: list[tuple[int, torch.dtype]] = []  # (index in Window.scalars, dtype)
-        self.group = None
-        self.program: Program | None = None
-        self.pkey: str | None = None  # persistent key (Program.digest), computed at first sight
-        self.other_process = False  # another process holds the compile claim for pkey
-        self.counts = (0, 0)  # (ops computed, ops dead) of this structure, for metrics()
-        # the tracer's template of this region's windows (Note [Hot windows] in adaptive_eager._hot):
-        # None until its first compiled run, False for a window the tracer cannot record hot
-        self.template = None
-
-
-CACHE = LRU(_Entry)  # in-memory regions by key (Note [Region key])
-
-
-def cache_clear() -> None:
-    """Forget the regions, shape classes and scalar groups in memory (``fuser.cache_clear``)."""
-    with _LOCK:
-        for entry in CACHE.entries.values():
-            entry.template = None  # forgotten: no window is recorded against it any more
-        CACHE.clear()
-        _CLASSES.clear()
-        _FAMILIES.clear()
-        GROUPS.clear()
-
-
-# Note [One lock for the region tables]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Threads with the mode on share the fuser's tables (CACHE and its entries, GROUPS, _CLASSES,
-# _FAMILIES, _PENDING, _JOBS, _STORES, STATS, the compile queue), and update them in several
-# steps: ``_describe`` sets an entry's ``program`` before its ``pkey`` (a second thread claimed the
-# key ``None`` and died), ``_collect`` publishes ``run`` before ``lifted_inputs`` and ``inplace``,
-# ``_scalar_key`` reads a group's lifted positions apart from its ``keep`` mask (a key whose baked
-# values miss a lifted float: a region hit with the wrong constants). So a window's run holds
-# ``_LOCK`` from its key to its last write-back.
-# One lock rather than tables per thread: threads that train one structure (data-parallel
-# threads, one model per thread) then share its regions' compiles, artifact loads and compiled
-# code instead of paying each once per thread; a single thread pays one uncontended acquire per
-# flush, well under a microsecond (benchmarks/flush_cost.py, a 1000-op window hitting its region,
-# five runs each on a loaded 2-core machine: median 6.08 ms before, 5.99 ms after, runs spread
-# over 1 ms). Windows of different threads run one at a time: on a CPU target their host work
-# is serialized by the GIL anyway, and on CUDA a compiled region only enqueues kernels. What
-# takes long without work of ours is waited for outside the lock, a compile or an artifact load
-# in flight (``_collect``): a thread waiting for its compile lets the others replay and run.
-_LOCK = threading.Lock()
 
 
 # Note [Tiers]
@@ -175,7 +106,7 @@ class _Flush:
 def run(window: Window, live: list[Out], backend, options) -> FlushResult:
     """Run ``window`` (``live``: its values the program can still observe) compiled when its key
     is hot or on disk, else by replay (Note [Tiers])."""
-    with _LOCK:  # Note [One lock for the region tables]
+    with table.LOCK:  # Note [One lock for the region tables] in fuser.table
         if window.hot is not None:
             done = _run_validated(window, live)
             if done is not None:
@@ -505,15 +436,15 @@ def _blacklist(entry: _Entry, why: str, reason: str) -> None:
 
 def _collect(entry: _Entry) -> None:
     """Take a finished compile's (or load's) result, blocking if it is still running (without
-    ``_LOCK``, which the caller holds: Note [One lock for the region tables])."""
+    ``table.LOCK``, which the caller holds: Note [One lock for the region tables] in fuser.table)."""
     future = entry.future
     if not future.done():
-        _LOCK.release()
+        table.LOCK.release()
         try:
             while not futures_wait((future,), timeout=0.1).done:
                 pass  # in slices, as ``_result`` (Note [Compile thread]): a Ctrl-C is seen within 0.1 s
         finally:
-            _LOCK.acquire()
+            table.LOCK.acquire()
         if entry.future is not future:
             return  # another thread waited for it too, and took the result
     entry.future = None
@@ -536,17 +467,3 @@ def _collect(entry: _Entry) -> None:
     STATS.compiles += 1
     log.info("adaptive_eager: compiled region %s%s in %.2fs (key %s)", entry.region,
              " with dynamic shapes" if entry.dynamic else "", seconds, entry.pkey)
-
-
-def _after_fork_in_child() -> None:
-    """A forked child has only the forking thread: no compile thread (``artifacts._submit`` starts
-    the child's own), and no lock held by another thread. Compiles and loads in flight belong to
-    the parent; the child's entries start them again when due (Note [Worker processes] in
-    adaptive_eager._mode)."""
-    global _LOCK
-    _LOCK = threading.Lock()
-    for entry in [*CACHE.entries.values(), *(c.sym for c in _CLASSES.values() if c.sym is not None)]:
-        entry.future = None
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -13,7 +13,7 @@ from .stats import STATS
 from .window import Window
 
 if TYPE_CHECKING:
-    from .regions import _Entry
+    from .table import _Entry
 
 
 # Note [Dynamic shapes]

@@ -147,7 +147,7 @@ class FlushResult(NamedTuple):
     dead: int  # ops found dead (nothing observes their values)
     outcome: str  # "compiled", "loaded" (from disk), "replayed", "compiling" or "loading" (replayed meanwhile), "dead"
     region: str | None  # a short stable hex id of its region; None on the replay backend
-    entry: object = None  # the region entry it ran compiled with (``regions._Entry``), else None
+    entry: object = None  # the region entry it ran compiled with (``table._Entry``), else None
 
 
 class Token:
