@@ -265,6 +265,20 @@ def test_train_example_on_the_emulated_device_matches_eager(tmp_path):
 
 
 @needs_stablehlo
+@pytest.mark.slow
+def test_finetune_example_on_the_emulated_device_matches_eager(tmp_path):
+    """examples/finetune_transformer.py --device neuron (~60 s): eager on the emulated device (CPU's
+    values) and adaptive eager compiled by stablehlo end at the same loss (the example exits non-zero
+    otherwise), and the fine-tuning steps' windows run compiled."""
+    out = _child("", tmp_path, {"NEURON_EAGER_ASYNC_COMPILE": "0"}, script=ROOT / "examples" / "finetune_transformer.py",
+                 args=("--device", "neuron", "--steps", "10"))
+    assert "the neuron device is emulated" in out
+    eager, adaptive = (float(v) for v in out.split("final loss      eager ")[1].split("(")[0].split("adaptive eager"))
+    assert abs(eager - adaptive) <= 1e-4 * abs(eager), (eager, adaptive)
+    assert int(out.split(" windows: ")[1].split(" ran compiled")[0]) > 0, out
+
+
+@needs_stablehlo
 @pytest.mark.parametrize("backend", ["replay", "stablehlo"])
 def test_generated_programs_on_the_emulated_device_match_eager_there(tmp_path, backend):
     """tests/test_generated_programs.py's differential test with every tensor on ``neuron``: views
