@@ -325,7 +325,7 @@ def _pytest_on_neuron(tmp_path, *args: str, env: dict | None = None) -> str:
 @pytest.mark.slow
 def test_the_tracers_contract_tests_pass_on_the_emulated_device(tmp_path):
     """tests/test_tracer.py with every tensor on ``neuron``, replayed and compiled by stablehlo from
-    first sight (~10 min on 2 cores). The tests that cannot apply there are skipped with the reason;
+    first sight (~4 min on 2 cores). The tests that cannot apply there are skipped with the reason;
     nothing else may fail."""
     out = _pytest_on_neuron(tmp_path, "tests/test_tracer.py")
     assert " passed" in out and " failed" not in out and "[stablehlo]" in out
@@ -335,7 +335,7 @@ def test_the_tracers_contract_tests_pass_on_the_emulated_device(tmp_path):
 @pytest.mark.slow
 def test_opinfo_float32_samples_on_the_emulated_device_agree_with_eager(tmp_path):
     """tests/test_stablehlo.py's OpInfo sweep with the samples on ``neuron``, a bounded subset
-    (AE_TEST_OPINFO_OPS=50: every 13th of 677 ops, ~4 min); it prints the agreement and the ops that cannot be lowered."""
+    (AE_TEST_OPINFO_OPS=50: every 13th of 677 ops, ~2 min); it prints the agreement and the ops that cannot be lowered."""
     out = _pytest_on_neuron(tmp_path, "-s", "tests/test_stablehlo.py", "-k", "opinfo",
                             env={"AE_TEST_STABLEHLO_OPINFO": "1", "AE_TEST_OPINFO_OPS": "50"})
     assert "OpInfo float32 samples on neuron compiled by stablehlo" in out and "1 passed" in out
