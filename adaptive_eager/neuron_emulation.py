@@ -48,6 +48,9 @@ import weakref
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ._threads import sync_value
 
 DEVICE = "neuron"
 _lock = threading.Lock()
@@ -73,10 +76,19 @@ class EmulatedNeuronTensor(torch.Tensor):
         t._data = data
         return t
 
+    # Note [Emulated host reads]: C++ refuses ``tolist``/``numpy`` of a subclass, and torch's repr
+    # would format with ops on the device (launches); these read the CPU data, which a real device
+    # copies to the host. A read of a pending value's memory: its window runs first, the reason
+    # counted as for a plain tensor (adaptive eager's readers on ``torch.Tensor`` are shadowed here).
     def __repr__(self, *, tensor_contents=None):
-        # through ``cpu()``: under adaptive eager a read, so a pending value is computed first
-        text = repr(self.detach().cpu())
+        sync_value(self, "repr")
+        with _disable_current_modes():
+            text = repr(self._data)
         return text[:-1] + f", device='{self.device}'" + (", requires_grad=True" if self.requires_grad else "") + ")"
+
+    def tolist(self):
+        sync_value(self, "tolist")
+        return self._data.tolist()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -235,6 +247,7 @@ def emulate_neuron() -> None:
         lib = torch.library.Library("aten", "IMPL")  # kept alive by _LIBRARIES
         lib.impl("empty.memory_format", _empty, "PrivateUse1")
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+        lib.impl("_copy_from", _copy_from, "PrivateUse1")
         _LIBRARIES.append(lib)
         from fuser.backends.stablehlo import register_host_device
 
@@ -252,6 +265,16 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     return on_device(torch.empty_strided(size, stride, dtype=dtype, layout=layout))
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """A copy between devices that reaches the PrivateUse1 kernel instead of ``__torch_dispatch__``:
+    ``torch.tensor(data, device="neuron")`` builds a CPU tensor and moves it with the Python key
+    excluded. One launch, as a copy in ``__torch_dispatch__`` is."""
+    global _launches
+    cpu_data(dst).copy_(cpu_data(src), non_blocking)
+    _launches += 1  # Note [Emulated launches]
+    return dst
 
 
 class _DeviceModule:

@@ -3,6 +3,7 @@ dropout and a loss logged every few steps, the way a real fine-tuning loop looks
 plain eager (same seed) ends at the same loss.
 
     python examples/finetune_transformer.py
+    python examples/finetune_transformer.py --device neuron --steps 40   # on Trainium, or an emulated neuron device
 
 The model (a 2-layer ``nn.TransformerEncoder``, d_model 64) is first "pretrained" for a few steps
 on copying random token sequences, then fine-tuned to reverse them. Only the fine-tuning runs
@@ -15,8 +16,14 @@ On a 2-core CPU (torch 2.13) the script took 46-50 s with an empty cache (the ba
 of the step finished near the end of the 200 steps, or on a busy machine not at all, so nearly
 every step replayed) and 33 s with a warm one (the region loads from the cache at first sight and
 nearly every step runs compiled).
+
+With ``--device neuron`` the pretraining stays on cpu and the fine-tuning runs on ``neuron``
+(both runs; eager there is one NEFF launch per op). Where torch-neuronx is not installed the
+device is emulated in CPU memory (its eager values are CPU's) and the stablehlo backend stands
+in for neuronx-cc, as in examples/train.py.
 """
 
+import argparse
 import copy
 import math
 import time
@@ -72,25 +79,27 @@ def pretrain() -> dict:
     return copy.deepcopy(model.state_dict())
 
 
-def finetune(checkpoint: dict, lazy: bool, label: str) -> tuple[float, float]:
+def finetune(checkpoint: dict, lazy: bool, label: str, device: str = "cpu",
+             steps: int = FINETUNE_STEPS) -> tuple[float, float]:
     """Returns (final loss, token accuracy on a held-out batch)."""
     torch.manual_seed(2)  # dropout masks
     model = Reverser()
     model.load_state_dict(checkpoint)
-    model.train()
+    model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
     def warmup_then_cosine(step: int) -> float:
         if step < WARMUP_STEPS:
             return (step + 1) / WARMUP_STEPS
-        return 0.5 * (1 + math.cos(math.pi * (step - WARMUP_STEPS) / (FINETUNE_STEPS - WARMUP_STEPS)))
+        return 0.5 * (1 + math.cos(math.pi * (step - WARMUP_STEPS) / max(1, steps - WARMUP_STEPS)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine)
     g = torch.Generator().manual_seed(3)
     t0 = time.perf_counter()
     with adaptive_eager() if lazy else torch.enable_grad():
-        for step in range(1, FINETUNE_STEPS + 1):
-            loss = train_step(model, opt, sched, *batch(g, "reverse"))
+        for step in range(1, steps + 1):
+            x, y = batch(g, "reverse")
+            loss = train_step(model, opt, sched, x.to(device), y.to(device))
             if step % LOG_EVERY == 0:
                 # .item() is a sync point; reading it every LOG_EVERY steps keeps it out of most steps
                 extra = ""
@@ -101,19 +110,30 @@ def finetune(checkpoint: dict, lazy: bool, label: str) -> tuple[float, float]:
                       f"  {time.perf_counter() - t0:5.1f} s{extra}")
         model.eval()
         with torch.no_grad():
-            x, y = batch(g, "reverse")
+            x, y = (t.to(device) for t in batch(g, "reverse"))
             accuracy = (model(x).argmax(-1) == y).float().mean().item()
     return loss.item(), accuracy
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda, or neuron (emulated in CPU memory where torch-neuronx is not installed)")
+    parser.add_argument("--steps", type=int, default=FINETUNE_STEPS, help="fine-tuning steps of each run")
+    args = parser.parse_args()
+    if args.device == "neuron":
+        from adaptive_eager import neuron_emulation
+
+        if not neuron_emulation.real_device_present():
+            neuron_emulation.emulate_neuron()  # the stablehlo backend stands in for neuronx-cc
+            print("no torch-neuronx here: the neuron device is emulated (CPU memory)")
     # A model this small gains nothing from intra-op threads, and on a shared 2-core machine they
     # mostly wait on each other (steps 3-10x slower under load); both runs use one thread.
     torch.set_num_threads(1)
     checkpoint = pretrain()
-    eager_loss, eager_acc = finetune(checkpoint, lazy=False, label="eager")
+    eager_loss, eager_acc = finetune(checkpoint, lazy=False, label="eager", device=args.device, steps=args.steps)
     ae.reset_metrics()
-    lazy_loss, lazy_acc = finetune(checkpoint, lazy=True, label="adaptive")
+    lazy_loss, lazy_acc = finetune(checkpoint, lazy=True, label="adaptive", device=args.device, steps=args.steps)
     m = ae.metrics()
     print()
     print(f"final loss      eager {eager_loss:.6f}   adaptive eager {lazy_loss:.6f}   "

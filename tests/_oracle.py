@@ -24,7 +24,7 @@ def clone_exact(tree):
     inputs that share a storage; both change what an op sees (its kernel path, whether an in-place
     write shows through another argument). Copying the storage keeps all of that.
     """
-    copies: dict[int, torch.UntypedStorage] = {}
+    copies: dict[int, torch.Tensor] = {}
 
     def copy(x):
         if not isinstance(x, torch.Tensor) or x.layout is not torch.strided:
@@ -32,9 +32,11 @@ def clone_exact(tree):
         storage = x.untyped_storage()
         key = storage._cdata
         if key not in copies:
-            copies[key] = storage.clone()
+            # the bytes copied as a tensor, not ``storage.clone()``: an emulated neuron tensor's
+            # storage holds no memory (Note [Emulated storage]); the copy's tensor keeps it live
+            copies[key] = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage).clone()
         out = torch.empty(0, dtype=x.dtype, device=x.device)
-        out.set_(copies[key], x.storage_offset(), x.size(), x.stride())
+        out.set_(copies[key].untyped_storage(), x.storage_offset(), x.size(), x.stride())
         return out
 
     return tree_map(copy, tree)

@@ -1,6 +1,9 @@
 import pytest
 
+import _device
 import adaptive_eager as ae
+
+_device.install()  # before any test module is imported: Note [Test device] in _device.py
 
 
 @pytest.fixture(autouse=True, scope="session")

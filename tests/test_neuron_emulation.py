@@ -107,6 +107,27 @@ def test_module_to_state_dict_and_adamw_equal_eager_cpu(tmp_path):
     assert "ok" in out
 
 
+def test_tensor_constructor_tolist_and_repr_on_the_device(tmp_path):
+    """``torch.tensor(data, device="neuron")`` moves its data with the Python key excluded (it reached
+    no kernel: NotImplementedError for ``aten::_copy_from``); ``tolist()`` of a subclass raised in C++;
+    under adaptive eager both read a pending value after its window ran, counted by their own reason."""
+    out = _child("""
+        ne.emulate_neuron()
+        start = ne.launches()
+        t = torch.tensor([[1.5, -2.0]], device="neuron")
+        assert t.device.type == "neuron" and t.tolist() == [[1.5, -2.0]] and ne.launches() - start == 1
+        assert torch.tensor(3, device="neuron").cpu().item() == 3
+        with ae.adaptive_eager(backend="replay"):
+            y = t * 2
+            assert y.tolist() == [[3.0, -4.0]]
+            z = t + 1
+            assert repr(z) == "tensor([[ 2.5000, -1.0000]], device='neuron:0')", repr(z)
+            assert ae.metrics()["flushes"] == {"tolist": 1, "repr": 1}, ae.metrics()["flushes"]
+        print("ok")
+        """, tmp_path)
+    assert "ok" in out
+
+
 def test_refuses_when_privateuse1_is_another_device(tmp_path):
     out = _child("""
         torch.utils.rename_privateuse1_backend("foo")
@@ -244,6 +265,20 @@ def test_train_example_on_the_emulated_device_matches_eager(tmp_path):
 
 
 @needs_stablehlo
+@pytest.mark.slow
+def test_finetune_example_on_the_emulated_device_matches_eager(tmp_path):
+    """examples/finetune_transformer.py --device neuron (~60 s): eager on the emulated device (CPU's
+    values) and adaptive eager compiled by stablehlo end at the same loss (the example exits non-zero
+    otherwise), and the fine-tuning steps' windows run compiled."""
+    out = _child("", tmp_path, {"NEURON_EAGER_ASYNC_COMPILE": "0"}, script=ROOT / "examples" / "finetune_transformer.py",
+                 args=("--device", "neuron", "--steps", "10"))
+    assert "the neuron device is emulated" in out
+    eager, adaptive = (float(v) for v in out.split("final loss      eager ")[1].split("(")[0].split("adaptive eager"))
+    assert abs(eager - adaptive) <= 1e-4 * abs(eager), (eager, adaptive)
+    assert int(out.split(" windows: ")[1].split(" ran compiled")[0]) > 0, out
+
+
+@needs_stablehlo
 @pytest.mark.parametrize("backend", ["replay", "stablehlo"])
 def test_generated_programs_on_the_emulated_device_match_eager_there(tmp_path, backend):
     """tests/test_generated_programs.py's differential test with every tensor on ``neuron``: views
@@ -272,3 +307,35 @@ def test_generated_programs_on_the_emulated_device_match_eager_there(tmp_path, b
     programs, compiled = int(out.split("programs ")[1].split()[0]), int(out.split("compiled_runs ")[1].split()[0])
     assert programs >= 12 and int(out.split(" ops ")[1].split()[0]) > 0, out
     assert (compiled > 0) == (backend == "stablehlo"), out
+
+
+def _pytest_on_neuron(tmp_path, *args: str, env: dict | None = None) -> str:
+    """``pytest args`` in a child process whose test device is the emulated ``neuron`` device
+    (Note [Test device] in tests/_device.py); its summary is printed for the test log."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("NEURON_EAGER", "AE_TEST_"))}
+    environ.update({"PYTHONPATH": str(ROOT), "AE_TEST_DEVICE": "neuron", **(env or {})})
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxs", *args], env=environ,
+                         capture_output=True, text=True, timeout=3000, cwd=ROOT)
+    print(out.stdout[-6000:])
+    assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-5000:]
+    return out.stdout
+
+
+@needs_stablehlo
+@pytest.mark.slow
+def test_the_tracers_contract_tests_pass_on_the_emulated_device(tmp_path):
+    """tests/test_tracer.py with every tensor on ``neuron``, replayed and compiled by stablehlo from
+    first sight (~4 min on 2 cores). The tests that cannot apply there are skipped with the reason;
+    nothing else may fail."""
+    out = _pytest_on_neuron(tmp_path, "tests/test_tracer.py")
+    assert " passed" in out and " failed" not in out and "[stablehlo]" in out
+
+
+@needs_stablehlo
+@pytest.mark.slow
+def test_opinfo_float32_samples_on_the_emulated_device_agree_with_eager(tmp_path):
+    """tests/test_stablehlo.py's OpInfo sweep with the samples on ``neuron``, a bounded subset
+    (AE_TEST_OPINFO_OPS=50: every 13th of 677 ops, ~2 min); it prints the agreement and the ops that cannot be lowered."""
+    out = _pytest_on_neuron(tmp_path, "-s", "tests/test_stablehlo.py", "-k", "opinfo",
+                            env={"AE_TEST_STABLEHLO_OPINFO": "1", "AE_TEST_OPINFO_OPS": "50"})
+    assert "OpInfo float32 samples on neuron compiled by stablehlo" in out and "1 passed" in out

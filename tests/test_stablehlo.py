@@ -237,6 +237,8 @@ def test_generated_programs_compiled_from_first_sight_match_eager(program):
 
 
 OPINFO_SAMPLES = 2
+# AE_TEST_OPINFO_OPS=N: every (len/N)-th op only, a bounded sweep (tests/test_neuron_emulation.py's)
+OPINFO_OPS = int(os.environ.get("AE_TEST_OPINFO_OPS", "0"))
 
 
 @needs_stablehlo
@@ -246,13 +248,15 @@ OPINFO_SAMPLES = 2
 def test_opinfo_float32_samples_compiled_by_stablehlo_agree_with_eager(monkeypatch, capsys, fresh_regions):
     """tests/test_opinfo.py's differential test with every sample's window compiled by this backend
     (its first samples, the op's own form: in-place forms and pending inputs test the tracer, which
-    test_opinfo.py covers); prints the agreement and the ops torch-mlir cannot lower."""
+    test_opinfo.py covers); prints the agreement and the ops torch-mlir cannot lower. The samples
+    are on the test device (Note [Test device] in _device.py)."""
     import itertools
     import time
 
     import test_opinfo as opinfo
     from torch.testing._internal.common_methods_invocations import op_db
 
+    from _device import DEVICE
     from fuser.backends import get_backend
     from fuser.backends._common import op_name
 
@@ -260,10 +264,11 @@ def test_opinfo_float32_samples_compiled_by_stablehlo_agree_with_eager(monkeypat
     tally, replayed = opinfo.Tally(), {}
     start = time.perf_counter()
     with ae.defaults(hot_after=1, async_compile=False):
-        for op in (op for op in op_db if torch.float32 in op.supported_dtypes("cpu")):
+        ops = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
+        for op in ops[::max(1, len(ops) // OPINFO_OPS)] if OPINFO_OPS else ops:
             name = opinfo.full_name(op)
             try:
-                samples = list(itertools.islice(op.sample_inputs("cpu", torch.float32), OPINFO_SAMPLES))
+                samples = list(itertools.islice(op.sample_inputs(DEVICE, torch.float32), OPINFO_SAMPLES))
             except Exception as e:  # noqa: BLE001 - a broken OpInfo is reported, not fatal
                 tally.skipped[name] = f"sample_inputs raised {type(e).__name__}"
                 continue
@@ -274,10 +279,10 @@ def test_opinfo_float32_samples_compiled_by_stablehlo_agree_with_eager(monkeypat
                 opinfo.check_sample(op, sample, name, op.name, False, tally)
                 if ae.metrics()["compile_failures"] > failures:
                     replayed[name] = replayed.get(name, 0) + 1
-    backend = get_backend("stablehlo", "cpu")
+    backend = get_backend("stablehlo", DEVICE)
     not_lowerable = sorted({op_name(key[0]) for key, why in backend._lowerable.items() if why})
     with capsys.disabled():
-        tally.print_summary("OpInfo float32 samples compiled by stablehlo", time.perf_counter() - start,
+        tally.print_summary(f"OpInfo float32 samples on {DEVICE} compiled by stablehlo", time.perf_counter() - start,
                             opinfo.REQUIRED_AGREEMENT)
         print(f"  ops torch-mlir cannot lower (run alone, {len(not_lowerable)}): {', '.join(not_lowerable)}")
         print(f"  samples whose region failed to compile and was replayed ({sum(replayed.values())}): "

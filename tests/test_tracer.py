@@ -11,16 +11,17 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from _device import COMPILED_BACKEND, NEURON
 from adaptive_eager import adaptive_eager
 
 
-@pytest.fixture(autouse=True, params=["replay", "inductor"])
+@pytest.fixture(autouse=True, params=["replay", COMPILED_BACKEND])
 def backend(request):
     """Every contract test runs twice: op-by-op replay, and compiled regions from the first sight of
     a window (hot_after=1, compiled synchronously) so compilation is exercised everywhere."""
     with ae.defaults(backend=request.param, hot_after=1, async_compile=False):
         yield request.param
-    if request.param == "inductor":
+    if request.param == COMPILED_BACKEND:
         m = ae.metrics()
         assert m["compile_failures"] == 0, "a region failed to compile: see the logged warning"
 
@@ -36,6 +37,13 @@ def assert_eager(got, want):
 
 
 _BACKEND = ["replay"]
+
+
+def unchecked_indices_under_stablehlo(request, backend):
+    """XLA clamps an out-of-range gather index where eager raises: a region compiled by stablehlo
+    returns a value instead of eager's IndexError (a known bug, reported; strict, so a fix shows)."""
+    if backend == "stablehlo":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="stablehlo: out-of-range indices are clamped"))
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +74,7 @@ def test_outputs_have_eager_metadata():
     assert metas == [(t.shape, t.stride(), t.dtype, t.device) for t in eager]
     for got, want in zip(cases, eager):
         assert_eager(got, want)
-    assert all(type(t) is torch.Tensor for t in cases)
+    assert all(type(t) is type(x) for t in cases)  # torch.Tensor, or the emulated neuron device's
 
 
 def test_dead_values_are_never_computed():
@@ -231,7 +239,8 @@ def test_control_flow_on_tensor_values():
     [
         (lambda t: t.sum().item(), "item"),
         (lambda t: t.tolist(), "tolist"),
-        (lambda t: t.numpy().copy(), "numpy"),
+        pytest.param(lambda t: t.numpy().copy(), "numpy",
+                     marks=pytest.mark.skipif(NEURON, reason="numpy() of a device tensor raises in eager")),
         (lambda t: bool(t.sum() > 0), "bool"),
         (lambda t: repr(t), "repr"),
         (lambda t: t.to("meta"), "device_copy"),
@@ -309,7 +318,8 @@ def test_shape_errors_raise_at_the_offending_line():
             torch.randn(3) + torch.randn(4)
 
 
-def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line():
+def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line(request, backend):
+    unchecked_indices_under_stablehlo(request, backend)
     x = torch.randn(5)
     idx = torch.tensor([1, 10])
     with pytest.raises(IndexError):
@@ -324,9 +334,10 @@ def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line():
     assert f"test_tracer.py:{recorded_line}" in msg
 
 
-def test_an_error_from_an_op_torch_issues_names_the_users_line():
+def test_an_error_from_an_op_torch_issues_names_the_users_line(request, backend):
     """The op is issued inside torch's Python (``F.embedding``): the error names the user's line,
     found by walking past torch's frames, each time from the frames of that call."""
+    unchecked_indices_under_stablehlo(request, backend)
     w = torch.randn(4, 3)
     good, bad = torch.tensor([1, 2]), torch.tensor([1, 9])
     with adaptive_eager():
@@ -344,11 +355,11 @@ def test_escaped_tensors_behave_as_ordinary_tensors():
     x = torch.randn(3, requires_grad=True)
     with adaptive_eager():
         y = (x * 2).exp()
-    assert type(y) is torch.Tensor and not ae.is_lazy(y)
+    assert type(y) is type(x.detach()) and not ae.is_lazy(y)
     z = y.sum()
     z.backward()
     torch.testing.assert_close(x.grad, 2 * (x.detach() * 2).exp())
-    assert y.detach().numpy().shape == (3,)
+    assert y.detach().cpu().numpy().shape == (3,)
     assert not hasattr(y, "_ae")
 
 
@@ -615,6 +626,7 @@ def _window_facts(program, make, varies=False):
     return facts, out
 
 
+@pytest.mark.skipif(NEURON, reason="the record fast paths serve cpu and cuda targets (TracerState.target_attr)")
 @pytest.mark.parametrize("varies", [False, True])
 @pytest.mark.parametrize("inplace_first", [False, True])
 def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inplace_first, varies):
@@ -663,6 +675,7 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
         assert torch.equal(g, w)
 
 
+@pytest.mark.skipif(NEURON, reason="host-scalar ops are 0-dim CPU tensors of a CPU target")
 def test_host_scalar_ops_are_counted_apart():
     """AdamW's 0-dim CPU step counters (``step += 1``, ``step.item()``) run at once on a CPU
     target and are counted in ``host_scalar_ops``; ``.item()`` of a pending value is not one."""
@@ -678,6 +691,7 @@ def test_host_scalar_ops_are_counted_apart():
     assert ae.metrics()["host_scalar_ops"] == 6
 
 
+@pytest.mark.skipif(NEURON, reason="host-scalar ops are 0-dim CPU tensors of a CPU target")
 def test_ops_that_are_not_recorded_leave_no_inputs_in_the_window():
     """An op that runs at once (a host-scalar op, an eager fallback) or that a fast path hands
     to the general path must not leave its tensors among the window's inputs: the window would
@@ -716,7 +730,7 @@ def test_a_released_mark_reads_as_a_real_tensor():
     assert torch.equal(z, x * 2 + 1) and torch.equal(w, (x * 6).sum())
 
 
-@pytest.mark.parametrize("backend", ["replay", "inductor"])
+@pytest.mark.parametrize("backend", ["replay", COMPILED_BACKEND])
 def test_a_flushed_window_is_freed_by_reference_counting(backend):
     """Note [Window release]: no Out or Node outlives its flush, with the garbage collector off.
     Dead intermediates, a live output, a view, in-place updates of parameters and gradients."""
