@@ -9,6 +9,7 @@ import time
 
 import torch
 import torch.autograd.profiler as _profiler
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import fuser
@@ -21,6 +22,33 @@ from ._source import _flush_site
 from ._state import TracerState, _default_dtype, _step_back, _tls
 
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_pop_dispatch_stack = torch._C._pop_torch_dispatch_stack
+_push_dispatch_stack = torch._C._push_on_torch_dispatch_stack
+
+
+class _modes_off:
+    """``_disable_current_modes`` for every flush: the window runs with no dispatch mode (not this
+    thread's LazyMode, nor a mode the program entered before it). Without pre-dispatch modes
+    (``torch.export``'s tracing), which only the general version handles, it is the same pops and
+    pushes of the mode stack; the general version's imports and checks cost ~40 us a flush."""
+
+    __slots__ = ("modes", "general")
+
+    def __enter__(self) -> None:
+        if _len_torch_dispatch_stack_pre_dispatch():
+            self.general = _disable_current_modes()
+            self.general.__enter__()
+            return
+        self.general = None
+        self.modes = [_pop_dispatch_stack(None) for _ in range(_len_dispatch_stack())]
+
+    def __exit__(self, *exc) -> None:
+        if self.general is not None:
+            self.general.__exit__(*exc)
+            return
+        for mode in reversed(self.modes):
+            _push_dispatch_stack(mode)
 
 _CUTS = ("window_cap", "period")
 
@@ -75,7 +103,7 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         site, inside = _flush_site(2)
         METRICS.flush_sites[(reason, site, inside)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
-              else contextlib.nullcontext()), _disable_current_modes(), _recorded_dtype(st.dtype):
+              else contextlib.nullcontext()), _modes_off(), _recorded_dtype(st.dtype):
             result = fuser.run_window(window, st.options)
         ran = True  # ``Window.live`` is read: Note [Window release]
         if window.hot is not None:  # validated, and run without a key (else it was demoted)

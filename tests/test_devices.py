@@ -32,6 +32,40 @@ def _same(got, want):
     torch.testing.assert_close(got, want)
 
 
+# Note [No waiting for the device]: on CUDA a flush launches its window (a compiled region, or
+# op by op) and returns; the host records window N+1 while the GPU runs window N. Nothing on the
+# flush path reads a device value on the host (``.item()``, ``.tolist()``, ``bool(t)``,
+# ``nonzero``, a blocking copy to the host) or waits for the device (``torch.cuda.synchronize``,
+# a stream's or an event's ``synchronize``, ``Event.wait``). Checked by counting those calls, not
+# by timing: the training test's ``waits`` (any machine) and the set_sync_debug_mode test (cuda).
+_HOST_READS = ("item", "tolist", "__bool__", "cpu", "numpy", "nonzero")
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """Note [No waiting for the device], on any machine: the Python-level host reads and
+    synchronizes called while a window runs (a wait inside an ATen kernel only the cuda test
+    below sees), by name."""
+    from adaptive_eager._state import _tls
+
+    calls = []
+
+    def counting(name, original):
+        def during_flushes(*args, **kwargs):
+            if getattr(_tls, "running", None) is not None:  # a window is running (adaptive_eager._flush)
+                calls.append(name)
+            return original(*args, **kwargs)
+        return during_flushes
+
+    for name in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", counting("cuda.synchronize", torch.cuda.synchronize))
+    for owner, name in ((torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"),
+                        (torch.cuda.Event, "wait")):
+        monkeypatch.setattr(owner, name, counting(f"{owner.__name__}.{name}", getattr(owner, name)))
+    return calls
+
+
 def test_elementwise_chain_compiles_on_the_device(device):
     x = torch.randn(1000, 33, device=device)
 
@@ -49,7 +83,8 @@ def test_elementwise_chain_compiles_on_the_device(device):
     assert m["compiled_runs"] >= 2 and m["blacklisted"] == 0
 
 
-def test_training_steps_match_eager_on_the_device(device):
+def test_training_steps_match_eager_on_the_device(device, waits):
+    """Eager's values, and no flush of the steps waits for the device (Note [No waiting for the device])."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
                                 torch.nn.Linear(64, 8)).to(device)
@@ -79,6 +114,7 @@ def test_training_steps_match_eager_on_the_device(device):
         _same(p.grad, q.grad)
     m = ae.metrics()
     assert m["compiled_runs"] >= 2 and m["blacklisted"] == 0
+    assert waits == []
 
 
 def test_views_and_in_place_writes_on_the_device(device):
@@ -142,3 +178,48 @@ def test_ops_take_the_record_fast_path_on_the_device(device, monkeypatch):
             ae.sync()
     assert sum(recorded) >= 8, recorded
     assert y.device == x.device
+
+
+def _train_step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                               torch.nn.Linear(64, 8)).to(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CI has none: benchmarks/device_check.sh runs it)")
+def test_compiled_training_steps_never_wait_for_the_gpu(fresh_regions):
+    """Note [No waiting for the device], on CUDA: with ``torch.cuda.set_sync_debug_mode("error")``
+    every call that synchronizes with the device raises (a host read of a cuda tensor, a blocking
+    copy to the host, ``nonzero``, ``torch.cuda.synchronize``), in the library's Python, in torch's
+    and inside ATen kernels alike. Hot steps of a compiled training loop, with a flush each, must
+    run through it."""
+    model, twin = _model("cuda"), _model("cuda")
+    x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    want = [_train_step(twin, twin_opt, x, y) for _ in range(9)]
+    with adaptive_eager(**_options("cuda")):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        got = [_train_step(model, opt, x, y) for _ in range(4)]  # replay, compile, then compiled runs
+        ae.sync()
+        torch.cuda.synchronize()
+        runs = ae.metrics()["compiled_runs"]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(5):
+                got.append(_train_step(model, opt, x, y))
+                ae.sync()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert ae.metrics()["compiled_runs"] - runs >= 5
+    for g, w in zip(got, want):
+        _same(g, w)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        _same(p, q)

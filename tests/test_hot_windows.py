@@ -272,3 +272,32 @@ def test_hot_windows_off_records_every_window_in_full(fresh_regions, monkeypatch
     m = ae.metrics()
     assert m["hot_windows"] == 0 and m["hot_ops"] == 0 and m["compiled_runs"] >= 3 and m["hot_mismatches"] == {}
     torch.testing.assert_close(y, _step(x, w))
+
+
+def test_a_flush_runs_its_window_with_every_dispatch_mode_off_and_puts_them_back():
+    """The flush takes the program's own dispatch mode off too (entered before adaptive eager:
+    it sees nothing of the window's run), and puts both modes back in order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Outer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(16), torch.randn(16)
+    with Outer() as outer:
+        with ae.adaptive_eager(backend="replay"):  # the flush is the same on every backend
+            mode = torch._C._get_dispatch_stack_at(1)
+            for _ in range(3):
+                y = _step(x, w)
+                del seen[:]  # what recording allocated went through the outer mode
+                ae.sync()
+                assert seen == []
+                assert torch._C._len_torch_dispatch_stack() == 2
+                assert torch._C._get_dispatch_stack_at(0) is outer and torch._C._get_dispatch_stack_at(1) is mode
+            z = y * 2
+            assert ae.is_lazy(z)  # adaptive eager still records
+    torch.testing.assert_close(y, _step(x, w))
+    torch.testing.assert_close(z, _step(x, w) * 2)
