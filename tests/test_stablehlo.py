@@ -126,6 +126,31 @@ def test_ops_it_cannot_lower_run_alone_and_are_counted(fresh_regions):
 
 
 @needs_stablehlo
+@pytest.mark.parametrize("index", [
+    lambda x, i: x[i],
+    lambda x, i: x.index_select(0, i),
+    lambda x, i: torch.gather(x, 0, i),
+    lambda x, i: torch.nn.functional.embedding(i, x.unsqueeze(1)),
+    lambda x, i: x.index_put((i,), torch.ones(2)),
+    lambda x, i: x.scatter(0, i, torch.ones(2)),
+], ids=["index", "index_select", "gather", "embedding", "index_put", "scatter"])
+def test_an_index_out_of_range_raises_eagers_error_instead_of_being_clamped(fresh_regions, index):
+    """XLA clamps a gather or scatter index out of range (Note [Unchecked indices]): compiled, x[[1, 10]]
+    of 5 values gave x[1] + x[4]. Such ops run alone, so eager raises, and in range they agree."""
+    x = torch.randn(5)
+    good, bad = torch.tensor([1, 3]), torch.tensor([1, 10])
+    with pytest.raises((IndexError, RuntimeError)) as eager:
+        index(x * 2, bad)
+    want = index(x * 2, good).sin()
+    with ae.adaptive_eager(**STABLEHLO):
+        got = index(x * 2, good).sin()
+        torch.testing.assert_close(got, want)
+        with pytest.raises(type(eager.value)):
+            index(x * 2, bad).sin().sum().item()
+    assert ae.metrics()["run_alone"].get("miscompiled", 0) >= 1, ae.metrics()
+
+
+@needs_stablehlo
 def test_unsupported_names_only_ops_that_do_not_lower():
     backend = StablehloBackend("cpu")
     gm = make_fx(_ops_torch_mlir_cannot_lower)(torch.randn(6, 5), torch.arange(5.0))

@@ -39,13 +39,6 @@ def assert_eager(got, want):
 _BACKEND = ["replay"]
 
 
-def unchecked_indices_under_stablehlo(request, backend):
-    """XLA clamps an out-of-range gather index where eager raises: a region compiled by stablehlo
-    returns a value instead of eager's IndexError (a known bug, reported; strict, so a fix shows)."""
-    if backend == "stablehlo":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="stablehlo: out-of-range indices are clamped"))
-
-
 @pytest.fixture(autouse=True)
 def _remember_backend(backend):
     _BACKEND[0] = backend
@@ -318,8 +311,7 @@ def test_shape_errors_raise_at_the_offending_line():
             torch.randn(3) + torch.randn(4)
 
 
-def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line(request, backend):
-    unchecked_indices_under_stablehlo(request, backend)
+def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line():
     x = torch.randn(5)
     idx = torch.tensor([1, 10])
     with pytest.raises(IndexError):
@@ -334,10 +326,9 @@ def test_runtime_errors_raise_at_next_sync_with_eager_type_and_user_line(request
     assert f"test_tracer.py:{recorded_line}" in msg
 
 
-def test_an_error_from_an_op_torch_issues_names_the_users_line(request, backend):
+def test_an_error_from_an_op_torch_issues_names_the_users_line():
     """The op is issued inside torch's Python (``F.embedding``): the error names the user's line,
     found by walking past torch's frames, each time from the frames of that call."""
-    unchecked_indices_under_stablehlo(request, backend)
     w = torch.randn(4, 3)
     good, bad = torch.tensor([1, 2]), torch.tensor([1, 9])
     with adaptive_eager():
