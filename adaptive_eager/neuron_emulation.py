@@ -63,7 +63,8 @@ class NeuronEmulationError(RuntimeError):
 
 
 class EmulatedNeuronTensor(torch.Tensor):
-    """A tensor on the emulated ``neuron`` device; its data is the CPU tensor ``_data``."""
+    """A tensor on the emulated ``neuron`` device (Note [Emulated neuron tensors]); its data is the
+    CPU tensor ``_data``."""
 
     _data: torch.Tensor
 
