@@ -77,9 +77,10 @@ _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.R
 _DYNAMO_BACKENDS = {"inductor": "inductor"}
 _MAX_CAPTURES = 4
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
-# Dynamo refuses to run a compiled function while FX traces anything, in any thread: the flag is
-# process-wide (``torch.fx._symbolic_trace._is_fx_tracing_flag``), and a region compiling in
-# another thread of this process traces. Such a step runs recorded, as a cold one does.
+# Dynamo refuses to run a compiled function while FX traces (``is_fx_symbolic_tracing()``, which
+# it asks): up to torch 2.13 the flag is process-wide (``_is_fx_tracing_flag``), so a region
+# compiling in another thread of this process counts; from 2.14 it is per thread
+# (``_is_fx_tracing_tls``). Such a step runs recorded, as a cold one does.
 _NESTED_TRACE = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
 _saved: list[tuple] = []  # (class, its step) and (cell, what it held), to put back
@@ -219,11 +220,11 @@ def _step(st, opt, raw):
 
 
 def _traced_elsewhere() -> bool:
-    """Whether FX is tracing in some thread, so that Dynamo would refuse the compiled step
-    (``_NESTED_TRACE``); counted: the step then runs recorded."""
+    """Whether FX is tracing as Dynamo sees it (``is_fx_symbolic_tracing()``, its own check), so
+    that it would refuse the compiled step (``_NESTED_TRACE``); counted: the step then runs recorded."""
     from torch.fx import _symbolic_trace
 
-    if _symbolic_trace._is_fx_tracing_flag:
+    if _symbolic_trace.is_fx_symbolic_tracing():
         METRICS.optimizer_misses["traced_elsewhere"] += 1
         return True
     return False

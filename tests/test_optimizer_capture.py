@@ -312,15 +312,18 @@ def test_a_hot_step_counts_one_launch_for_what_eager_launches():
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked-first", "refused-by-dynamo"])
 def test_a_step_while_another_thread_traces_runs_recorded(monkeypatch, checked):
-    """Dynamo refuses a compiled call while FX traces in any thread (a region compiling in another
-    thread): that step runs recorded, is counted, and the next one is hot again."""
+    """Dynamo refuses a compiled call while FX traces (up to torch 2.13 in any thread: a region
+    compiling in another thread): that step runs recorded, is counted, and the next one is hot again."""
     from torch.fx import _symbolic_trace
 
     if not checked:  # the other thread begins to trace between the check and the call
         monkeypatch.setattr(_optim, "_traced_elsewhere", lambda: False)
 
-    def edit(i, params, opt):
-        monkeypatch.setattr(_symbolic_trace, "_is_fx_tracing_flag", i in (2, 4))  # the capture and a hot step
+    def edit(i, params, opt):  # FX traces during the capture and a hot step
+        if hasattr(_symbolic_trace, "_is_fx_tracing_tls"):  # torch 2.14: a flag per thread
+            monkeypatch.setattr(_symbolic_trace._is_fx_tracing_tls, "flag", i in (2, 4), raising=False)
+        else:
+            monkeypatch.setattr(_symbolic_trace, "_is_fx_tracing_flag", i in (2, 4))
 
     make = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
     eager = _train(make, 7, lazy=False)
