@@ -889,11 +889,12 @@ def test_an_op_recorded_on_a_thread_without_python_frames_has_no_user_line():
 def test_tensor_split_at_pending_indices_splits_where_eager_does(split):
     """tensor_split reads a tensor of indices in C++ straight from memory, without dispatching:
     pending, it was split at whatever the placeholder held (shapes [10], [0], [0] for [2, 5])."""
-    x, indices = torch.arange(10.0), torch.tensor([2, 5])
+    x, indices = torch.arange(10.0), torch.tensor([2, 5], device="cpu")  # eager takes cpu indices only
     want = [p.clone() for p in split(x * 2, indices + 1)]
     with adaptive_eager(backend="replay"):
         got = [p.clone() for p in split(x * 2, indices + 1)]
     assert [p.shape for p in got] == [p.shape for p in want]
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-    assert ae.metrics()["flushes"].get("host_indices", 0) + ae.metrics()["flushes"].get("item", 0) == 1
+    flushes = ae.metrics()["flushes"]
+    assert flushes.get("host_indices", 0) + flushes.get("item", 0) == (0 if NEURON else 1)  # cpu indices: a cpu target's
