@@ -17,7 +17,7 @@ from . import _gc, _ops, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
-from ._ops import ALLOC, BATCH_NORM, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
+from ._ops import ALLOC, BATCH_NORM, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
 from ._fast import _record_fast, _record_hot
 from ._record import _DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_view, _unslot
 from ._state import TracerState, _default_dtype, _on_target, _register, _step_back, _tls, _unregister, current_state
@@ -158,6 +158,9 @@ class LazyMode(TorchDispatchMode):
                 if _touches_target(st, f, args, kwargs):
                     return _eager(st, f, args, kwargs, None)
                 return func(*args, **kwargs)
+            if kind == INLINE:
+                with self:  # its ops come back here (Note [Ops run inline] in _ops)
+                    return f.decomposition(*args, **kwargs)
             # FLUSH
             if f.unseeded is not None and (unseeded := unseeded_facts(f, args, kwargs)) is not None:
                 return _record_or_run(st, unseeded, args, kwargs)  # attention without dropout

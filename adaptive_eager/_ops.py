@@ -13,6 +13,9 @@ RANDOM_NEW      random factory / ``*_like``: run now, in program order (Note [RN
 FLUSH           needs real data or changes tensor metadata: flush the window, then run eagerly
 BATCH_NORM      ``native_batch_norm`` writes the running stats in training mode although its schema
                 does not say so; that case is recorded as ``_native_batch_norm_legit`` (annotated)
+INLINE          an op made of ATen ops the recorder takes: its decomposition runs with the mode on
+                (``OpFacts.decomposition``), and the ops it dispatches are recorded (Note [Ops run
+                inline])
 
 Collectives (``torch.distributed``) are FLUSH with reason "collective" (Note [Collectives]).
 
@@ -28,7 +31,9 @@ from __future__ import annotations
 
 import torch
 
-RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM = range(7)
+from ._args import _tensors
+
+RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE = range(8)
 
 # ops that change a tensor's metadata (shape, strides, storage) in place: the placeholder's
 # metadata must never move under a pending write, so they run eagerly after a flush.
@@ -62,12 +67,43 @@ _SYNC_REASONS = {
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
 _COLLECTIVE_NON_WRITERS = frozenset({"wait_tensor"})
 
+# Note [Ops run inline]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A custom op (not ``aten``) is a FLUSH: its schema and meta kernel are all we know of it, and
+# neither need say what it reads, writes or aliases. The ones below are FSDP2's copy-in/copy-out
+# ops (``torch.distributed.fsdp._fully_shard._fsdp_collectives``), one of each per all-gather and
+# reduce-scatter. Each backend's kernel is the same Python function of ATen ops (``narrow`` and
+# ``split`` + ``_foreach_copy_``; ``split_with_sizes_copy.out``; ``_chunk_cat.out``), registered per
+# device key, not as CompositeImplicitAutograd, so ``OpOverload.decompose()`` does not reach it.
+# ``all_gather_copy_in``'s schema returns fresh tensors although it writes into its
+# ``all_gather_output`` and returns views of it: recorded as one op, that write and those aliases
+# would be lost. So they are INLINE: the backend kernel runs with the mode on (``_backend_kernel``;
+# ``_mode._run_inline``), and the ATen ops it dispatches are recorded as eager runs them, with
+# their own schemas' writes and views; the collective that follows is the sync point (Note
+# [Collectives]). ``split_with_sizes_copy.out`` (which FSDP2's copy-out calls) writes a list of
+# tensors passed as the ``out=`` keyword, which the recorder does not take: it runs as
+# ``torch._decomp``'s decomposition, a ``split_with_sizes`` view and a ``copy_`` per output, which is
+# what its CPU kernel computes (bitwise: copies).
+_INLINE_CUSTOM_OPS = frozenset({"fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat"})
+_INLINE_DECOMPOSED = frozenset({"aten.split_with_sizes_copy.out"})
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+
+
+def _backend_kernel(func):
+    """``func``'s kernel for its first tensor's device, below the dispatch mode."""
+
+    def kernel(*args, **kwargs):
+        t = next(_tensors(args, kwargs))
+        return func.redispatch(torch._C._dispatch_keys(t) & _BELOW_PYTHON, *args, **kwargs)
+
+    return kernel
+
 
 class OpFacts:
     __slots__ = (
         "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
-        "dropout_arg", "unseeded",
+        "dropout_arg", "unseeded", "decomposition",
     )
 
     def __repr__(self) -> str:
@@ -100,7 +136,7 @@ _SHAPE_FROM_FLOATS = ("arange", "linspace", "logspace", "range", "upsample", "in
 def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
     """``seeded=False``: the facts of a call that draws nothing (Note [Dropout probability])."""
     f = OpFacts()
-    f.dropout_arg = f.unseeded = None
+    f.dropout_arg = f.unseeded = f.decomposition = None
     schema = func._schema
     f.func = func
     f.name = str(func)
@@ -167,6 +203,12 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
     if ns in _COLLECTIVE_NAMESPACES:
         f.kind, f.reason = FLUSH, "collective"  # Note [Collectives]
         f.mutates = base not in _COLLECTIVE_NON_WRITERS
+    elif schema.name in _INLINE_CUSTOM_OPS:
+        f.kind, f.decomposition = INLINE, _backend_kernel(func)  # Note [Ops run inline]
+    elif f.name in _INLINE_DECOMPOSED:
+        from torch._decomp import decomposition_table
+
+        f.kind, f.decomposition = INLINE, decomposition_table[func]
     elif ns != "aten":
         f.kind, f.reason = FLUSH, "fallback"  # custom ops: no meta we can trust
     elif base in _SYNC_REASONS or torch.Tag.data_dependent_output in tags:

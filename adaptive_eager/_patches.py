@@ -29,6 +29,8 @@ from ._flush import flush
 from ._state import current_state
 from ._threads import pending_mark, sync_value
 
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (the patched one flushes)
+
 # Tensor methods that read memory without dispatching, with the flush reason each one counts as.
 _TENSOR_READERS = {
     "numpy": "numpy",
@@ -126,18 +128,19 @@ def _optimizer_step_hook(optimizer, args, kwargs) -> None:
     _flush_current("optimizer_step")
 
 
-def _opaque(original, reason: str):
+def _opaque(original, reason: str, uses=None):
     """C++ entry points that read tensor memory without dispatching (DDP's parameter check and
     bucket rebuild) or run ATen ops of their own on raw storage (the copy into shared memory of
     ``share_memory_`` and of ``torch.multiprocessing``'s pickling: recorded, it would be lost when
-    the storage then takes the new memory): flush, then run them eagerly."""
+    the storage then takes the new memory): flush, then run them eagerly. ``uses(window, *args)``:
+    whether the open window needs the flush (default: whenever it has ops)."""
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         st = current_state()
         if st is None or st.mode is None:
             return original(*args, **kwargs)
-        if st.window.nodes:
+        if st.window.nodes and (uses is None or uses(st.window, *args)):
             flush(st, reason)
         with _disable_current_modes():
             return original(*args, **kwargs)
@@ -162,12 +165,28 @@ def _index_reader(original):
     return tensor_split
 
 
+# Note [Storage resize]
+# ~~~~~~~~~~~~~~~~~~~~~
+# FSDP2 frees each parameter's unsharded storage after its forward and backward
+# (``UntypedStorage.resize_(0)``) and allocates it again before the next all-gather
+# (``resize_(nbytes)`` of the empty storage), both eagerly. A pending op that reads or writes the
+# storage's memory must run before that memory goes (or moves: a growing storage copies its bytes
+# into new memory); no other pending op can see the resize, which changes no tensor's metadata.
+# The window's real tensors are all the real memory its ops read or write (``Window.real_inputs``,
+# Note [Placeholders] in fuser.window), and ``Window.written`` every storage they write; a pending
+# value's own storage cannot reach ``resize_`` unflushed (``untyped_storage()`` of it flushes). So
+# ``resize_`` flushes only a window that holds the storage, and the other windows go on past it.
+
+
+def _holds_storage(window, storage, *_) -> bool:
+    sid = storage._cdata
+    return sid in window.written or any(_untyped_storage(t)._cdata == sid for t in window.real_inputs)
+
+
 def _opaque_entry_points():
-    """(owner, attribute name, flush reason) of every C++ function that must run eagerly."""
-    # resize_: FSDP2 frees a parameter's unsharded storage after its forward and backward
-    # (``resize_(0)``) and allocates it again before the all-gather; recorded ops that read the
-    # old memory must run before it goes
-    points = [(torch.UntypedStorage, name, "storage") for name in ("_share_fd_cpu_", "_share_filename_cpu_", "resize_")]
+    """(owner, attribute name, flush reason, ``uses`` or None) of every C++ function that must run eagerly."""
+    points = [(torch.UntypedStorage, name, "storage", None) for name in ("_share_fd_cpu_", "_share_filename_cpu_")]
+    points.append((torch.UntypedStorage, "resize_", "storage", _holds_storage))  # Note [Storage resize]
     try:
         import torch.distributed as dist
     except ImportError:
@@ -175,10 +194,10 @@ def _opaque_entry_points():
     if not dist.is_available():
         return points
     if hasattr(dist, "_verify_params_across_processes"):
-        points.append((dist, "_verify_params_across_processes", "collective"))
+        points.append((dist, "_verify_params_across_processes", "collective", None))
     reducer = getattr(torch._C._distributed_c10d, "Reducer", None)
     if reducer is not None and hasattr(reducer, "_rebuild_buckets"):
-        points.append((reducer, "_rebuild_buckets", "collective"))
+        points.append((reducer, "_rebuild_buckets", "collective", None))
     return points
 
 
@@ -204,10 +223,10 @@ def install() -> None:
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
         _optim.install()  # Note [Optimizer capture]
-        for owner, name, reason in _opaque_entry_points():
+        for owner, name, reason, uses in _opaque_entry_points():
             original = getattr(owner, name)
             _saved[("attr", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
-            setattr(owner, name, _opaque(original, reason))
+            setattr(owner, name, _opaque(original, reason, uses))
         for owner in (torch, torch.Tensor):
             _saved[("attr", owner, "tensor_split")] = owner.__dict__.get("tensor_split", _MISSING)
             owner.tensor_split = _index_reader(owner.tensor_split)

@@ -257,7 +257,7 @@ def _emitted_reasons() -> set:
 
     calls = {"flush", "_run", "_flush_current", "_eager", "sync_value"}
     found = set(_patches._TENSOR_READERS.values()) | set(_ops._SYNC_REASONS.values())
-    found |= {reason for _, _, reason in _patches._opaque_entry_points()}
+    found |= {reason for _, _, reason, _ in _patches._opaque_entry_points()}
     for path in pathlib.Path(adaptive_eager.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             parts = []

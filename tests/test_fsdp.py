@@ -2,9 +2,12 @@
 
 FSDP2's parameters are DTensors: a tensor subclass the mode leaves to its own dispatch, whose
 plain ops on the local shards are recorded (Note [Tensor subclasses] in adaptive_eager._mode). Its
-all-gathers and reduce-scatters are collectives (sync points), and it frees and re-allocates the
-unsharded parameters' storage (``UntypedStorage.resize_``), which flushes first. Eager FSDP2 in the
-same process is the oracle. Ranks start as in tests/test_distributed.py; a hang is a failure.
+copy-in/copy-out custom ops run inline, their ATen ops recorded (Note [Ops run inline] in
+adaptive_eager._ops); its all-gathers and reduce-scatters are collectives (sync points); it frees
+and re-allocates the unsharded parameters' storage (``UntypedStorage.resize_``), which flushes a
+window that holds that storage (Note [Storage resize] in adaptive_eager._patches). Eager FSDP2 in
+the same process is the oracle. Ranks start as in tests/test_distributed.py; a hang is a failure.
+The single-process tests of those mechanisms run by default; the 2-rank ones are slow.
 """
 
 from __future__ import annotations
@@ -17,9 +20,8 @@ import pytest
 import torch
 from test_distributed import COLLECTIVE_TIMEOUT_S, WORLD, run_ranks
 
-pytestmark = pytest.mark.slow  # two gloo ranks spawned per test (~40-180 s); DDP's tests run by default
-
 DEADLINE_S = 240
+STEPS = 4
 
 
 def _dtensor_basics(rank: int) -> dict:
@@ -37,7 +39,7 @@ def _dtensor_basics(rank: int) -> dict:
     return out
 
 
-def _train_fsdp2(rank: int, lazy: bool, cache_dir: str) -> dict:
+def _train_fsdp2(rank: int, lazy: bool, cache_dir: str, backend: str = "inductor") -> dict:
     import contextlib
 
     import torch.distributed as dist
@@ -49,7 +51,7 @@ def _train_fsdp2(rank: int, lazy: bool, cache_dir: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     mesh = init_device_mesh("cpu", (WORLD,))
-    mode = ae.adaptive_eager(backend="inductor", hot_after=2, async_compile=False,
+    mode = ae.adaptive_eager(backend=backend, hot_after=2, async_compile=False,
                              cache_dir=cache_dir) if lazy else contextlib.nullcontext()
     g = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own data
     x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
@@ -59,7 +61,7 @@ def _train_fsdp2(rank: int, lazy: bool, cache_dir: str) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        for _ in range(4):
+        for _ in range(STEPS):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -84,6 +86,9 @@ def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
             result["dtensor_lazy"] = _dtensor_basics(rank)
         result["fsdp_eager"] = _train_fsdp2(rank, lazy=False, cache_dir=cache_dir)
         ae.reset_metrics()
+        result["fsdp_replay"] = _train_fsdp2(rank, lazy=True, cache_dir=cache_dir, backend="replay")
+        result["replay_metrics"] = ae.metrics()
+        ae.reset_metrics()
         result["fsdp_lazy"] = _train_fsdp2(rank, lazy=True, cache_dir=cache_dir)
         result["fsdp_metrics"] = ae.metrics()
         dist.destroy_process_group()
@@ -94,19 +99,21 @@ def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
         raise
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # two gloo ranks spawned (~40-180 s); DDP's tests run by default
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = str(tmp_path_factory.mktemp("fsdp_out"))
     cache_dir = str(tmp_path_factory.mktemp("fsdp_cache"))
     return run_ranks(_worker, out_dir, cache_dir, DEADLINE_S)
 
 
+@pytest.mark.slow
 def test_dtensor_ops_give_eager_values(ranks):
     for r in ranks:
         for key, want in r["dtensor_eager"].items():
             torch.testing.assert_close(r["dtensor_lazy"][key], want, msg=key)
 
 
+@pytest.mark.slow
 def test_fsdp2_training_matches_eager_fsdp2(ranks):
     for r in ranks:
         torch.testing.assert_close(r["fsdp_lazy"]["losses"], r["fsdp_eager"]["losses"], rtol=1e-5, atol=1e-6)
@@ -115,3 +122,83 @@ def test_fsdp2_training_matches_eager_fsdp2(ranks):
     m = ranks[0]["fsdp_metrics"]
     assert m["ops_recorded"] > 0 and m["flushes"].get("collective", 0) > 0, m
     assert m["compiled_runs"] > 0, m  # the local shards' steps ran compiled
+
+
+@pytest.mark.slow
+def test_fsdp2_replay_is_eager_bitwise_and_syncs_only_where_it_must(ranks):
+    for r in ranks:
+        assert torch.equal(r["fsdp_replay"]["losses"], r["fsdp_eager"]["losses"])
+        for got, want in zip(r["fsdp_replay"]["params"], r["fsdp_eager"]["params"]):
+            assert torch.equal(got, want)
+    m = ranks[0]["replay_metrics"]
+    # the copy-in/copy-out ops are recorded: no eager op and no flush of their own (40 fallbacks
+    # and 24 flushes before they ran inline)
+    assert m["fallback_ops"] == {} and "fallback" not in m["flushes"], m
+    # a storage flush only where FSDP2 frees memory pending ops read: at most one per reshard (each
+    # of the 2 sharded layers after its forward and its backward) and one for the parameters'
+    # data_ptr check at setup; none when it allocates an empty storage before an all-gather
+    assert m["flushes"].get("storage", 0) <= 2 * 2 * STEPS + 1, m
+
+
+# ---------------------------------------------------------------------------------------------
+# The mechanisms in one process (default run)
+
+
+def _copy_in_out() -> list:
+    """FSDP2's copy-in and copy-out ops as its all-gather and reduce-scatter call them."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - defines torch.ops.fsdp
+
+    torch.manual_seed(0)
+    shards = [torch.randn(3) * 2, torch.randn(5) + 1]  # pending under adaptive eager
+    flat = torch.zeros(16)  # the all-gather's output, 2 ranks x 8
+    mine, out = torch.ops.fsdp.all_gather_copy_in(shards, flat, [3, 5], 8, 1)
+    params = [torch.empty(3), torch.empty(5)]
+    torch.ops.fsdp.split_with_sizes_copy(mine * 3, [3, 5], dim=0, out=params)
+    grads = torch.empty(2, 5)
+    torch.ops.fsdp.chunk_cat([params[0].view(3, 1) * 1, params[1].view(5, 1) + 1], 0, 2, out=grads)
+    # all_gather_copy_in returns its output and this rank's slice of it (its schema says neither)
+    aliases = [out is flat, mine.data_ptr() - flat.data_ptr() == 8 * flat.element_size()]
+    return [flat + 0, mine + 0, params[0] + 0, params[1] + 0, grads + 0, aliases]
+
+
+def test_fsdp_copy_ops_are_recorded_with_eager_values():
+    import adaptive_eager as ae
+
+    want = _copy_in_out()
+    ae.reset_metrics()
+    with ae.adaptive_eager(backend="replay"):
+        got = _copy_in_out()
+        m = ae.metrics()
+    assert m["fallback_ops"] == {} and m["ops_eager"] == 2, m  # the two randn draws (Note [RNG])
+    assert m["flushes"] == {"data_ptr": 1}, m  # the aliasing check's read, nothing else
+    for g, w in zip(got[:-1], want[:-1]):
+        assert torch.equal(g, w)
+    assert got[-1] == want[-1] == [True, True]
+
+
+def test_storage_resize_flushes_only_a_window_that_holds_the_storage():
+    import adaptive_eager as ae
+
+    def program(check):
+        torch.manual_seed(0)
+        x = torch.randn(4) * 2  # pending: reads nothing of ``buf``
+        buf = torch.empty(4)
+        storage = buf.untyped_storage()
+        storage.resize_(0)  # freed, as FSDP2 frees an unsharded parameter
+        storage.resize_(16)  # and allocated again before its all-gather
+        check("alloc", ae.is_lazy(x))
+        buf.fill_(3.0)
+        y = buf * x  # a pending read of buf's memory
+        storage.resize_(0)  # must run the window first
+        check("free", ae.is_lazy(y))
+        return y
+
+    want = program(lambda *_: None)
+    lazy = {}
+    ae.reset_metrics()
+    with ae.adaptive_eager(backend="replay"):
+        got = program(lazy.__setitem__)
+        m = ae.metrics()
+    assert lazy == {"alloc": True, "free": False}
+    assert m["flushes"] == {"storage": 1}, m
+    assert torch.equal(got, want)
