@@ -75,6 +75,12 @@ class EmulatedNeuronTensor(torch.Tensor):
             layout=data.layout, device=torch.device(DEVICE, 0),
         )
         t._data = data
+        # the lazy conjugate and negative bits are the tensor's, not its data's: torch's composites
+        # read them on the wrapper to resolve a view before a kernel that cannot take one (hfftn)
+        if data.is_conj():
+            torch._C._set_conj(t, True)
+        if data.is_neg():
+            torch._C._set_neg(t, True)
         return t
 
     # Note [Emulated host reads]: C++ refuses ``tolist``/``numpy`` of a subclass, and torch's repr

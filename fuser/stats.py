@@ -25,6 +25,7 @@ class RegionStats:
         self.compile_failures = 0
         self.cache_hits_disk = 0
         self.waited_for_other_process = 0
+        self.neuron_fallbacks = 0  # regions compiled by torch.compile(backend="neuron") (fuser.backends.neuron)
         self.recompiles: Counter[str] = Counter()
         self.not_compiled: Counter[str] = Counter()  # why a window stayed on replay
         self.not_dynamic: Counter[str] = Counter()  # why a varying shape stayed per-shape
@@ -44,6 +45,7 @@ class RegionStats:
             "compiles": self.compiles,
             "cache_hits_disk": self.cache_hits_disk,
             "waited_for_other_process": self.waited_for_other_process,
+            "neuron_fallbacks": self.neuron_fallbacks,
             "not_compiled": dict(self.not_compiled),
             "not_dynamic": dict(self.not_dynamic),
             "run_alone": dict(self.run_alone),

@@ -144,12 +144,50 @@ def test_a_neff_from_another_toolchain_is_refused(neuronx, monkeypatch):
         CpuNeuron("cpu").load(artifact)
 
 
+@pytest.fixture
+def dynamo_neuron(monkeypatch):
+    """torch-neuronx's TorchDynamo backend ``neuron``, standing in as eager (the graphs it is given)."""
+    from torch._dynamo.backends import registry
+
+    graphs = []
+
+    def neuron(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setitem(registry._BACKENDS, "neuron", None)  # registered the way torch-neuronx's entry point is
+    monkeypatch.setitem(registry._COMPILER_FNS, "neuron", neuron)
+    return graphs
+
+
 @needs_stablehlo
-def test_a_torch_neuronx_without_the_documented_calls_is_named(neuronx, monkeypatch):
-    monkeypatch.delattr(FakeNeuronx, "get_neff_info")
+@pytest.mark.parametrize("differs", ["a call is missing", "a call takes other arguments"])
+def test_a_torch_neuronx_whose_calls_differ_compiles_through_torch_compile(neuronx, monkeypatch, dynamo_neuron,
+                                                                           differs, caplog):
+    """Note [When torch-neuronx differs]: the region is compiled by ``torch.compile(backend="neuron")``,
+    counted and logged once, and its values are eager's."""
+    if differs == "a call is missing":
+        monkeypatch.delattr(FakeNeuronx, "get_neff_info")
+    else:
+        monkeypatch.setattr(FakeNeuronx, "compile_graph", lambda self, base_key, source: "a newer signature")
+    monkeypatch.setattr("fuser.backends.neuron._warned", [])
     gm, inputs = _graph()
-    with pytest.raises(BackendCompileError, match=r"has no get_neff_info.*backend='replay'"):
-        CpuNeuron("cpu").compile(gm, inputs)
+    backend = CpuNeuron("cpu")
+    ae.reset_metrics()
+    with caplog.at_level("WARNING", logger="adaptive_eager"):
+        artifacts = [backend.compile(gm, inputs), backend.compile(gm, inputs)]
+        runs = [backend.load(a) for a in artifacts]
+    assert neuronx.compiles == 0 and ae.metrics()["neuron_fallbacks"] == 2
+    warnings = [r.getMessage() for r in caplog.records if "torch.compile(backend='neuron')" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    got, want = runs[0](inputs), _region(*inputs)
+    assert len(dynamo_neuron) == 1  # Dynamo handed the region to the neuron backend at its first run
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert not artifacts[0].startswith(b"{")  # not a replay artifact: another backend's load refuses it
+    with pytest.raises(BackendCompileError, match="artifact"):
+        backends.get_backend("replay", "cpu").load(artifacts[0])
 
 
 def train_mlp(device: str, options: dict | None, steps: int = 3):

@@ -90,6 +90,7 @@ _WARM = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 53 s; test_neuron_emulation's warm restart (28 s) checks the same on stablehlo
 @needs_stablehlo
 def test_warm_restart_compiles_nothing_and_loads_every_region_from_disk(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}

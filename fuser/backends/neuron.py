@@ -21,39 +21,62 @@ only runs keys compiled in this process, so ``load`` in a warm process first put
 torch-neuronx's own cache (``put_neff_cache``) and then calls ``compile_graph`` on the same text,
 which finds it there and runs no ``neuronx-cc``. A load whose ``get_neff_info`` key differs from the
 artifact's means another toolchain: refused (the region recompiles), never run.
+
+Note [When torch-neuronx differs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The ``_C`` calls are private. Where one of them is missing, or its signature differs (a
+``TypeError`` from calling it), the region goes through torch-neuronx's public path instead:
+``torch.compile(gm, backend="neuron")``, its TorchDynamo backend (AOTAutograd, its own lowering,
+its own NEFF cache). Counted per region loaded (``metrics()["neuron_fallbacks"]``) and logged once.
+The artifact then holds the region's graph (the replay backend's JSON: no pickle, no stored
+code), and ``load`` hands it to Dynamo, which compiles at the region's first run; a warm process
+traces it again, and its NEFF comes from torch-neuronx's disk cache (keyed by the IR), not ours.
+A region's GraphModule has a code object of its own, so Dynamo's recompile limit is per region.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 from collections.abc import Callable
 
 import torch
 
-from ._common import BackendCompileError
+from ..stats import STATS
+from ._common import BackendCompileError, below_autograd
 from ._stablehlo_lowering import _dtype
-from .stablehlo import StablehloBackend
+from .replay import ReplayBackend
+from .stablehlo import _FORMAT, StablehloBackend, _pack, _unpack
+
+log = logging.getLogger("adaptive_eager.fuser")
 
 _MAGIC = b"adaptive-eager neuron\n"
+_FALLBACK_MAGIC = b"adaptive-eager neuron torch.compile\n"  # Note [When torch-neuronx differs]
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "torch_neuronx": "torch-neuronx"}
 _CALLS = ("compile_graph", "execute_compiled_graph", "get_neff_info", "put_neff_cache")
+_warned: list[str] = []  # the fallback is logged once per process (Note [When torch-neuronx differs])
+
+
+class _ApiDiffers(BackendCompileError):
+    """torch-neuronx's private calls are not the ones this backend was written for (Note [When
+    torch-neuronx differs])."""
 
 
 def _neuronx():
-    """torch-neuronx's private bindings; a clear error when one of the calls this backend uses is
-    missing (its API is private: Note [NEFFs in our cache])."""
+    """torch-neuronx's private bindings; ``_ApiDiffers`` when one of the calls this backend uses is
+    missing (Note [When torch-neuronx differs])."""
     import torch_neuronx
 
     c = torch_neuronx._C
     missing = [name for name in _CALLS if not hasattr(c, name)]
     if missing:
-        raise BackendCompileError(
-            f"neuron: this torch-neuronx ({_version('torch-neuronx')}) has no {', '.join(missing)}; the neuron "
-            "backend was written for the calls of its April 2026 source. Use backend='replay' (one NEFF per "
-            "op, as plain eager) and report the torch-neuronx version."
-        )
+        raise _ApiDiffers(f"this torch-neuronx ({_version('torch-neuronx')}) has no {', '.join(missing)}")
     return c
+
+
+def _differs(e: TypeError) -> _ApiDiffers:
+    return _ApiDiffers(f"torch-neuronx {_version('torch-neuronx')}'s private calls take other arguments ({e})")
 
 
 def _version(dist: str) -> str:
@@ -77,6 +100,35 @@ class NeuronBackend(StablehloBackend):
     def _identity(self) -> list[str]:
         return [f"torch-neuronx-{_version('torch-neuronx')}", f"neuronx-cc-{_version('neuronx-cc')}"]
 
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> bytes:
+        try:
+            return super().compile(gm, example_inputs)
+        except _ApiDiffers as e:
+            return self._through_dynamo(gm, example_inputs, e)
+
+    def load(self, artifact: bytes) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
+        if not artifact.startswith(_FALLBACK_MAGIC):
+            return super().load(artifact)
+        header, graph = _unpack(artifact, _FALLBACK_MAGIC, self.name)
+        if header.get("fingerprint") != self._fingerprint:
+            raise BackendCompileError(
+                f"{self.name}: artifact was made for {header.get('fingerprint')!r}, this process is {self._fingerprint!r}"
+            )
+        compiled = torch.compile(ReplayBackend(self.device_type).graph_module(graph), backend="neuron", dynamic=False)
+        STATS.neuron_fallbacks += 1
+        return below_autograd(lambda inputs: tuple(compiled(*inputs)))
+
+    def _through_dynamo(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], why: _ApiDiffers) -> bytes:
+        """The fallback artifact: the region's graph, for ``torch.compile(backend="neuron")`` at load
+        (Note [When torch-neuronx differs])."""
+        if not _warned:
+            _warned.append(str(why))
+            log.warning("adaptive_eager: %s; regions are compiled with torch.compile(backend='neuron') instead "
+                        "(metrics()['neuron_fallbacks']). Please report the torch-neuronx version.", why)
+        graph = ReplayBackend(self.device_type).compile(gm, example_inputs)
+        return _pack({"format": _FORMAT, "fingerprint": self._fingerprint, "via": "torch.compile"}, graph,
+                     _FALLBACK_MAGIC)
+
     def _build(self, text: str, results: list[dict]) -> tuple[bytes, dict]:
         c = _neuronx()
         source = text.encode()
@@ -85,6 +137,8 @@ class NeuronBackend(StablehloBackend):
             key = c.compile_graph(base, source, False)
             torch.neuron.synchronize()  # the compile is lazy: the NEFF exists once the stream is done
             info = c.get_neff_info(key)
+        except TypeError as e:
+            raise _differs(e) from e
         except Exception as e:
             raise BackendCompileError(f"neuron: torch-neuronx cannot compile the region: {type(e).__name__}: "
                                       f"{str(e)[:800]}") from e
