@@ -169,6 +169,47 @@ def test_adaptive_eager_records_on_neuron_and_reads_flush(tmp_path):
     assert "error at line torch.ones(2, 3, device=\"neuron\") @ torch.ones(2, 3, device=\"neuron\")" in out
 
 
+def test_dropout_masks_are_drawn_at_record_time_bitwise_as_eager_there(tmp_path):
+    """On a PrivateUse1 device ``F.dropout`` is ``native_dropout``, a random op that ended the window
+    (8 flushes a step in examples/finetune_transformer.py); its mask is now drawn at record time as
+    the emulated device's kernel (CPU's) draws it: same seed, the same masks, values and generator
+    state as plain eager on the emulated device, with no "random" flush. bfloat16 included:
+    the kernel scales with ``mul_.Scalar``, which rounds differently from ``mul.Tensor``."""
+    out = _child("""
+        import torch.nn.functional as F
+        ne.emulate_neuron()
+
+        def run(adaptive, dtype):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.3), torch.nn.GELU(),
+                                        torch.nn.Linear(16, 4)).to("neuron", dtype)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1)).to("neuron", dtype)
+            seen = []
+            import contextlib
+            with ae.adaptive_eager(backend="replay") if adaptive else contextlib.nullcontext():
+                for _ in range(4):
+                    out, mask = torch.ops.aten.native_dropout(x.t(), 0.5, True)  # strided input
+                    loss = (F.dropout(model(x), 0.25) + out.t().sum()).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    seen += [out.cpu(), mask.cpu(), loss.detach().cpu()]
+                after = torch.rand(3, device="neuron").cpu()  # the generator's state after the steps
+            return seen + [after] + [p.detach().cpu() for p in model.parameters()]
+
+        for dtype in (torch.float32, torch.bfloat16):
+            eager = run(False, dtype)
+            ae.reset_metrics()
+            lazy = run(True, dtype)
+            m = ae.metrics()
+            assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(eager, lazy)), dtype
+            assert "random" not in m["flushes"] and not m["fallback_ops"], m
+        print("ok")
+        """, tmp_path)
+    assert "ok" in out
+
+
 @needs_stablehlo
 def test_stablehlo_is_the_default_backend_and_trains_like_eager_cpu(tmp_path):
     out = _child("""
