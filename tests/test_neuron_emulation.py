@@ -85,6 +85,14 @@ def test_device_factories_copies_and_device_module(tmp_path):
         start = ne.launches()
         s = (a + b).view(2, 2).t().sin().sum()
         assert ne.launches() - start == 3, ne.launches() - start
+        # a storage on the device cannot be made: torch crashed the process (PrivateUse1 has no allocator here)
+        for make in (lambda: a.untyped_storage().clone(), lambda: torch.UntypedStorage(8, device="neuron")):
+            try:
+                make()
+                raise AssertionError("made a storage on the emulated device")
+            except ne.NeuronEmulationError as e:
+                assert "t.cpu().untyped_storage()" in str(e), e
+        assert torch.UntypedStorage(8).nbytes() == 8 and c.untyped_storage().clone().nbytes() == 24
         print("ok")
         """, tmp_path)
     assert "ok" in out
