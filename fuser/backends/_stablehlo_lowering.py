@@ -165,6 +165,13 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_
             decomposed = make_fx(gm, decomposition_table=_decompositions(), tracing_mode="fake")(*example_inputs)
     except Exception as e:
         raise BackendCompileError(f"stablehlo: cannot decompose the graph: {type(e).__name__}: {str(e)[:800]}") from e
+    for node in decomposed.graph.nodes:
+        # StableHLO has no devices, and torch-mlir legalizes factories only for the ones it knows: a
+        # decomposition's ``scalar_tensor(0, device=neuron)`` (threshold_backward's) left every
+        # ReLU backward on the neuron device to run alone. The region's device is the caller's.
+        device = node.kwargs.get("device") if node.op == "call_function" else None
+        if isinstance(device, torch.device) and device.type not in ("cpu", "cuda"):
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
     crash = _crashes_torch_mlir(decomposed.graph)
     if crash is not None:
         raise BackendCompileError(f"stablehlo: torch-mlir would crash lowering {crash} (Note [Lowerings that crash])")
