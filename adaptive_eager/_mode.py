@@ -73,6 +73,33 @@ def _random_fill(st: TracerState, f, args, kwargs):
     return self
 
 
+_native_dropout = torch.ops.aten.native_dropout.default
+_bernoulli_ = torch.ops.aten.bernoulli_.float
+_mul = torch.ops.aten.mul.Tensor
+_mul_scalar_ = torch.ops.aten.mul_.Scalar
+
+
+def _dropout_now(st: TracerState, args, kwargs):
+    """``native_dropout`` with its mask drawn now and the rest recorded (Note [Dropout drawn at
+    record time] in _ops), or None where its kernel must run instead."""
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs["p"]
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    if (train is False or not _on_target(st, x) or x.device.type not in _ops.CPU_KERNEL_DEVICES
+            or x.numel() == 0 or not _dense(x)):
+        return None
+    o = getattr(x, "_ae", None)
+    if o is not None and o.win is not st.window.token:
+        _check_elsewhere(x, o)  # before the draw: the op is dispatched again after that window ran
+    p1m = 1.0 - p
+    mask = _empty_strided(x.shape, x.stride(), dtype=torch.bool, device=x.device)
+    _bernoulli_(mask, p1m)
+    METRICS.ops_eager += 1
+    METRICS.launches += 1
+    out = _record_or_run(st, facts_for(_mul), (x, mask), {})
+    return _record_or_run(st, facts_for(_mul_scalar_), (out, 0.0 if p1m == 0 else 1.0 / p1m), {}), mask
+
+
 def _record_or_run(st: TracerState, f, args, kwargs):
     if _default_dtype() is not st.dtype:
         _dtype_changed(st)  # Note [Meta cache key]
@@ -162,6 +189,8 @@ class LazyMode(TorchDispatchMode):
                 with self:  # its ops come back here (Note [Ops run inline] in _ops)
                     return f.decomposition(*args, **kwargs)
             # FLUSH
+            if func is _native_dropout and (res := _dropout_now(st, args, kwargs)) is not None:
+                return res
             if f.unseeded is not None and (unseeded := unseeded_facts(f, args, kwargs)) is not None:
                 return _record_or_run(st, unseeded, args, kwargs)  # attention without dropout
             if _touches_target(st, f, args, kwargs):

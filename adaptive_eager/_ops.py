@@ -265,6 +265,23 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
 # that would flush look at their arguments (``unseeded_facts``).
 
 
+# Note [Dropout drawn at record time]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On cpu ``F.dropout`` decomposes into a ``bernoulli_`` fill (drawn at record time, Note [RNG]); on
+# a PrivateUse1 device (``neuron``) it is ``aten.native_dropout``, a random op that would end the
+# window (eight flushes a step in examples/finetune_transformer.py). Where that op runs CPU's
+# kernel (``native_dropout_cpu``: on cpu, and on the emulated neuron device, which runs every op
+# on its CPU data), its draw depends only on the input's geometry, so it is drawn at record time as
+# that kernel draws it: a bool mask laid out as ``empty_like(input)`` lays it out, filled now with
+# ``bernoulli_(1 - p)`` (the generator consumed exactly as eager's kernel consumes it), then
+# ``input.mul(mask).mul_(scale)`` recorded, ``mul_.Scalar`` as the kernel calls it (for bfloat16
+# it rounds unlike ``mul.Tensor`` with the same number). ``train=False``, an empty input and an
+# input whose layout ``empty_like`` would not keep run the kernel, after a flush. Other kernels
+# (CUDA's Philox, torch-neuronx's) draw in ways that cannot be reproduced here, so on those devices
+# the op still ends the window. ``adaptive_eager._mode._dropout_now`` does the drawing.
+CPU_KERNEL_DEVICES = {"cpu"}  # device types whose ATen kernels are CPU's (emulate_neuron adds "neuron")
+
+
 def unseeded_facts(f: OpFacts, args: tuple, kwargs: dict) -> OpFacts | None:
     """The facts to record this call of a FLUSH op with, when it draws no random numbers."""
     pos, name = f.dropout_arg

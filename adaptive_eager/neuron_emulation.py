@@ -26,7 +26,10 @@ a view's wrapper uses its base's outer storage (and keeps the base alive, so a p
 its views), and ``set_`` to a wrapper's outer storage also points the data at that wrapper's CPU
 storage (``_OWNERS`` finds it). What cannot be mirrored is ``UntypedStorage._swap_data_ptr_``: it
 would swap two empty pointers and move no data, so the fuser copies instead for wrapper subclasses
-(``_swap_storages`` in fuser.replay). A compiled region runs on the CPU data (the stablehlo
+(``_swap_storages`` in fuser.replay). Nor can a storage be made on the device
+(``torch.UntypedStorage(n, device="neuron")``, which ``untyped_storage().clone()`` and loading onto
+the device do): PrivateUse1 has no allocator here and torch crashes the process, so the emulation
+refuses it with NeuronEmulationError (``_storage_new``). A compiled region runs on the CPU data (the stablehlo
 backend unwraps its inputs and wraps its results). Fake tensors of a wrapper are plain ``neuron``
 fake tensors (the class has no ``__tensor_flatten__``), so a region's graph is on ``neuron``
 throughout, factories included, as on the real device.
@@ -176,6 +179,20 @@ def _set_storage(t, source, offset=None, size=None, stride=()):
     return t
 
 
+_StorageBase_new = torch._C.StorageBase.__new__
+
+
+def _storage_new(cls, *args, device=None, **kwargs):
+    """``torch.UntypedStorage.__new__``: a storage on the emulated device cannot be made (Note
+    [Emulated storage]); torch would crash the process allocating it."""
+    if device is not None and torch.device(device).type == DEVICE:
+        raise NeuronEmulationError(
+            "a storage on the emulated neuron device holds no memory (the emulation keeps a tensor's data in its "
+            "CPU tensor), so it cannot be made or cloned: copy the tensor (t.clone()) or read "
+            "t.cpu().untyped_storage()")
+    return _StorageBase_new(cls, *args, **({"device": device} if device is not None else {}), **kwargs)
+
+
 def cpu_data(x):
     """The CPU tensor behind an emulated ``neuron`` tensor; anything else as it is."""
     return x._data if type(x) is EmulatedNeuronTensor else x
@@ -256,9 +273,13 @@ def emulate_neuron() -> None:
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         lib.impl("_copy_from", _copy_from, "PrivateUse1")
         _LIBRARIES.append(lib)
+        torch.UntypedStorage.__new__ = _storage_new  # Note [Emulated storage]
         from fuser.backends.stablehlo import register_host_device
 
         register_host_device(DEVICE, cpu_data, on_device)  # Note [Host-memory devices] there
+        from ._ops import CPU_KERNEL_DEVICES
+
+        CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] there
         os.environ["NEURON_EAGER_EMULATE"] = "1"
         _installed = True
 

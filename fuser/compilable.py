@@ -77,7 +77,10 @@ def _writes_overlapping(window: Window) -> bool:
 # way has already written some inputs, so replaying the window (the fallback for a failed run)
 # would apply those updates twice. So only windows that cannot fail at run time are compiled in
 # place: no op reads an integer tensor (indices, targets: the out-of-range checks) and no op exists
-# only for a check (``_linalg_check_errors``). Everything else keeps the copy-back.
+# only for a check (``_linalg_check_errors``). Everything else keeps the copy-back. A backend whose
+# callable stores the new values only once its executable has finished (``stores_after_run``: the
+# stablehlo backend, Note [Regions that write their inputs] in fuser.backends._stablehlo_lowering)
+# writes nothing in a run that fails, so any window it compiles may be compiled in place.
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 

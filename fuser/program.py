@@ -95,7 +95,7 @@ class Program:
 
     @classmethod
     def from_window(cls, window: Window, live: list[Out], mutated: tuple[int, ...], lifted=(),
-                    inplace: bool = False) -> Program:
+                    inplace: bool = False, stores_after_run: bool = False) -> Program:
         slots = {id(t): s for s, t in enumerate(window.real_inputs)}
         lifted_set = set(lifted)
 
@@ -129,7 +129,7 @@ class Program:
                         args[pos[0]] = list(args[pos[0]])
                         args[pos[0]][pos[1]] = _Lifted(index)
             ops.append((node.func, args, kwargs, outs))
-            if inplace and _may_raise(node):
+            if inplace and not stores_after_run and _may_raise(node):  # Note [In-place regions]
                 inplace = False
         inputs = [(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in window.real_inputs]
         scalars = tuple(window.scalars[i] for i in lifted)

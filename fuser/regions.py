@@ -249,7 +249,8 @@ def _describe(entry: _Entry, flush: _Flush, backend) -> bool:
     (the entry blacklisted) for a program the codec cannot describe, which has no persistent key."""
     entry.counts = flush.mark()
     program = Program.from_window(flush.window, flush.live, flush.mutated, flush.lifted,
-                                  inplace=getattr(backend, "writes_inputs", False))
+                                  inplace=getattr(backend, "writes_inputs", False),
+                                  stores_after_run=getattr(backend, "stores_after_run", False))
     try:
         pkey = program.digest(backend.fingerprint())
     except TypeError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import sys
 import types
 
@@ -40,6 +41,7 @@ class FakeNeuronx:
     def new_process(self):
         self.compiled: dict[str, object] = {}  # full key -> executable, this process only
         self.compiles = 0  # neuronx-cc runs
+        self.aliased = 0  # outputs that were an input's memory
 
     def _persistent(self, key: str, source: bytes) -> str:
         return hashlib.blake2b(key.encode() + source, digest_size=16).hexdigest()
@@ -56,7 +58,11 @@ class FakeNeuronx:
             self.compiles += 1
             executable = client.compile_and_load(source.decode(), client.devices()[:1], _jax.CompileOptions())
             self.disk[persistent] = neff = client.serialize_executable(executable)
-        self.compiled[key] = (persistent, client.deserialize_executable(neff, client.devices()[:1], _jax.CompileOptions()))
+        # result -> the argument whose memory it is (Note [Aliased outputs] in fuser.backends.neuron)
+        aliases = {int(k): int(i) for i, k in re.findall(r"%arg(\d+): [^,)]*\{tf.aliasing_output = (\d+) : i32\}",
+                                                         source.decode())}
+        self.compiled[key] = (persistent, client.deserialize_executable(neff, client.devices()[:1], _jax.CompileOptions()),
+                              aliases)
         return key
 
     def get_neff_info(self, key: str):
@@ -73,7 +79,13 @@ class FakeNeuronx:
         from jax.extend.backend import get_backend
         from jaxlib import _jax
 
-        executable = self.compiled[key][1]
+        executable, aliases = self.compiled[key][1:]
+        for k, out in enumerate(outputs):  # the NEFF writes an output's memory while reading the inputs'
+            memory = out.untyped_storage().data_ptr()
+            shared = [i for i, t in enumerate(inputs) if t.untyped_storage().data_ptr() == memory]
+            if shared:
+                assert shared == [aliases.get(k)], f"output {k} is input {shared}'s memory, not aliased in the module"
+                self.aliased += 1
         device = get_backend("cpu").devices()[0]
         buffers = [_jax.dlpack_managed_tensor_to_buffer(t.detach().__dlpack__(), device, None, None, 1) for t in inputs]
         for out, r in zip(outputs, executable.execute(buffers)):
@@ -208,6 +220,55 @@ def train_mlp(device: str, options: dict | None, steps: int = 3):
     return losses, [p.detach().cpu().clone() for p in model.parameters()]
 
 
+def update_in_place(options: dict | None, dtype=torch.float32, device: str = "cpu", read_ints: bool = False):
+    """Three steps of in-place updates of three tensors of ``dtype`` (one also read after another's
+    update, in eager's order; with ``read_ints``, one also adds an int64 tensor); under adaptive eager
+    with ``options`` (each step synced), else plainly eager. Returns the tensors, the launches of each
+    step, and whether the tensors kept their memory and got eager's version counts."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(4, 3, generator=gen).to(device, dtype) for _ in range(3)]
+    grads = [torch.randn(4, 3, generator=gen).to(device, dtype) for _ in range(3)]
+    addresses, versions = [p.data_ptr() for p in params], [p._version for p in params]
+    launches = []
+    with ae.adaptive_eager(**options) if options is not None else contextlib.nullcontext():
+        for _ in range(3):
+            before = ae.metrics()["launches"]
+            for p, g in zip(params, grads):
+                p.mul_(0.9).add_(g, alpha=-0.1)
+            params[0].add_(params[1][:1])
+            if read_ints:
+                params[2].add_(torch.arange(3, device=device))
+            ae.sync()
+            launches.append(ae.metrics()["launches"] - before)
+    kept = ([p.data_ptr() for p in params] == addresses
+            and [p._version - v for p, v in zip(params, versions)] == [9, 6, 9 if read_ints else 6])
+    return params, launches, kept
+
+
+@needs_stablehlo
+def test_a_region_that_writes_its_inputs_is_one_neff_that_writes_them(neuronx, monkeypatch, fresh_regions):
+    """Note [Aliased outputs]: the StableHLO marks each written input as aliasing its new value and
+    the NEFF is given the input itself as that output (the stand-in refuses an output sharing an
+    input's memory the module does not alias): one launch a step. A float64 tensor, computed in
+    float32 on Neuron, cannot share memory with its result: that region writes back, counted."""
+    monkeypatch.setitem(backends._BACKENDS, "stablehlo", (__name__, "CpuNeuron"))
+    backends._make_backend.cache_clear()
+    try:
+        options = dict(backend="stablehlo", hot_after=1, async_compile=False)
+        want, _, _ = update_in_place(None)
+        got, launches, kept = update_in_place(options)
+        assert launches == [1, 1, 1] and kept and neuronx.aliased == 9, (launches, neuronx.aliased)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        want, _, _ = update_in_place(None, torch.float64)
+        got, launches, kept = update_in_place(options, torch.float64)
+        assert launches == [4, 4, 4] and kept and ae.metrics()["compile_failures"] == 0, launches
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    finally:
+        backends._make_backend.cache_clear()
+
+
 @needs_stablehlo
 def test_a_training_loop_through_the_neuron_protocol_matches_eager(neuronx, monkeypatch, fresh_regions):
     monkeypatch.setitem(backends._BACKENDS, "stablehlo", (__name__, "CpuNeuron"))
@@ -249,3 +310,9 @@ def test_on_trainium_a_training_step_matches_cpu():  # pragma: no cover - runs o
     got, _ = train_mlp("neuron", dict(device="neuron", backend="neuron", hot_after=1, async_compile=False))
     assert ae.metrics()["compiled_runs"] >= 3
     torch.testing.assert_close(got, train_mlp("cpu", None)[0], rtol=1e-3, atol=1e-4)
+    # Note [Aliased outputs]: the NEFF writes the tensors it updates in place, read in eager's order
+    got, launches, kept = update_in_place(dict(device="neuron", backend="neuron", hot_after=1, async_compile=False),
+                                          device="neuron")
+    assert launches == [1, 1, 1] and kept, launches
+    for g, w in zip(got, update_in_place(None)[0]):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-5)

@@ -21,7 +21,7 @@ import adaptive_eager as ae
 from adaptive_eager.config import ConfigError, load_options
 from fuser.backends.stablehlo import INSTALL_HINT, StablehloBackend, missing_requirements
 from test_generated_programs import assert_lazy_matches_eager, programs
-from test_neuron_backend import train_mlp
+from test_neuron_backend import train_mlp, update_in_place
 
 _MISSING = missing_requirements()
 needs_stablehlo = pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}: {INSTALL_HINT}")
@@ -58,6 +58,22 @@ def test_training_loop_matches_eager(fresh_regions):
     torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-5)
     for got, want in zip(got_params, want_params):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_stablehlo
+def test_a_region_that_writes_its_inputs_stores_them_in_its_own_launch(fresh_regions):
+    """Tensors updated in place: the region stores their new values itself (Note [Regions that write
+    their inputs]) instead of the fuser copying each back, one launch per tensor (4 a step before);
+    the tensors keep their memory and eager's version counters, and values match eager. The window
+    reads an int64 tensor, which keeps Inductor's regions from writing in place (a kernel's index
+    check could fail after some stores); these stores come after the run (``stores_after_run``)."""
+    want, _, _ = update_in_place(None, read_ints=True)
+    got, launches, kept = update_in_place(STABLEHLO, read_ints=True)
+    m = ae.metrics()
+    assert m["compiled_runs"] == 3 and m["compile_failures"] == 0, m
+    assert launches == [1, 1, 1] and kept, launches
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 _WARM = textwrap.dedent(

@@ -173,6 +173,28 @@ def test_random_numbers_match_eager_for_the_same_seed():
         assert_eager(got, want)
 
 
+def test_native_dropout_is_drawn_at_record_time():
+    """``native_dropout`` (what ``F.dropout`` is on the emulated neuron device) ended the window; where
+    its kernel is CPU's its mask is drawn as the op is recorded (Note [Dropout drawn at record time]):
+    nothing flushes, and the same seed gives eager's masks, values and generator state."""
+    x = torch.randn(6, 8)
+
+    def program():
+        y = x * 2
+        out, mask = torch.ops.aten.native_dropout(y.t(), 0.4, True)  # a strided input
+        return out * 3, mask, torch.nn.functional.dropout(y, 0.2) + 1, torch.rand(3)
+
+    torch.manual_seed(0)
+    eager = program()
+    torch.manual_seed(0)
+    with adaptive_eager():
+        lazy = program()
+        assert ae.is_lazy(lazy[0]) and ae.is_lazy(lazy[2])
+    for got, want in zip(lazy, eager):
+        assert_eager(got, want)
+    assert ae.metrics()["flushes"] == {"exit": 1}
+
+
 def test_rng_state_interleaving_with_eager_code_is_preserved():
     x = torch.randn(6)
 

@@ -165,6 +165,13 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_
             decomposed = make_fx(gm, decomposition_table=_decompositions(), tracing_mode="fake")(*example_inputs)
     except Exception as e:
         raise BackendCompileError(f"stablehlo: cannot decompose the graph: {type(e).__name__}: {str(e)[:800]}") from e
+    for node in decomposed.graph.nodes:
+        # StableHLO has no devices, and torch-mlir legalizes factories only for the ones it knows: a
+        # decomposition's ``scalar_tensor(0, device=neuron)`` (threshold_backward's) left every
+        # ReLU backward on the neuron device to run alone. The region's device is the caller's.
+        device = node.kwargs.get("device") if node.op == "call_function" else None
+        if isinstance(device, torch.device) and device.type not in ("cpu", "cuda"):
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
     crash = _crashes_torch_mlir(decomposed.graph)
     if crash is not None:
         raise BackendCompileError(f"stablehlo: torch-mlir would crash lowering {crash} (Note [Lowerings that crash])")
@@ -267,6 +274,102 @@ def _output_plan(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], n
         view = None if v is values[root] else [list(v.shape), list(v.stride()), v.storage_offset()]
         outputs.append(["result", roots.index(root), view])
     return roots, results, outputs
+
+
+# Note [Regions that write their inputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A region whose program writes real inputs (parameters, optimizer state, buffers) reaches the
+# backend with functionalization's trailing ``copy_`` into those placeholders when the backend says
+# it writes inputs itself (``writes_inputs``, Note [In-place regions] in fuser.compilable); else the
+# fuser copies each new value back, one launch per tensor (600 for AdamW over 200 parameters).
+# StableHLO has value semantics, so ``_functional`` turns the write-backs into results, after the
+# graph's outputs, and the artifact's ``writes`` names the input each one belongs to; the callable
+# (``caller``) stores them into those inputs once the executable has finished, so a run that fails
+# writes nothing (the executable computes into fresh buffers and reads the inputs until it ends).
+# The stores are part of the region's launch: on XLA's CPU client a host copy into the input's memory
+# (jaxlib cannot write a DLPack-imported buffer in place: donating it is refused); on Neuron the
+# NEFF writes the input itself (Note [Aliased outputs] in fuser.backends.neuron).
+_copy_ = torch.ops.aten.copy_.default
+
+
+def _write_back(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a write-back into an input (Note [Regions that write their inputs])."""
+    return node.op == "call_function" and node.target is _copy_ and node.args[0].op == "placeholder"
+
+
+def _functional(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[int]]:
+    """``gm`` with its write-backs returned after its outputs instead, and the index of the input
+    each one writes (Note [Regions that write their inputs]); ``gm`` itself when it writes none."""
+    writes = [n for n in gm.graph.nodes if _write_back(n)]
+    if not writes:
+        return gm, []
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    for n in writes:
+        dst, src = n.args[:2]
+        if (n.users or len(n.args) > 2 or n.kwargs or not isinstance(src, torch.fx.Node)
+                or not _same_value_type(dst, src)):
+            error = BackendCompileError(f"stablehlo: {n.name} is not a write-back of a whole input")
+            error.inplace = True  # the fuser writes back instead
+            raise error
+    val_map: dict = {}
+    graph = torch.fx.Graph()
+    outputs = graph.graph_copy(gm.graph, val_map)
+    for n in writes:
+        graph.erase_node(val_map[n])
+    graph.output((*outputs, *(val_map[n.args[1]] for n in writes)))
+    return torch.fx.GraphModule(gm, graph), [index[n.args[0]] for n in writes]
+
+
+def _aliases(results: list[dict], outputs: list[list], writes: list[int], example_inputs: list[torch.Tensor],
+             narrow_64bit: bool) -> dict[int, int]:
+    """Which written inputs can be the memory of their new value's result (input index -> result
+    index, Note [Aliased outputs] in fuser.backends.neuron): the new value is a whole result that
+    no other output uses, computed in the input's own dtype and layout (contiguous, row-major)."""
+    n_out = len(outputs) - len(writes)
+    uses: dict[int, int] = {}
+    for kind, k, _ in outputs:
+        if kind == "result":
+            uses[k] = uses.get(k, 0) + 1
+    aliases = {}
+    for slot, (kind, k, view) in zip(writes, outputs[n_out:]):
+        t = example_inputs[slot]
+        r = results[k] if kind == "result" else None
+        if (r is not None and view is None and uses[k] == 1 and r["stride"] is None and r["wire"] == r["dtype"]
+                and t.is_contiguous() and _wire(t.dtype, narrow_64bit)[1] == _dtype_name(t.dtype)):
+            aliases[slot] = k
+    return aliases
+
+
+def _declare_aliases(text: str, aliases: dict[int, int]) -> str:
+    """``text`` with each argument of ``aliases`` marked ``tf.aliasing_output`` (its memory is the
+    given result's, as jax marks a donated argument)."""
+    start = text.index("func.func @main(") + len("func.func @main(")
+    depth, args, begin = 0, [], start
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in "(<[{":
+            depth += 1
+        elif c in ")>]}" and depth:
+            depth -= 1
+        elif c == ")" or (c == "," and depth == 0):
+            args.append((begin, i))
+            begin = i + 1
+            if c == ")":
+                break
+    pieces, last = [], 0
+    for index, (a, b) in enumerate(args):
+        if index in aliases:
+            if "{" in text[a:b]:
+                raise BackendCompileError(f"stablehlo: argument {index} of the module has attributes already")
+            pieces += [text[last:b], f" {{tf.aliasing_output = {aliases[index]} : i32}}"]
+            last = b
+    return "".join(pieces) + text[last:]
+
+
+def _same_value_type(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype)
 
 
 def _row_major(shape) -> tuple[int, ...]:

@@ -32,6 +32,25 @@ The artifact then holds the region's graph (the replay backend's JSON: no pickle
 code), and ``load`` hands it to Dynamo, which compiles at the region's first run; a warm process
 traces it again, and its NEFF comes from torch-neuronx's disk cache (keyed by the IR), not ours.
 A region's GraphModule has a code object of its own, so Dynamo's recompile limit is per region.
+
+Note [Aliased outputs]
+~~~~~~~~~~~~~~~~~~~~~~
+A region that writes its inputs (Note [Regions that write their inputs] in
+``fuser.backends._stablehlo_lowering``) runs as one NEFF that writes them in place, as
+torch-neuronx's own in-place kernels do (its fused AdamW, ``torch_neuronx/python_ops/xla_ops/
+fused_adamw_xla.py``: the StableHLO donates the written arguments and the preallocated outputs are
+the original tensors): each written input is marked ``tf.aliasing_output`` with its new value's
+result in the StableHLO (what jax emits for a donated argument), so the compiler knows the two
+share memory and orders reads before the writes, and ``execute_compiled_graph`` is given the input
+tensor itself as that result's output. Otherwise each new value would be a device copy the fuser
+counts (one launch per parameter, optimizer moment and buffer). An input that cannot alias its
+result (narrowed to 32 bits, not contiguous, a result another output shares) makes ``compile``
+refuse the in-place graph (``BackendCompileError.inplace``): the fuser compiles it again with
+counted write-backs. The stores happen on the device within the NEFF, so a run that fails on the
+device may leave some inputs written: in-place regions are compiled only from windows that cannot
+fail at run time (Note [In-place regions] in fuser.compilable). NOT RUN ON HARDWARE either: whether
+``execute_compiled_graph`` honours the aliasing as ``_submit_xla_task_to_pipeline`` does is what the
+Trainium test checks first.
 """
 
 from __future__ import annotations
@@ -45,7 +64,7 @@ import torch
 
 from ..stats import STATS
 from ._common import BackendCompileError, below_autograd
-from ._stablehlo_lowering import _dtype
+from ._stablehlo_lowering import _declare_aliases, _dtype
 from .replay import ReplayBackend
 from .stablehlo import _FORMAT, StablehloBackend, _pack, _unpack
 
@@ -90,6 +109,7 @@ class NeuronBackend(StablehloBackend):
     """StableHLO from the shared lowering, NEFFs from torch-neuronx (see the module notes)."""
 
     name = "neuron"
+    stores_after_run = False  # the NEFF writes its inputs as it runs (Note [Aliased outputs])
     device_types = ("neuron",)
     requirements = _REQUIREMENTS
     magic = _MAGIC
@@ -129,7 +149,14 @@ class NeuronBackend(StablehloBackend):
         return _pack({"format": _FORMAT, "fingerprint": self._fingerprint, "via": "torch.compile"}, graph,
                      _FALLBACK_MAGIC)
 
-    def _build(self, text: str, results: list[dict]) -> tuple[bytes, dict]:
+    def _build(self, text: str, results: list[dict], writes: list[int], aliases: dict[int, int]) -> tuple[bytes, dict]:
+        if len(aliases) != len(writes):
+            error = BackendCompileError(f"neuron: written inputs {sorted(set(writes) - set(aliases))} cannot share "
+                                        "memory with their new values (Note [Aliased outputs])")
+            error.inplace = True  # the fuser compiles it again with write-backs
+            raise error
+        if aliases:
+            text = _declare_aliases(text, aliases)
         c = _neuronx()
         source = text.encode()
         base = "adaptive_eager_" + hashlib.sha256(source).hexdigest()[:32]
@@ -145,7 +172,8 @@ class NeuronBackend(StablehloBackend):
         if info is None:
             raise BackendCompileError(f"neuron: torch-neuronx compiled {key!r} but gives no NEFF for it")
         persistent_key, neff = info
-        return bytes(neff), {"base_key": base, "neff_key": persistent_key, "stablehlo": text}
+        return bytes(neff), {"base_key": base, "neff_key": persistent_key, "stablehlo": text,
+                             "aliases": sorted(aliases.items())}
 
     def _callable(self, blob: bytes, header: dict) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         c = _neuronx()
@@ -159,15 +187,27 @@ class NeuronBackend(StablehloBackend):
                 f"neuron: the NEFF cached under {header['neff_key']!r} is not the one torch-neuronx compiles this "
                 f"StableHLO to ({None if info is None else info[0]!r}): another toolchain; recompiling"
             )
-        shapes = [(tuple(r["shape"]), _dtype(r["wire"])) for r in header["results"]]
+        aliases = header.get("aliases", [])  # (input, the result whose memory it is)
+        aliased = {k for _, k in aliases}
+        shapes = [None if k in aliased else (tuple(r["shape"]), _dtype(r["wire"]))
+                  for k, r in enumerate(header["results"])]
         execute = c.execute_compiled_graph
         empty = torch.empty
 
         def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
             args = [t if t.is_contiguous() else t.contiguous() for t in args]
             device = args[0].device if args else torch.device("neuron")
-            outs = [empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+            outs = [None if s is None else empty(s[0], dtype=s[1], device=device) for s in shapes]
+            for slot, k in aliases:  # Note [Aliased outputs]
+                outs[k] = args[slot]
             execute(header["base_key"], key, args, outs, False)  # in stream order, like any neuron op
             return outs
 
         return results
+
+    def _store(self, inputs: list[torch.Tensor], writes: list[tuple[int, torch.Tensor]]) -> None:
+        """The NEFF wrote each input itself (Note [Aliased outputs]); only an input that was not
+        contiguous at this call (it was when compiled) got a contiguous temporary, copied back."""
+        for slot, value in writes:
+            if value is not inputs[slot]:
+                inputs[slot].copy_(value)

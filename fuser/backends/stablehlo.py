@@ -33,7 +33,8 @@ import torch
 
 from ._common import BackendCompileError, below_autograd, check_graph, op_name, restrided
 from ._stablehlo_lowering import (
-    _alone, _dtype, _examples, _input_key, _lower, _miscompiled, _output_plan, _returning, _signature, _wire,
+    _alone, _aliases, _dtype, _examples, _functional, _input_key, _lower, _miscompiled, _output_plan, _returning,
+    _signature, _wire, _write_back,
 )
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class StablehloBackend:
     an executable and runs it: ``_build``, ``_callable``, ``_identity``."""
 
     name = "stablehlo"
+    writes_inputs = True  # Note [Regions that write their inputs]
+    stores_after_run = True  # ... once the executable has finished: Note [In-place regions] in fuser.compilable
     device_types: tuple[str, ...] = _DEVICE_TYPES
     requirements: dict[str, str] = _REQUIREMENTS
     magic = _MAGIC
@@ -119,6 +122,8 @@ class StablehloBackend:
         lowers wrongly (Note [Ops that run alone])."""
         if _miscompiled(node):
             return "miscompiled"
+        if _write_back(node):
+            return None  # not an op: the region's store into an input (Note [Regions that write their inputs])
         key = _signature(node)
         if key not in self._lowerable:
             self._check(node.graph)
@@ -127,7 +132,8 @@ class StablehloBackend:
     def _check(self, graph: torch.fx.Graph) -> None:
         """Learn whether the ops of ``graph`` lower: the whole graph at once (kept for ``compile``),
         and only if that fails, each op not yet known alone (Note [Ops that run alone])."""
-        nodes = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+        nodes = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                 and not _write_back(n)]
         gm = graph.owning_module
         examples = _examples(gm) if gm is not None else None
         if examples is not None and not any(_miscompiled(n) for n in nodes):
@@ -161,14 +167,18 @@ class StablehloBackend:
         """The first op of ``gm`` that does not lower alone at its own sizes (Note [Ops that run
         alone]: an op whose lowering depends on sizes passes ``unsupported``), or None."""
         for node in gm.graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and self._probe(node):
+            if (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and not _write_back(node)
+                    and self._probe(node)):
                 return node.target
         return None
 
-    def _lower_region(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> tuple[list, list, str]:
-        """The output plan (Note [Outputs that share storage]) and the StableHLO of ``gm``."""
+    def _lower_region(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+                      ) -> tuple[list, list, list, str]:
+        """The output plan (Note [Outputs that share storage]), the inputs the region writes (Note
+        [Regions that write their inputs]) and the StableHLO of ``gm``."""
+        gm, writes = _functional(gm)
         roots, results, outputs = _output_plan(gm, example_inputs, self.narrow_64bit)
-        return results, outputs, _lower(_returning(gm, roots), example_inputs, self.narrow_64bit)
+        return results, outputs, writes, _lower(_returning(gm, roots), example_inputs, self.narrow_64bit)
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> bytes:
         """Lower ``gm`` to StableHLO and compile it into a serialized XLA executable (Note [StableHLO lowering])."""
@@ -189,21 +199,23 @@ class StablehloBackend:
         start = time.perf_counter()
         lowered, self._lowered = self._lowered, None
         if lowered is not None and lowered[0]() is gm and lowered[1] == _input_key(example_inputs):
-            results, outputs, text = lowered[2]  # lowered by ``unsupported`` a moment ago
+            results, outputs, writes, text = lowered[2]  # lowered by ``unsupported`` a moment ago
         else:
             try:
-                results, outputs, text = self._lower_region(gm, example_inputs)
+                results, outputs, writes, text = self._lower_region(gm, example_inputs)
             except BackendCompileError as e:
                 e.target = self._culprit(gm)  # the fuser compiles the rest with it run alone
                 raise
         lowered = time.perf_counter()
-        blob, extra = self._build(text, results)
+        aliases = _aliases(results, outputs, writes, example_inputs, self.narrow_64bit) if writes else {}
+        blob, extra = self._build(text, results, writes, aliases)
         header = {
             "format": _FORMAT,
             "fingerprint": self._fingerprint,
             "inputs": [_wire(t.dtype, self.narrow_64bit) for t in example_inputs],
             "results": results,
             "outputs": outputs,
+            "writes": writes,
             **extra,
         }
         artifact = _pack(header, blob, self.magic)
@@ -211,8 +223,11 @@ class StablehloBackend:
                   lowered - start, time.perf_counter() - lowered, len(artifact))
         return artifact
 
-    def _build(self, text: str, results: list[dict]) -> tuple[bytes, dict]:
-        """The executable of StableHLO ``text`` as bytes, and what else its header holds."""
+    def _build(self, text: str, results: list[dict], writes: list[int], aliases: dict[int, int]) -> tuple[bytes, dict]:
+        """The executable of StableHLO ``text`` as bytes, and what else its header holds. ``writes``:
+        the inputs the region writes, ``aliases``: those whose memory can be their result's (Note
+        [Aliased outputs] in fuser.backends.neuron); unused here: XLA's CPU client cannot write a
+        tensor's memory, so ``caller`` stores the new values (Note [Regions that write their inputs])."""
         client = _client()
         try:
             executable = client.compile_and_load(text, client.devices()[:1], _xla().CompileOptions())
@@ -233,11 +248,21 @@ class StablehloBackend:
                 f"{self.name}: artifact was made for {header.get('fingerprint')!r}, this process is {self._fingerprint!r}"
             )
         try:
-            return below_autograd(caller(self._callable(blob, header), header))
+            return below_autograd(caller(self._callable(blob, header), header, self._store))
         except BackendCompileError:
             raise
         except Exception as e:
             raise BackendCompileError(f"{self.name}: artifact does not load: {type(e).__name__}: {e}") from e
+
+    def _store(self, inputs: list[torch.Tensor], writes: list[tuple[int, torch.Tensor]]) -> None:
+        """Store each new value into the input it belongs to, after the run (Note [Regions that write
+        their inputs]); on a host-memory device into its CPU data (Note [Host-memory devices])."""
+        host = _HOST_DEVICES.get(self.device_type)
+        for slot, value in writes:
+            if host is None:
+                inputs[slot].copy_(value)
+            else:
+                host[0](inputs[slot]).copy_(host[0](value))
 
     def _callable(self, blob: bytes, header: dict) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         """``blob`` loaded: a function from the inputs (in the wire dtypes) to the results (root values
@@ -293,11 +318,13 @@ def _client():
 # ----------------------------------------------------------------------------------------- calling
 
 
-def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: dict
+def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: dict,
+           store: Callable[[list[torch.Tensor], list[tuple[int, torch.Tensor]]], None]
            ) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
     """``execute`` (inputs in wire dtypes -> row-major roots in wire dtypes) in the ``Backend``
-    calling convention (Notes [Outputs that share storage], [64-bit types] in
-    ``fuser.backends._stablehlo_lowering``)."""
+    calling convention (Notes [Outputs that share storage], [64-bit types], [Regions that write
+    their inputs] in ``fuser.backends._stablehlo_lowering``); ``store`` writes the inputs the
+    region writes."""
     as_strided = torch.as_strided
 
     casts_in = [(i, _dtype(wire)) for i, (dtype, wire) in enumerate(header["inputs"]) if dtype != wire]
@@ -317,6 +344,11 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
     if fixes:  # results eager lays out otherwise: copied into eager's strides
         results = restrided(results, fixes)
 
+    writes = header.get("writes", [])
+    n_out = len(outputs) - len(writes)
+    # a new value that is a view of an input is read before any store: another store may write that input
+    from_input = [of_input for of_input, _, _ in outputs[n_out:]]
+
     def run(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         args = inputs
         if casts_in:
@@ -324,11 +356,16 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
             for i, wire in casts_in:
                 args[i] = args[i].to(wire)
         roots = results(args)
-        return tuple(
+        outs = tuple(
             as_strided(inputs[k], view[0], view[1], inputs[k].storage_offset() + view[2]) if of_input
             else roots[k] if view is None else as_strided(roots[k], *view)
             for of_input, k, view in outputs
         )
+        if writes:
+            values = [v.clone() if of_input else v for v, of_input in zip(outs[n_out:], from_input)]
+            store(inputs, list(zip(writes, values)))
+            return outs[:n_out]
+        return outs
 
     return run
 
