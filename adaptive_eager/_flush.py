@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 
 import torch
 import torch.autograd.profiler as _profiler
@@ -179,9 +180,7 @@ def _poison(window: Window) -> None:
 def _release(window: Window) -> None:
     """Unmark the tensors that outlive ``window`` and drop what their Outs hold; free the storage
     handles. The rest goes with the window, by reference counting: Note [Window release]."""
-    free = _free_weak_ref
-    for o in window.fresh:
-        free(o.storage)
+    deque(map(_free_weak_ref, window.handles), maxlen=0)  # one C call each, no Python iteration
     for outs in (window.live, window.others):
         for o in outs:
             # unmarked, the Out is reachable only from the window (a real tensor's mark was the
@@ -194,6 +193,7 @@ def _release(window: Window) -> None:
                     del d["_ae"]
             o.value = o.storage = None  # an exception's traceback may keep the window's nodes
     window.fresh.clear()
+    window.handles.clear()
     window.live.clear()
     window.others.clear()
     window.nodes.clear()

@@ -42,6 +42,25 @@ line; a structure reached from two call sites names the one the template saw.
 Hot recording is for a CPU target (one device, the placeholders' ``alloc_cpu``); a template is made
 only of windows whose every op the fast path records (no views, no general-path ops: those windows
 are recorded in full). ``hot_windows=False`` (``NEURON_EAGER_HOT_WINDOWS=0``) turns it off.
+
+Note [Hot flush cost]
+~~~~~~~~~~~~~~~~~~~~~
+What a hot flush of the 1000-op loop (``benchmarks/flush_cost.py``, 1000 values, one live) still
+costs, by py-spy samples of the steady state: ~85% is per value, three C-level costs of the weak
+storage handle each FRESH Out holds (Note [Weak window] in fuser.window) and of the Out itself:
+``UntypedStorage._expired`` (the liveness read; each handle's ``StorageImpl`` is cold memory by
+then), ``_free_weak_ref`` (it frees that ``StorageImpl``), and freeing the Outs, their tensor
+weakrefs and handle ints; the Python loops around them are gone (``Window.handles``, one ``map``
+each). The rest (~15%) is the compiled call, binding the live value and the flush's bookkeeping.
+So the 0.3 ms target needs windows whose dying values hold no handle and no Out: a value is then
+live while its Python tensor is (a tensor weakref, or the Out's own reachability). That is sound
+only if nothing else can share a placeholder's storage inside a hot window. What this torch does:
+autograd saving an output for the backward, and ``.data``, both dispatch a view op (a ``detach``),
+which demotes the window (tests/test_hot_windows.py: the intermediate only autograd keeps, the one
+kept through ``.data``), so a validated window has seen no such sharer; a C++ holder of the
+placeholder's own TensorImpl keeps its Python object (and so its weakref) alive. Whether every
+other non-dispatching alias (``saved_tensors_hooks``, extensions) also goes through a dispatched
+view is not established: until it is, every FRESH value keeps its storage handle.
 """
 
 from __future__ import annotations

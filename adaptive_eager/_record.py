@@ -124,9 +124,11 @@ def _placeholder(st: TracerState, window: Window, spec: tuple, uid: int, device)
         p = alloc(spec[0], spec[1], spec[2])
     else:
         p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-    o = Out(window.token, FRESH, uid, spec, _weakref(p), _untyped_storage(p)._weak_ref())
+    h = _untyped_storage(p)._weak_ref()
+    o = Out(window.token, FRESH, uid, spec, _weakref(p), h)
     p._ae = o
     window.fresh.append(o)
+    window.handles.append(h)
     return p, o
 
 

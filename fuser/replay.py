@@ -7,6 +7,8 @@ into the placeholder the program holds (see Note [Placeholders] in ``fuser.windo
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import not_
 
 import torch
 
@@ -56,14 +58,9 @@ def read_liveness(window: Window) -> list[Out]:
     ``Out``'s value for the window's later ops). It must not fail: a compiled region that writes
     its inputs in place (Note [In-place regions] in ``fuser.compilable``) has already written them
     when its outputs are bound, and the replay that follows a failed run would write them twice."""
-    live = window.live = []
-    expired = _expired
-    for o in window.fresh:
-        if expired(o.storage):
-            o.live = False
-        else:
-            o.live = True
-            live.append(o)
+    live = window.live = list(compress(window.fresh, map(not_, map(_expired, window.handles))))
+    for o in live:  # the others keep ``Out.live`` False, as they were made
+        o.live = True
     return live
 
 

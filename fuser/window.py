@@ -49,8 +49,10 @@ mark ``t._ae`` is pending exactly while ``t._ae.win`` is the token of its record
 FRESH ones (``Window.live``) and the ALIAS and VIEW ones (``Window.others``) lose their marks and
 their references, so a surviving tensor keeps nothing of the window. A dead FRESH Out needs no
 visit: every tensor carrying its mark would share its storage, and that storage is gone. Each FRESH
-Out's storage handle (a raw weak pointer) is freed explicitly. A 1000-op window of dead
-intermediates is thus released in one pass over its handles.
+Out's storage handle (a raw weak pointer) is freed explicitly. The window keeps those handles in a
+flat list beside its Outs (``Window.handles``), so the liveness read and this release are each one
+``map`` of a C function over it: a 1000-op window of dead intermediates costs no Python iteration
+per value, only the calls (what each still costs: Note [Hot flush cost] in adaptive_eager._hot).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "others", "fresh", "live", "viewed", "token", "hot", "hot_miss")
+                 "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -184,6 +186,9 @@ class Window:
         self.mutated: set[int] = set()  # slots of real inputs written by pending in-place ops
         self.scalars: list[float] = []  # float arguments of the nodes, in order (not in ``sigs``)
         self.fresh: list[Out] = []  # the FRESH Outs (placeholders whose liveness decides outputs)
+        # their ``Out.storage`` handles, in the same order: the flush reads their liveness and frees
+        # them in one pass of C calls each, not one Python iteration per value (Note [Window release])
+        self.handles: list[int] = []
         self.others: list[Out] = []  # the ALIAS and VIEW Outs
         self.live: list[Out] = []  # the FRESH Outs found live at the flush (``Out.live``)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views

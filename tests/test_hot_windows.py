@@ -301,3 +301,76 @@ def test_a_flush_runs_its_window_with_every_dispatch_mode_off_and_puts_them_back
             assert ae.is_lazy(z)  # adaptive eager still records
     torch.testing.assert_close(y, _step(x, w))
     torch.testing.assert_close(z, _step(x, w) * 2)
+
+
+def test_a_hot_intermediate_only_autograd_keeps_is_computed(fresh_regions):
+    # tanh saves its output for the backward, over the placeholder's storage; the program drops the
+    # tensor itself. Saving it dispatches a ``detach`` (a view), which turns the hot window into an
+    # ordinary one, and the value is computed into that storage (Note [Weak window]).
+    x, w = torch.randn(16), torch.randn(16)
+
+    def step():
+        return torch.tanh(x * w) * 3 + 1
+
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(4):  # compiled, then hot, without autograd
+            y = step()  # kept: a window nothing observes is dead, it never runs
+            ae.sync()
+        assert ae.metrics()["hot_windows"] >= 1
+        w.requires_grad_()
+        y = step()  # the same ops, validated until autograd's save
+        ae.sync()
+        assert ae.metrics()["hot_mismatches"].get("view") == 1, ae.metrics()["hot_mismatches"]
+    (g,) = torch.autograd.grad(y.sum(), w)  # eagerly, from the saved output
+    want = x * 3 * (1 - torch.tanh(x * w.detach()) ** 2)
+    torch.testing.assert_close(g, want)
+
+
+def test_a_hot_intermediate_kept_through_data_is_computed(fresh_regions):
+    # ``.data`` aliases a pending value (adaptive_eager._patches passes its mark on); the program
+    # then drops the value itself. The alias dispatches a view, which turns the hot window into an
+    # ordinary one; the alias observes the storage, so the value is live and computed.
+    x, w = torch.randn(16), torch.randn(16)
+
+    def step(keep):
+        h = torch.tanh(x * w)
+        alias = h.data if keep else None
+        del h
+        return torch.sigmoid(x) + 1, alias
+
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(4):
+            y, _ = step(False)
+            ae.sync()
+        assert ae.metrics()["hot_windows"] >= 1
+        y, alias = step(True)
+        ae.sync()
+        assert ae.metrics()["hot_mismatches"].get("view") == 1, ae.metrics()["hot_mismatches"]
+    torch.testing.assert_close(alias, torch.tanh(x * w))
+    torch.testing.assert_close(y, torch.sigmoid(x) + 1)
+
+
+def test_values_read_after_a_divergence_are_eager(fresh_regions):
+    # the window diverges half-way; the program then reads an intermediate of the validated prefix
+    # and the last value: both eager, the prefix computed once
+    x, w = torch.randn(16), torch.randn(16)
+
+    def step(diverge):
+        kept = []
+        y = x
+        for i in range(N):
+            y = torch.sigmoid(y) if (diverge and i == N // 2) else _op(i, y, x, w)
+            if i == N // 2 - 3:
+                kept.append(y)
+        return y, kept[0]
+
+    want_y, want_kept = step(True)
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(4):
+            y, _ = step(False)
+            ae.sync()
+        assert ae.metrics()["hot_windows"] >= 1
+        y, kept = step(True)
+        torch.testing.assert_close(kept, want_kept)  # a read: it flushes the demoted window
+        torch.testing.assert_close(y, want_y)
+        assert ae.metrics()["hot_mismatches"].get("op", 0) >= 1, ae.metrics()["hot_mismatches"]
