@@ -50,7 +50,9 @@ class Options:
     tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
-    optimizer_capture: bool = True  # a hot optimizer.step() runs as one guarded call: Note [Optimizer capture]
+    # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture]); "background": its
+    # compile runs off the step (Note [Compile off the step] in _optim)
+    optimizer_capture: bool | str = True
     hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
 
     def replace(self, **changes: Any) -> Options:
@@ -95,6 +97,15 @@ def _parse_float(name: str, raw: str, minimum: float | None = None) -> float:
 
 def _parse_seconds(name: str, raw: str) -> float:
     return _parse_float(name, raw, minimum=0)
+
+
+def _parse_capture(name: str, raw: str) -> bool | str:
+    if raw.strip().lower() == "background":
+        return "background"
+    try:
+        return _parse_bool(name, raw)
+    except _Invalid:
+        raise _Invalid("1/0 (or true/false) or background") from None
 
 
 def _parse_choice(choices: tuple[str, ...]):
@@ -145,8 +156,11 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "emulate": (_parse_bool, "give a machine without Trainium a `neuron` device backed by CPU memory, on which plain "
                 "eager counts one NEFF launch per op, to size the win before renting one (default 0; "
                 "`adaptive_eager.emulate_neuron()`; needs the [neuron] extra for the stablehlo backend)"),
-    "optimizer_capture": (_parse_bool, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
-                          "call compiled by TorchDynamo with the step's guards (default 1)"),
+    "optimizer_capture": (_parse_capture, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
+                          "call compiled by TorchDynamo with the step's guards (default 1: compiled inside the step "
+                          "that captures it, as `torch.compile` does; `background`: that step returns at once and "
+                          "steps run the captured graph uncompiled until the compile lands, which takes longer in all "
+                          "since it shares the GIL; 0: off)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, `multiprocessing` children, forked processes) "
                 "record too (default 0: they run eagerly; a spawned child reads it from the environment)"),
 }
@@ -326,6 +340,9 @@ def _check_types(values: dict[str, Any]) -> None:
     for name in ("async_compile", "tune_gc", "workers", "emulate"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
+    capture = values.get("optimizer_capture")
+    if capture is not None and type(capture) is not bool and capture != "background":
+        raise ConfigError(f"option optimizer_capture={capture!r}: expected True, False or 'background'")
 
 
 def entry_options(base: Options | None, **overrides: Any) -> Options:

@@ -40,14 +40,15 @@ def _backward(params, i):
     loss.backward()
 
 
-def _train(make_opt, steps, lazy, edit=None, sched=None, set_to_none=True, backend="replay", async_compile=False):
+def _train(make_opt, steps, lazy, edit=None, sched=None, set_to_none=True, backend="replay", background=False):
     """``steps`` steps of ``make_opt(params)``; ``edit(i, params, opt)`` runs before step ``i``.
-    The capture compiles inside its step unless ``async_compile`` (Note [Compile off the step]):
+    The capture compiles inside its step unless ``background`` (Note [Compile off the step]):
     the counts are the same in every run."""
     params = _params()
     opt = make_opt(params)
     scheduler = sched(opt) if sched else None
-    ctx = ae.adaptive_eager(backend=backend, async_compile=async_compile) if lazy else _nothing()
+    capture = {"optimizer_capture": "background"} if background else {}
+    ctx = ae.adaptive_eager(backend=backend, async_compile=background, **capture) if lazy else _nothing()
     with ctx:
         for i in range(steps):
             opt.zero_grad(set_to_none=set_to_none)
@@ -337,7 +338,7 @@ def test_a_step_while_another_thread_traces_runs_recorded(monkeypatch, checked):
     assert m["optimizer_captures"] == 1 and m["optimizer_hot_steps"] == 7 - HOT_AFTER - 1 - 2, m
 
 
-# Note [Compile off the step] in adaptive_eager._optim: with async_compile the capture's backend
+# Note [Compile off the step] in adaptive_eager._optim: with optimizer_capture='background' the capture's backend
 # compiles on the compile thread; the tests below hold that compile until they release it.
 WAIT_S = 5  # a compile held longer than this was waited for on the program's thread: it fails
 
@@ -387,7 +388,7 @@ def test_the_capturing_step_does_not_wait_for_its_compile(monkeypatch):
 
     eager = _train(make, 12, False, sched=sched)
     ae.reset_metrics()
-    lazy = _train(make, 12, True, sched=sched, edit=edit, async_compile=True)
+    lazy = _train(make, 12, True, sched=sched, edit=edit, background=True)
     _assert_same(eager, lazy)
     m = ae.metrics()
     # step 2 captures lr as a constant, step 3 misses (lr changed: never compiled), step 4
@@ -413,7 +414,7 @@ def test_a_compile_that_fails_in_the_background_leaves_the_step_uncompiled(monke
     eager = _train(make, 8, False)
     ae.reset_metrics()
     with caplog.at_level("WARNING", logger="adaptive_eager"):
-        lazy = _train(make, 8, True, edit=edit, async_compile=True)
+        lazy = _train(make, 8, True, edit=edit, background=True)
     _assert_same(eager, lazy)
     m = ae.metrics()
     assert m["optimizer_misses"] == {"compile_failed": 1}, m
@@ -453,6 +454,18 @@ def test_a_background_compile_does_not_rewind_the_programs_random_numbers(monkey
     eager = _train(make, 9, False, edit=noise)
     ae.reset_metrics()
     torch.manual_seed(1)
-    lazy = _train(make, 9, True, edit=edit, async_compile=True)
+    lazy = _train(make, 9, True, edit=edit, background=True)
     _assert_same(eager, lazy)
     assert calls == [0] and ae.metrics()["optimizer_uncompiled_steps"] < 9 - HOT_AFTER  # it landed
+
+
+def test_the_background_capture_is_an_option_the_environment_can_set():
+    from adaptive_eager.config import ConfigError, load_options
+
+    assert load_options({}).optimizer_capture is True  # by default the capture compiles in its step
+    assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "background"}).optimizer_capture == "background"
+    assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "0"}).optimizer_capture is False
+    with pytest.raises(ConfigError, match="NEURON_EAGER_OPTIMIZER_CAPTURE.*background"):
+        load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "later"})
+    with pytest.raises(ConfigError, match="optimizer_capture='later'.*background"):
+        load_options({}, optimizer_capture="later")
