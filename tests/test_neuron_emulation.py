@@ -185,6 +185,7 @@ def test_adaptive_eager_records_on_neuron_and_reads_flush(tmp_path):
     assert "error at line torch.ones(2, 3, device=\"neuron\") @ torch.ones(2, 3, device=\"neuron\")" in out
 
 
+@pytest.mark.slow  # 16 s of CPU, 50-65 s under load; test_tracer's native_dropout test covers the draw on cpu
 def test_dropout_masks_are_drawn_at_record_time_bitwise_as_eager_there(tmp_path):
     """On a PrivateUse1 device ``F.dropout`` is ``native_dropout``, a random op that ended the window
     (8 flushes a step in examples/finetune_transformer.py); its mask is now drawn at record time as
