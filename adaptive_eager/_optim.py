@@ -280,7 +280,7 @@ def _capture(opt, raw, cap, backend):
         cap.off = "capture_failed"
         METRICS.optimizer_misses[cap.off] += 1
         log.warning("adaptive_eager: %s.step() could not be captured (%s: %s); it is recorded op by op",
-                    type(opt).__name__, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    type(opt).__name__, type(e).__name__, _first_line(e))
         return raw(opt)
     cap.fn, cap.captures = fn, cap.captures + 1
     METRICS.optimizer_captures += 1
@@ -343,8 +343,7 @@ class _Deferred:
             self.state = "failed"
             METRICS.optimizer_misses["compile_failed"] += 1
             log.warning("adaptive_eager: the compile of a captured optimizer step failed (%s: %s); it runs "
-                        "uncompiled, as Dynamo's eager backend runs it", type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
+                        "uncompiled, as Dynamo's eager backend runs it", type(e).__name__, _first_line(e))
         except BaseException:  # the compile thread stopped at exit (Note [Compile thread])
             self.state = "failed"
 
@@ -425,6 +424,10 @@ def _fresh(opt, raw):
         return body(ref())
 
     return types.FunctionType(run.__code__.replace(), run.__globals__, "step", None, run.__closure__)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
 
 
 def _cause(message: str) -> str:

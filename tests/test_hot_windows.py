@@ -303,6 +303,15 @@ def test_a_flush_runs_its_window_with_every_dispatch_mode_off_and_puts_them_back
     torch.testing.assert_close(z, _step(x, w) * 2)
 
 
+def _until_hot(step, *args):
+    """Run ``step(*args)`` until its window runs compiled and is then validated hot."""
+    for _ in range(4):
+        out = step(*args)  # kept: a window nothing observes is dead, it never runs
+        ae.sync()
+    assert ae.metrics()["hot_windows"] >= 1, ae.metrics()["hot_mismatches"]
+    return out
+
+
 def test_a_hot_intermediate_only_autograd_keeps_is_computed(fresh_regions):
     # tanh saves its output for the backward, over the placeholder's storage; the program drops the
     # tensor itself. Saving it dispatches a ``detach`` (a view), which turns the hot window into an
@@ -313,10 +322,7 @@ def test_a_hot_intermediate_only_autograd_keeps_is_computed(fresh_regions):
         return torch.tanh(x * w) * 3 + 1
 
     with ae.adaptive_eager(**SYNC):
-        for _ in range(4):  # compiled, then hot, without autograd
-            y = step()  # kept: a window nothing observes is dead, it never runs
-            ae.sync()
-        assert ae.metrics()["hot_windows"] >= 1
+        _until_hot(step)  # without autograd
         w.requires_grad_()
         y = step()  # the same ops, validated until autograd's save
         ae.sync()
@@ -339,10 +345,7 @@ def test_a_hot_intermediate_kept_through_data_is_computed(fresh_regions):
         return torch.sigmoid(x) + 1, alias
 
     with ae.adaptive_eager(**SYNC):
-        for _ in range(4):
-            y, _ = step(False)
-            ae.sync()
-        assert ae.metrics()["hot_windows"] >= 1
+        _until_hot(step, False)
         y, alias = step(True)
         ae.sync()
         assert ae.metrics()["hot_mismatches"].get("view") == 1, ae.metrics()["hot_mismatches"]
@@ -366,10 +369,7 @@ def test_values_read_after_a_divergence_are_eager(fresh_regions):
 
     want_y, want_kept = step(True)
     with ae.adaptive_eager(**SYNC):
-        for _ in range(4):
-            y, _ = step(False)
-            ae.sync()
-        assert ae.metrics()["hot_windows"] >= 1
+        _until_hot(step, False)
         y, kept = step(True)
         torch.testing.assert_close(kept, want_kept)  # a read: it flushes the demoted window
         torch.testing.assert_close(y, want_y)
