@@ -123,8 +123,10 @@ def main() -> None:
         try:
             plot(results, png, args.device)
         except Exception as e:  # noqa: BLE001 - the markdown is written either way
-            log(f"plot failed ({short_error(e)}); install the bench extra: pip install matplotlib")
-        log(f"wrote {RESULTS_MD} and {png}")
+            log(f"wrote {RESULTS_MD}; the plot failed ({short_error(e)}), so {png} is unchanged: install the "
+                "bench extra: pip install matplotlib")
+        else:
+            log(f"wrote {RESULTS_MD} and {png}")
 
 
 if __name__ == "__main__":
