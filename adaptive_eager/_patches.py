@@ -24,7 +24,7 @@ import threading
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import _optim
+from . import _optim, _source
 from ._flush import flush
 from ._state import current_state
 from ._threads import pending_mark, sync_value
@@ -62,12 +62,45 @@ def _flush_current(reason: str) -> None:
 
 
 def _reader(reason: str, original, other_threads_only: bool = False):
+    if original.__name__ in _WARNING_READERS:
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            sync_value(self, reason, other_threads_only)
+            if not self.requires_grad:
+                return original(self, *args, **kwargs)
+            return _warning_at_caller(original, self, args, kwargs)
+
+        return wrapper
+
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         sync_value(self, reason, other_threads_only)
         return original(self, *args, **kwargs)
 
     return wrapper
+
+
+# Note [Warnings of wrapped readers]
+# A warning torch's C++ raises (``TORCH_WARN``) is attributed to the innermost Python frame: in
+# eager the caller's line, but with a reader wrapped here, this file's ``wrapper``. The one such
+# warning among the readers: ``float(t)`` (and ``complex(t)``) of a tensor that requires grad
+# ("Converting a tensor with requires_grad=True to a scalar...", ``float(loss)`` in many loops).
+# So for those, and only when ``t.requires_grad``, the call's warnings are caught and issued again
+# at the caller's frame, where the program's own filters (``-W error``, ``once``) apply to them as
+# in eager. ``catch_warnings`` swaps the process's warning state for the call's duration: a warning
+# another thread raises within those microseconds is issued at this caller's line too (never lost).
+_WARNING_READERS = ("__float__", "__complex__")
+
+
+def _warning_at_caller(original, self, args, kwargs):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = original(self, *args, **kwargs)
+    for w in caught:
+        _source.warn(w.message, w.category, frame=sys._getframe(2))  # the caller of ``wrapper``
+    return result
 
 
 def _repr_wrapper(original):

@@ -131,14 +131,16 @@ def module_of(code) -> str:
     return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
 
 
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
+def warn(message, category: type[Warning] = UserWarning, frame=None) -> None:
     """``warnings.warn`` at the user's own line (Note [Whose line]): not at this library's frames,
     nor at torch's ``import torch`` machinery or ``contextlib`` between them, which a fixed
-    ``stacklevel`` cannot skip (the same warning is reached through different depths)."""
+    ``stacklevel`` cannot skip (the same warning is reached through different depths). With
+    ``frame``, at that frame's line instead (torch's own warning, issued again where eager would
+    have issued it: Note [Warnings of wrapped readers] in ``_patches``)."""
     import warnings
 
-    f = _getframe(1)
-    while f is not None and _kind(f.f_code) != _USER:
+    f = _getframe(1) if frame is None else frame
+    while frame is None and f is not None and _kind(f.f_code) != _USER:
         f = f.f_back
     if f is None:
         warnings.warn(message, category, stacklevel=2)

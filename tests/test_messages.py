@@ -139,3 +139,33 @@ def test_help_shows_every_option_with_its_default_and_meaning():
         assert "default" in description, name
         assert " ".join(description.split()[:4]) in " ".join(text.split()), name
     assert ae.enable.__doc__.count("NEURON_EAGER_") >= len(SETTINGS)
+
+
+
+FLOAT_SCRIPT = textwrap.dedent("""
+    import warnings, torch, adaptive_eager as ae
+    x = torch.randn(3, requires_grad=True)
+    with ae.adaptive_eager(backend="replay"):
+        loss = (x * 2).sum()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = float(loss)
+    assert value == float((x.detach() * 2).sum())
+    for w in caught:
+        print("WARNING", w.filename, w.lineno, w.message)
+""")
+
+
+def test_torchs_own_warning_in_float_points_at_the_users_line(tmp_path):
+    """``float(loss)`` of a tensor that requires grad: torch warns (once a process) from C++, which
+    names the innermost Python frame; with the readers wrapped that was ``adaptive_eager/_patches.py``,
+    not the user's line (Note [Warnings of wrapped readers])."""
+    script = tmp_path / "prog.py"
+    script.write_text(FLOAT_SCRIPT)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    full.update(NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(script)], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(lines) == 1 and lines[0].startswith(f"WARNING {script} 8 "), out.stdout + out.stderr
+    assert "requires_grad=True to a scalar" in lines[0], lines
