@@ -69,6 +69,10 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
     Reason("metadata_mutation", True, "an in-place change of a tensor's shape or storage (resize_, t_, set_) flushes "
                                       "here: use the out-of-place form",
            "changes a tensor's shape or storage in place (resize_, t_, set_)"),
+    Reason("out_resize", False, "an `out=` tensor of another shape than the result is resized here (as eager does, "
+                                "deprecated), and pending ops use it: pass an `out=` of the result's shape, or use "
+                                "the op's result instead of `out=`",
+           "resizes an `out=` tensor that pending ops use"),
     Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
            "runs an op adaptive eager cannot record"),
     Reason("collective", False, None, "runs a torch.distributed collective, a sync point between processes"),

@@ -16,7 +16,8 @@ Note [Out kinds]
 An ``Out`` is one value a node produces:
 - FRESH: a new tensor, its placeholder;
 - ALIAS: the result of an in-place / ``out=`` op, i.e. the mutated argument itself (``out.alias``
-  is that argument: a real tensor or another ``Out``);
+  is that argument: a real tensor or another ``Out``); an ``out=`` eager would resize already has
+  the result's geometry when the op is recorded (Note [Out resizing] in adaptive_eager._meta);
 - VIEW: a view of a pending value (or of a real tensor), created eagerly on the placeholder at
   record time (views read no data), so the program's view already is the final tensor.
 
