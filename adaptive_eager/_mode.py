@@ -17,7 +17,7 @@ from . import _gc, _ops, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
-from ._ops import ALLOC, BATCH_NORM, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
+from ._ops import ALLOC, BATCH_NORM, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
 from ._fast import _record_fast, _record_hot
 from ._meta import _Resizes
 from ._record import _DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs
@@ -202,6 +202,11 @@ class LazyMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             if kind == INLINE:
                 with self:  # its ops come back here (Note [Ops run inline] in _ops)
+                    return f.decomposition(*args, **kwargs)
+            if kind == HOST_READ:  # Note [Composites that read memory] in _ops
+                if _ops.read_on_host(func, f.host_read, args, kwargs):
+                    return func(*args, **kwargs)  # the mode is off here: its kernel runs eagerly
+                with self:
                     return f.decomposition(*args, **kwargs)
             # FLUSH
             if func is _native_dropout and (res := _dropout_now(st, args, kwargs)) is not None:

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _optim
 from ._flush import flush
+from ._ops import HOST_READERS, composite_kernel, host_read_args, read_on_host
 from ._state import current_state
 from ._threads import pending_mark, sync_value
 
@@ -148,21 +149,42 @@ def _opaque(original, reason: str, uses=None):
     return wrapper
 
 
-def _index_reader(original):
-    """``tensor_split(x, indices)`` with a 1-d tensor of indices reads them in C++ straight from
-    memory, without dispatching (a 0-dim one goes through ``item()``, which dispatches): recorded
-    with a pending tensor of indices, it would split at whatever the placeholder's memory held. So
-    a pending one is computed first."""
+# the autograd keys of the devices adaptive eager records on (cpu, cuda, neuron: PrivateUse1)
+_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradPrivateUse1")
+_library = None  # the torch.library registration of the _host_reader kernels while installed
 
-    @functools.wraps(original)
-    def tensor_split(*args, **kwargs):
-        indices = args[1] if len(args) > 1 else kwargs.get(
-            "tensor_indices_or_sections", kwargs.get("indices", kwargs.get("sections")))
-        if isinstance(indices, torch.Tensor):
-            sync_value(indices, "host_indices")
-        return original(*args, **kwargs)
 
-    return tensor_split
+def _host_reader(op, where):
+    composite = composite_kernel(op)
+
+    def kernel(*args, **kwargs):
+        st = current_state()
+        if st is not None and st.mode is not None and read_on_host(op, where, args, kwargs):
+            with _disable_current_modes():
+                return composite(*args, **kwargs)
+        return composite(*args, **kwargs)
+
+    return kernel
+
+
+def _register_host_readers() -> None:
+    """Note [Composites that read memory] in _ops."""
+    global _library
+    _library = torch.library.Library("aten", "IMPL")
+    for name in HOST_READERS:
+        _, packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+        kernel = _host_reader(op, host_read_args(op))
+        name = packet if overload == "default" else f"{packet}.{overload}"
+        for key in _AUTOGRAD_KEYS:  # the alias key ``Autograd`` would lose to the composite kernel
+            _library.impl(name, kernel, key)
+
+
+def _unregister_host_readers() -> None:
+    global _library
+    if _library is not None:
+        _library._destroy()
+        _library = None
 
 
 # Note [Storage resize]
@@ -227,9 +249,8 @@ def install() -> None:
             original = getattr(owner, name)
             _saved[("attr", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
             setattr(owner, name, _opaque(original, reason, uses))
-        for owner in (torch, torch.Tensor):
-            _saved[("attr", owner, "tensor_split")] = owner.__dict__.get("tensor_split", _MISSING)
-            owner.tensor_split = _index_reader(owner.tensor_split)
+        _register_host_readers()  # Note [Composites that read memory]
+        _saved["host_readers"] = None
 
 
 def uninstall() -> None:
@@ -243,6 +264,8 @@ def uninstall() -> None:
                 builtins.print = value
             elif key == "breakpointhook":
                 sys.breakpointhook = value
+            elif key == "host_readers":
+                _unregister_host_readers()
             elif key == "optimizer_hook":
                 value.remove()
                 _optim.uninstall()
