@@ -311,6 +311,7 @@ def _after_fork_in_child() -> None:
         for window in broken:
             _poison(window)
             _release(window)
+            _patches.apply_frees(window)  # Note [Storage resize]: they wait for nothing now
         st.running = None
     _leave_in_child()
 

@@ -168,7 +168,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss")
+                 "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -200,6 +200,10 @@ class Window:
         # the values that region returns (``fuser.regions._run_validated``)
         self.hot = None
         self.hot_miss: tuple | None = None  # (cause, position) of the last op that did not match
+        # storages the program freed (``resize_(0)``) while ops of this window still use them, by
+        # ``_cdata``: freed once the window ran. The tracer's alone: Note [Storage resize] in
+        # adaptive_eager._patches
+        self.frees: dict = {}
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))
