@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from _device import COMPILED_BACKEND
 from test_hot_windows import SYNC, _hot_loop, _step
 
+COMPILED = dict(SYNC, backend=COMPILED_BACKEND)  # a window seen once replays, then compiles
 torch.manual_seed(0)
 A, B, M = torch.randn(3, 4), torch.randn(3, 4), torch.randn(4, 5)
 AT = torch.randn(4, 3).t()  # a transposed input: a resized out takes its layout
@@ -140,7 +142,7 @@ def _run_program():
 def test_out_resizes_in_compiled_windows(fresh_regions):
     want = _run_program()
     assert len(want[2]) == 2  # the two outs that had elements
-    with ae.adaptive_eager(**SYNC):
+    with ae.adaptive_eager(**COMPILED):
         got = [_run_program() for _ in range(4)]
         m = ae.metrics()
     assert m["compiled_runs"] >= 2, m
@@ -161,7 +163,7 @@ def test_an_out_resize_in_a_hot_window(fresh_regions):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         want = step()
-    with ae.adaptive_eager(**SYNC):
+    with ae.adaptive_eager(**COMPILED):
         _hot_loop(x, w)
         with warnings.catch_warnings(record=True) as got_caught:
             warnings.simplefilter("always")
