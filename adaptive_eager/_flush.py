@@ -84,6 +84,10 @@ def _run(st: TracerState, reason: str) -> None:
         _run_window(st, window, reason)
     finally:
         _tls.running = st.running = None
+        if window.frees:  # Note [Storage resize] in _patches: the frees that waited for it
+            from ._patches import apply_frees
+
+            apply_frees(window)
         METRICS.flush_seconds += time.perf_counter() - t0
 
 

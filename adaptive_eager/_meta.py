@@ -3,12 +3,11 @@ kernel run on a miss, and eager's layouts (Note [Eager layouts])."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from fuser.window import ARITY
 
 from . import _signatures
+from ._kernel_warnings import kernel_warnings
 from ._log import log
 from ._overlap import _Raises, _extent, _has_internal_overlap, _overlap_error
 
@@ -27,8 +26,28 @@ class _Failed:
         self.op, self.reason = op, reason
 
 
+class _Resizes:
+    """A meta-cache entry for an ``out=`` signature whose output eager resizes (Note [Out
+    resizing]): the new geometry of each written argument that changes, and the warnings eager
+    gives for it."""
+
+    __slots__ = ("changes", "warnings")
+
+    def __init__(self, changes: tuple, warnings: tuple):
+        self.changes = changes  # ((argument position or keyword, shape, stride), ...)
+        self.warnings = warnings  # ((category, message), ...)
+
+
 def _meta(t):
     return _empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _written_args(f, args, kwargs):
+    """(position or keyword, tensor) of each tensor argument the op writes."""
+    for pos in f.write_pos:
+        t = kwargs.get(pos) if type(pos) is str else (args[pos] if pos < len(args) else None)
+        if isinstance(t, _Tensor):
+            yield pos, t
 
 
 def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
@@ -50,7 +69,10 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
     mkwargs = {k: (_meta(v) if isinstance(v, _Tensor) else v) for k, v in kwargs.items()}
     if f.factory or "device" in mkwargs:
         mkwargs["device"] = "meta"
-    res = f.func(*margs, **mkwargs)
+    res, _ = kernel_warnings(lambda: f.func(*margs, **mkwargs))  # not eager's: Note [Kernel warnings]
+    if f.mutates and any(t.shape != m.shape or t.stride() != m.stride()
+                         for (_, t), (_, m) in zip(_written_args(f, args, kwargs), _written_args(f, margs, mkwargs))):
+        return _out_resizes(f, args, kwargs)
     outs = res if isinstance(res, (tuple, list)) else (res,)
     specs = []
     nbytes = 0
@@ -86,6 +108,65 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
 # (Note [RNG] in _ops), so the run consumes no generator.
 
 
+# Note [Out resizing]
+# ~~~~~~~~~~~~~~~~~~~
+# Eager resizes an ``out=`` tensor whose shape is not the result's (``at::native::resize_output``):
+# silently when it has no elements, with a UserWarning ("An output with one or more elements was
+# resized ...", deprecated) otherwise; a structured kernel then gives it the strides it computed
+# (``as_strided_``: an input's permutation, a memory format). The program sees the new geometry
+# right after the op, so it cannot wait for the flush (where the recorded op would write a result
+# of one shape into a placeholder of another). A meta-cache miss whose meta run changes a written
+# argument's geometry runs the op for real on stand-ins (as Note [Eager layouts] does) to learn
+# the device kernel's geometry and what it warns (Note [Kernel warnings]); the entry
+# (``_Resizes``) keeps both. At each such op the recorder (``_record.resize_outs``) then does what
+# the kernel would: the warnings, at the frame where eager's land (``_source.warn(as_kernel=True)``),
+# and ``resize_`` then ``as_strided_`` on the real tensor, below the mode and below
+# ADInplaceOrView (eager's kernel bumps no version for it); then it records the op again, with an
+# ``out=`` of the result's geometry: an ordinary ``out=`` op (Note [Out kinds] in fuser.window).
+# A resize changes the tensor's metadata, and its storage too when it grows (the same
+# ``StorageImpl``, more memory, the old bytes copied, as in eager), so it must not happen under
+# pending ops that use that tensor (by its TensorImpl: they would run on the new geometry) or its
+# storage through another tensor: if the out is pending, is an input of the window, has a pending
+# write, or shares its storage with another tensor, the window runs first (reason
+# ``out_resize``). A fresh ``torch.empty(0)`` out, the common idiom, shares nothing and costs no
+# flush. An out that shares memory with another argument of the op (``add(o, b, out=o)``, which
+# eager refuses; ``mm(o.view(2, 2), w, out=o)``, whose value depends on the order the kernel reads
+# and writes) runs eagerly, after a flush, for eager's error or value: the probes, on separate
+# stand-ins, cannot tell. An op eager refuses from dtypes (a result it cannot cast to the out's)
+# raises in the meta run, as eager's kernel checks before it resizes, and runs eagerly to raise
+# eager's error; so does a signature whose stand-in runs fail.
+
+
+def _out_resizes(f, args, kwargs):
+    """The ``_Resizes`` entry of an out= signature eager resizes, from the op run on stand-ins of
+    its arguments (Note [Out resizing]); raises when the runs fail (the signature is then _Failed)."""
+    written = f.write_pos
+
+    def stand_in(t, written: bool, fill):
+        if not isinstance(t, _Tensor):
+            return t
+        if fill is None and not written and (t.is_floating_point() or t.is_complex()):
+            return t
+        return torch.full((_extent(t),), fill or 0, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+
+    for fill in (None, 1):
+        try:
+            rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
+                     else stand_in(a, i in written, fill) for i, a in enumerate(args)]
+            rkwargs = {k: stand_in(v, k in written, fill) for k, v in kwargs.items()}
+            _, caught = kernel_warnings(lambda: f.func(*rargs, **rkwargs))
+            break
+        except Exception as e:  # noqa: BLE001 - try the other fill, then give up
+            error = e
+    else:
+        raise error
+    changes = tuple((pos, tuple(r.shape), tuple(r.stride()))
+                    for (pos, t), (_, r) in zip(_written_args(f, args, kwargs), _written_args(f, rargs, rkwargs))
+                    if t.shape != r.shape or t.stride() != r.stride())
+    # only the resize's own warnings: others depend on the values, which the stand-ins do not hold
+    return _Resizes(changes, tuple((w.category, str(w.message)) for w in caught if "resized" in str(w.message)))
+
+
 def _eager_layouts(f, args, kwargs, specs: list) -> list:
     """``specs`` with each fresh output's strides taken from a real run of the op (Note [Eager layouts])."""
     if f.factory or all(s is None for s in specs):
@@ -105,9 +186,9 @@ def _eager_layouts(f, args, kwargs, specs: list) -> list:
         try:
             rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
                      else stand_in(a, i in written, fill) for i, a in enumerate(args)]
-            with warnings.catch_warnings():  # the op warns when it runs, as eager's does
-                warnings.simplefilter("ignore")
-                res = f.func(*rargs, **{k: stand_in(v, k in written, fill) for k, v in kwargs.items()})
+            # the op warns when it runs, as eager's does: Note [Kernel warnings]
+            res, _ = kernel_warnings(lambda: f.func(*rargs, **{k: stand_in(v, k in written, fill)
+                                                                 for k, v in kwargs.items()}))
             break
         except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
             error = e

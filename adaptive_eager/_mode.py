@@ -17,9 +17,10 @@ from . import _gc, _ops, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
-from ._ops import ALLOC, BATCH_NORM, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
+from ._ops import ALLOC, BATCH_NORM, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
 from ._fast import _record_fast, _record_hot
-from ._record import _DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_view, _unslot
+from ._meta import _Resizes
+from ._record import _DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs
 from ._state import TracerState, _default_dtype, _on_target, _register, _step_back, _tls, _unregister, current_state
 from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader
 from .config import Options
@@ -110,8 +111,22 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
         _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
         raise
-    if (res is _SCALAR or res is _DECLINED) and len(window.real_inputs) != n0:
+    if (res is _SCALAR or res is _DECLINED or res.__class__ is _Resizes) and len(window.real_inputs) != n0:
         _unslot(window, n0)
+    if res.__class__ is _Resizes:  # Note [Out resizing] in _meta
+        if not resize_outs(st, f, res, args, kwargs):
+            return _eager(st, f, args, kwargs, "out_resize")
+        window = st.window  # a new one if the resize flushed
+        n0 = len(window.real_inputs)
+        try:
+            res = _record(st, f, args, kwargs)  # the out= tensors have the result's geometry now
+        except BaseException:
+            _decline(window, n0)
+            raise
+        if res is _SCALAR or res.__class__ is _Resizes:
+            res = _DECLINED  # never expected: the op runs eagerly, correct if slow
+        if res is _DECLINED and len(window.real_inputs) != n0:
+            _unslot(window, n0)
     if res is _SCALAR:
         METRICS.host_scalar_ops += 1
         return _eager(st, f, args, kwargs, None)
@@ -187,6 +202,11 @@ class LazyMode(TorchDispatchMode):
                 return func(*args, **kwargs)
             if kind == INLINE:
                 with self:  # its ops come back here (Note [Ops run inline] in _ops)
+                    return f.decomposition(*args, **kwargs)
+            if kind == HOST_READ:  # Note [Composites that read memory] in _ops
+                if _ops.read_on_host(func, f.host_read, args, kwargs):
+                    return func(*args, **kwargs)  # the mode is off here: its kernel runs eagerly
+                with self:
                     return f.decomposition(*args, **kwargs)
             # FLUSH
             if func is _native_dropout and (res := _dropout_now(st, args, kwargs)) is not None:
@@ -291,6 +311,7 @@ def _after_fork_in_child() -> None:
         for window in broken:
             _poison(window)
             _release(window)
+            _patches.apply_frees(window)  # Note [Storage resize]: they wait for nothing now
         st.running = None
     _leave_in_child()
 

@@ -16,6 +16,8 @@ BATCH_NORM      ``native_batch_norm`` writes the running stats in training mode 
 INLINE          an op made of ATen ops the recorder takes: its decomposition runs with the mode on
                 (``OpFacts.decomposition``), and the ops it dispatches are recorded (Note [Ops run
                 inline])
+HOST_READ       a composite whose kernel reads an argument's memory (Note [Composites that read
+                memory]): the values it reads are made real, then it runs as INLINE does
 
 Collectives (``torch.distributed``) are FLUSH with reason "collective" (Note [Collectives]).
 
@@ -29,11 +31,13 @@ deterministic ops.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._args import _tensors
 
-RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE = range(8)
+RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE, HOST_READ = range(9)
 
 # ops that change a tensor's metadata (shape, strides, storage) in place: the placeholder's
 # metadata must never move under a pending write, so they run eagerly after a flush.
@@ -88,6 +92,83 @@ _INLINE_CUSTOM_OPS = frozenset({"fsdp::all_gather_copy_in", "fsdp::split_with_si
 _INLINE_DECOMPOSED = frozenset({"aten.split_with_sizes_copy.out"})
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 
+# Note [Composites that read memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some CompositeImplicitAutograd kernels of ATen read a tensor argument's memory in C++
+# (``const_data_ptr``, ``accessor``) and turn it into sizes: ``tensor_split`` with a 1-d tensor of
+# indices, a PackedSequence's ``batch_sizes`` (``_pad_packed_sequence``, its backward, the
+# ``.data`` overloads of the RNNs), the size ``sparse_coo_tensor`` infers from its indices (from
+# an ``indices.max()`` it computes itself, which the mode would record) and the checks of
+# ``_validate_sparse_coo_tensor_args``. Such a kernel runs above the dispatch mode (it is the op's
+# kernel for the autograd keys; the mode sees only the ops it calls), so with a pending argument
+# it split at whatever the placeholder's memory held: a wrong value, no error. A Python wrapper
+# of ``torch.tensor_split`` missed every reference bound before it (``from torch import
+# tensor_split``, torch's own Python code). So while adaptive eager is on, each of these ops has
+# a kernel of ours for the autograd keys of the devices it records on (``_patches._host_reader``;
+# registered for AutogradCPU, AutogradCUDA, AutogradPrivateUse1 directly: the ``Autograd`` alias
+# loses to the composite). Where a value it reads is pending, the value's window runs first
+# (reason ``host_indices``; for the ops that read a value they compute, the whole window, and the
+# op then runs with the mode off); then the op's own C++ composite runs (``composite_kernel``),
+# its ops going through autograd and the mode as before. Registered when the first thread turns
+# adaptive eager on, removed when the last one turns it off; a thread without the mode runs the
+# same composite through it. Under ``inference_mode`` the autograd keys are skipped and the op
+# itself reaches the mode (the Python key is not one of the composite's): a HOST_READ op, for
+# which the mode does the same, its composite's ops coming back to the mode as INLINE ones do.
+# The list is what reading ATen's composites for such reads found (TensorShape, PackedSequence,
+# RNN, SparseTensor, LossCTC), each case tested (tests/test_host_reads.py). Not in it, because
+# their reads go through the dispatcher: ``ctc_loss`` (hands its lengths to ``_ctc_loss.Tensor``,
+# an op the mode sees), ``narrow`` with a tensor start and 0-dim ``tensor_split`` sections
+# (``item()``), ``repeat_interleave`` (its repeats go to a kernel the mode sees),
+# ``pack_padded_sequence`` (its own kernel).
+HOST_READERS = {  # op: the arguments it reads on the host; None: it reads what it computes
+    "aten.tensor_split.tensor_indices_or_sections": ("tensor_indices_or_sections",),
+    "aten._pad_packed_sequence.default": ("batch_sizes",),
+    "aten._pack_padded_sequence_backward.default": ("batch_sizes",),
+    "aten.lstm.data": ("batch_sizes",),
+    "aten.gru.data": ("batch_sizes",),
+    "aten.rnn_tanh.data": ("batch_sizes",),
+    "aten.rnn_relu.data": ("batch_sizes",),
+    "aten.sparse_coo_tensor.indices": None,
+    "aten._validate_sparse_coo_tensor_args.default": None,
+}
+
+
+def composite_kernel(op):
+    """``op``'s C++ CompositeImplicitAutograd kernel, the one eager runs: not ``op.decompose``,
+    which prefers a Python decomposition where torch has one (``tensor_split``'s reads its indices
+    with ``tolist`` and more ops, unlike eager)."""
+    return functools.partial(op._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def host_read_args(op):
+    """The (position, name) of each argument ``op`` reads on the host; None: what it computes."""
+    names = HOST_READERS[str(op)]
+    if names is None:
+        return None
+    return tuple((i, a.name) for i, a in enumerate(op._schema.arguments) if a.name in names)
+
+
+def read_on_host(op, where, args, kwargs) -> bool:
+    """Make the values a composite reads on the host real (Note [Composites that read memory]);
+    True when it must run with the mode off, its window run first (it reads what it computes)."""
+    from ._args import _tensors
+    from ._flush import flush
+    from ._state import current_state
+    from ._threads import sync_value
+
+    if where is None:
+        for t in _tensors(args, kwargs):
+            sync_value(t, "host_indices")  # another thread's value
+        st = current_state()
+        if st is not None and st.window.nodes:
+            flush(st, "host_indices")
+        return True
+    for i, name in where:
+        t = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(t, torch.Tensor):
+            sync_value(t, "host_indices")
+    return False
+
 
 def _backend_kernel(func):
     """``func``'s kernel for its first tensor's device, below the dispatch mode."""
@@ -103,7 +184,7 @@ class OpFacts:
     __slots__ = (
         "func", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
-        "dropout_arg", "unseeded", "decomposition",
+        "dropout_arg", "unseeded", "decomposition", "host_read",
     )
 
     def __repr__(self) -> str:
@@ -136,7 +217,7 @@ _SHAPE_FROM_FLOATS = ("arange", "linspace", "logspace", "range", "upsample", "in
 def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
     """``seeded=False``: the facts of a call that draws nothing (Note [Dropout probability])."""
     f = OpFacts()
-    f.dropout_arg = f.unseeded = f.decomposition = None
+    f.dropout_arg = f.unseeded = f.decomposition = f.host_read = None
     schema = func._schema
     f.func = func
     f.name = str(func)
@@ -209,6 +290,8 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         from torch._decomp import decomposition_table
 
         f.kind, f.decomposition = INLINE, decomposition_table[func]
+    elif f.name in HOST_READERS:  # Note [Composites that read memory]
+        f.kind, f.host_read, f.decomposition = HOST_READ, host_read_args(func), composite_kernel(func)
     elif ns != "aten":
         f.kind, f.reason = FLUSH, "fallback"  # custom ops: no meta we can trust
     elif base in _SYNC_REASONS or torch.Tag.data_dependent_output in tags:

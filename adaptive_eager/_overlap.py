@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from fuser.window import FRESH, Window
 
 from ._args import _tensors
+from ._kernel_warnings import kernel_warnings  # the stand-ins' warnings are not eager's
 
 _Tensor = torch.Tensor
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -92,10 +91,8 @@ def _overlap_error(f, args, kwargs, shared: bool) -> BaseException | None:
                                                                     t.stride())
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            f.func(*[[stand_in(x) for x in a] if type(a) in (list, tuple) else stand_in(a) for a in args],
-                   **{k: stand_in(v) for k, v in kwargs.items()})
+        kernel_warnings(lambda: f.func(*[[stand_in(x) for x in a] if type(a) in (list, tuple) else stand_in(a)
+                                         for a in args], **{k: stand_in(v) for k, v in kwargs.items()}))
     except RuntimeError as e:
         if str(e).startswith("unsupported operation:"):  # eager's overlap checks (MemoryOverlap.cpp)
             return type(e)(*e.args)

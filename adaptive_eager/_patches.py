@@ -24,10 +24,13 @@ import threading
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fuser.window import FRESH
+
 from . import _optim, _source
 from ._flush import flush
+from ._ops import HOST_READERS, composite_kernel, host_read_args, read_on_host
 from ._state import current_state
-from ._threads import pending_mark, sync_value
+from ._threads import _flush_for_reader, pending_mark, sync_value
 
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (the patched one flushes)
 
@@ -181,34 +184,78 @@ def _opaque(original, reason: str, uses=None):
     return wrapper
 
 
-def _index_reader(original):
-    """``tensor_split(x, indices)`` with a 1-d tensor of indices reads them in C++ straight from
-    memory, without dispatching (a 0-dim one goes through ``item()``, which dispatches): recorded
-    with a pending tensor of indices, it would split at whatever the placeholder's memory held. So
-    a pending one is computed first."""
+# the autograd keys of the devices adaptive eager records on (cpu, cuda, neuron: PrivateUse1)
+_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradPrivateUse1")
+_library = None  # the torch.library registration of the _host_reader kernels while installed
 
-    @functools.wraps(original)
-    def tensor_split(*args, **kwargs):
-        indices = args[1] if len(args) > 1 else kwargs.get(
-            "tensor_indices_or_sections", kwargs.get("indices", kwargs.get("sections")))
-        if isinstance(indices, torch.Tensor):
-            sync_value(indices, "host_indices")
-        return original(*args, **kwargs)
 
-    return tensor_split
+def _host_reader(op, where):
+    composite = composite_kernel(op)
+
+    def kernel(*args, **kwargs):
+        st = current_state()
+        if st is not None and st.mode is not None and read_on_host(op, where, args, kwargs):
+            with _disable_current_modes():
+                return composite(*args, **kwargs)
+        return composite(*args, **kwargs)
+
+    return kernel
+
+
+def _register_host_readers() -> None:
+    """Note [Composites that read memory] in _ops."""
+    global _library
+    _library = torch.library.Library("aten", "IMPL")
+    for name in HOST_READERS:
+        _, packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+        kernel = _host_reader(op, host_read_args(op))
+        name = packet if overload == "default" else f"{packet}.{overload}"
+        for key in _AUTOGRAD_KEYS:  # the alias key ``Autograd`` would lose to the composite kernel
+            _library.impl(name, kernel, key)
+
+
+def _unregister_host_readers() -> None:
+    global _library
+    if _library is not None:
+        _library._destroy()
+        _library = None
 
 
 # Note [Storage resize]
 # ~~~~~~~~~~~~~~~~~~~~~
 # FSDP2 frees each parameter's unsharded storage after its forward and backward
 # (``UntypedStorage.resize_(0)``) and allocates it again before the next all-gather
-# (``resize_(nbytes)`` of the empty storage), both eagerly. A pending op that reads or writes the
-# storage's memory must run before that memory goes (or moves: a growing storage copies its bytes
-# into new memory); no other pending op can see the resize, which changes no tensor's metadata.
-# The window's real tensors are all the real memory its ops read or write (``Window.real_inputs``,
-# Note [Placeholders] in fuser.window), and ``Window.written`` every storage they write; a pending
-# value's own storage cannot reach ``resize_`` unflushed (``untyped_storage()`` of it flushes). So
-# ``resize_`` flushes only a window that holds the storage, and the other windows go on past it.
+# (``resize_(nbytes)`` of the empty storage, if ``storage.size()`` says it is empty), both
+# eagerly. A pending op that reads or writes the storage's memory must run before that memory
+# goes; no other pending op can see the resize, which changes no tensor's metadata. The window's
+# real tensors are all the real memory its ops read or write (``Window.real_inputs``, Note
+# [Placeholders] in fuser.window), and ``Window.written`` every storage they write; a pending
+# value's own storage cannot reach ``resize_`` unflushed (``untyped_storage()`` of it flushes).
+# - A free of a storage the open window holds waits for the window (``Window.frees``): the
+#   storage keeps its memory until the window has run (``_flush``), then is freed as eager freed
+#   it. Meanwhile it says what eager's would: ``nbytes()``, ``size()`` and ``len()`` are 0
+#   (``_DEFERRED``, read by every thread); nothing else of it is observable: its tensors are
+#   views FSDP2 reads only after the next allocation, and ``data_ptr`` of a tensor flushes.
+#   Flushing there instead cost a window per free: 4 of 11 a step in tests/test_fsdp.py's model
+#   (17 in its 4 steps), each followed a few ops later by the next all-gather's (a collective).
+# - FSDP2 takes the storage with ``tensor.untyped_storage()``, which flushes when pending ops
+#   write that storage (a raw reader of it could read its memory). Inside FSDP2's own
+#   ``free_storage``/``alloc_storage`` (``_fsdp_storage_helper``: they call ``size()`` and
+#   ``resize_`` on it, nothing else) a real tensor's storage is handed out without that flush; a
+#   placeholder's still flushes (its memory gets the value at the flush). They are patched when
+#   adaptive eager turns on if FSDP2 is imported by then; if not, its frees flush as before.
+# - An allocation of such a storage to the size it had (FSDP2's next all-gather) takes the free
+#   back: the storage keeps its memory, which eager would have left uninitialized, and the ops
+#   recorded before the free still read it (in eager they read it before the free too). Any other
+#   resize of it runs the window first (the free happens), then the resize.
+# - A free of a storage the window does not hold, and an allocation or growth, happen now; a
+#   growth of a storage the window holds runs it first (the bytes move to new memory).
+# Only the calling thread's window is considered (as for every entry point here); a free of a
+# storage another thread's window holds is not deferred.
+_storage_nbytes = torch.UntypedStorage.nbytes  # the C methods (patched while installed)
+_storage_resize = torch.UntypedStorage.resize_
+_DEFERRED: dict = {}  # storage ``_cdata`` -> the window whose run frees it
 
 
 def _holds_storage(window, storage, *_) -> bool:
@@ -216,10 +263,114 @@ def _holds_storage(window, storage, *_) -> bool:
     return sid in window.written or any(_untyped_storage(t)._cdata == sid for t in window.real_inputs)
 
 
+def _resize_wrapper(original):
+    @functools.wraps(original)
+    def resize_(self, size):
+        sid = self._cdata
+        window = _DEFERRED.get(sid)
+        if window is not None:  # its free waits for ``window``
+            st = current_state()
+            if st is not None and st.window is window and sid in window.frees and size == _storage_nbytes(self):
+                del window.frees[sid]  # allocated again as it was: the free is taken back
+                del _DEFERRED[sid]
+                return self
+            owner = window.token.owner
+            if owner is st:
+                flush(st, "storage")
+            else:
+                _flush_for_reader(owner, None)
+            apply_frees(window)  # it ran (or was running: its frees wait for nothing now)
+        st = current_state()
+        if st is None or st.mode is None:
+            return original(self, size)
+        window = st.window
+        if window.nodes and _holds_storage(window, self):
+            if size == 0 and _storage_nbytes(self):
+                window.frees[sid] = self
+                _DEFERRED[sid] = window
+                return self
+            flush(st, "storage")
+        with _disable_current_modes():
+            return original(self, size)
+
+    return resize_
+
+
+def apply_frees(window) -> None:
+    """Free the storages whose ``resize_(0)`` waited for ``window`` (Note [Storage resize])."""
+    frees = window.frees
+    if not frees:
+        return
+    window.frees = {}
+    with _disable_current_modes():
+        for sid, storage in frees.items():
+            if _DEFERRED.get(sid) is window:
+                del _DEFERRED[sid]
+            _storage_resize(storage, 0)
+
+
+def _nbytes(self):
+    return 0 if self._cdata in _DEFERRED else _storage_nbytes(self)
+
+
+_handles = threading.local()  # ``only``: FSDP2's storage helper is running (Note [Storage resize])
+
+
+def _fsdp_storage_helper(original):
+    """FSDP2's ``free_storage(tensor)`` / ``alloc_storage(tensor)`` take ``tensor.untyped_storage()``
+    for its ``size()`` and ``resize_`` only, reading no memory: while they run, the storage of a real
+    tensor that pending ops write is handed out without the flush ``untyped_storage()`` makes for a
+    raw reader, so that its free can wait for the window (Note [Storage resize]); a pending
+    tensor's own storage still flushes."""
+
+    @functools.wraps(original)
+    def helper(tensor):
+        _handles.only = True
+        try:
+            return original(tensor)
+        finally:
+            _handles.only = False
+
+    return helper
+
+
+def _storage_reader(original):
+    """``Tensor.untyped_storage``: flushes as the other raw readers do (``_reader``), except for a
+    real tensor inside FSDP2's storage helpers (``_fsdp_storage_helper``)."""
+    @functools.wraps(original)
+    def untyped_storage(self, *args, **kwargs):
+        if getattr(_handles, "only", False):
+            o = getattr(self, "_ae", None)
+            # real memory: no mark, or the mark of an in-place write or a view of a real tensor
+            # (``Out.slot``), not of a placeholder (Note [Out kinds] in fuser.window)
+            if o is None or not pending_mark(o) or (o.kind != FRESH and o.slot >= 0):
+                return original(self, *args, **kwargs)
+        sync_value(self, "storage")
+        return original(self, *args, **kwargs)
+
+    return untyped_storage
+
+
+# FSDP2's modules that look the storage helpers up by name (Note [Storage resize]); patched only if
+# already imported when adaptive eager turns on (importing FSDP2 costs more than its flushes)
+_FSDP_HELPERS = (("torch.distributed.fsdp._fully_shard._fsdp_param", ("free_storage", "alloc_storage")),
+                 ("torch.distributed.fsdp._fully_shard._fsdp_param_group", ("alloc_storage",)))
+
+
+def _fsdp_points():
+    points = []
+    for module_name, names in _FSDP_HELPERS:
+        module = sys.modules.get(module_name)
+        for name in names:
+            original = getattr(module, name, None)
+            if callable(original) and original.__name__ == name:
+                points.append((module, name, _fsdp_storage_helper(original)))
+    return points
+
+
 def _opaque_entry_points():
     """(owner, attribute name, flush reason, ``uses`` or None) of every C++ function that must run eagerly."""
     points = [(torch.UntypedStorage, name, "storage", None) for name in ("_share_fd_cpu_", "_share_filename_cpu_")]
-    points.append((torch.UntypedStorage, "resize_", "storage", _holds_storage))  # Note [Storage resize]
     try:
         import torch.distributed as dist
     except ImportError:
@@ -243,6 +394,9 @@ def install() -> None:
         for name, reason in (*_TENSOR_READERS.items(), *((n, "other_thread") for n in _DISPATCHING_READERS)):
             original = getattr(torch.Tensor, name)
             _saved[("tensor", name)] = torch.Tensor.__dict__.get(name, _MISSING)
+            if name == "untyped_storage":
+                setattr(torch.Tensor, name, _storage_reader(original))  # Note [Storage resize]
+                continue
             setattr(torch.Tensor, name, _reader(reason, original, name in _DISPATCHING_READERS))
         _saved[("tensor", "__repr__")] = torch.Tensor.__dict__.get("__repr__", _MISSING)
         torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
@@ -260,9 +414,15 @@ def install() -> None:
             original = getattr(owner, name)
             _saved[("attr", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
             setattr(owner, name, _opaque(original, reason, uses))
-        for owner in (torch, torch.Tensor):
-            _saved[("attr", owner, "tensor_split")] = owner.__dict__.get("tensor_split", _MISSING)
-            owner.tensor_split = _index_reader(owner.tensor_split)
+        for name, patched in (("resize_", _resize_wrapper(_storage_resize)), ("nbytes", _nbytes),
+                              ("__len__", _nbytes)):  # Note [Storage resize]
+            _saved[("attr", torch.UntypedStorage, name)] = torch.UntypedStorage.__dict__.get(name, _MISSING)
+            setattr(torch.UntypedStorage, name, patched)
+        for module, name, patched in _fsdp_points():
+            _saved[("attr", module, name)] = module.__dict__[name]
+            setattr(module, name, patched)
+        _register_host_readers()  # Note [Composites that read memory]
+        _saved["host_readers"] = None
 
 
 def uninstall() -> None:
@@ -276,6 +436,8 @@ def uninstall() -> None:
                 builtins.print = value
             elif key == "breakpointhook":
                 sys.breakpointhook = value
+            elif key == "host_readers":
+                _unregister_host_readers()
             elif key == "optimizer_hook":
                 value.remove()
                 _optim.uninstall()

@@ -13,10 +13,11 @@ from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
 
 from . import _signatures
 from ._flush import flush
-from ._meta import _META_CACHES, _Failed, meta_entry
+from ._meta import _META_CACHES, _Failed, _Resizes, _written_args, meta_entry
 from ._metrics import METRICS
+from ._args import _tensors
 from ._overlap import _overlap_error, _shares_written
-from ._source import _user_source
+from ._source import _user_source, warn
 from ._state import TracerState, _default_dtype, _on_target
 from ._threads import _check_elsewhere
 
@@ -344,6 +345,8 @@ def _record(st: TracerState, f, args, kwargs):
     if entry.__class__ is not tuple:
         if entry.__class__ is _Failed:
             return _DECLINED
+        if entry.__class__ is _Resizes:
+            return entry  # Note [Out resizing] in _meta: ``resize_outs``, then the op again
         raise entry.error()  # Note [Overlapping writes]
     specs, nbytes, returns_list, eid = entry
     if window.hot is not None:
@@ -395,6 +398,41 @@ def _record(st: TracerState, f, args, kwargs):
     if f.nrets == 1 and not returns_list:
         return results[0]
     return results if returns_list else tuple(results)
+
+
+_resize_ = torch.ops.aten.resize_.default
+_as_strided_ = torch.ops.aten.as_strided_.default
+
+
+def resize_outs(st: TracerState, f, entry: _Resizes, args, kwargs) -> bool:
+    """Do to an op's ``out=`` tensors what its eager kernel does before it computes: warn, resize,
+    restride (Note [Out resizing] in _meta); the window runs first where it reads or writes them.
+    False, with nothing done, for an out that shares memory with another argument: the op runs
+    eagerly then (what it computes depends on the order in which its kernel reads and writes)."""
+    outs = dict(_written_args(f, args, kwargs))
+    changed = [outs[pos] for pos, _, _ in entry.changes]
+    sids = {_untyped_storage(t)._cdata for t in changed}
+    for a in _tensors(args, {k: v for k, v in kwargs.items() if k not in outs}):
+        if _untyped_storage(a)._cdata in sids:
+            return False
+    window = st.window
+    if window.nodes:
+        for t in changed:
+            o = getattr(t, "_ae", None)
+            sid = _untyped_storage(t)._cdata
+            if ((o is not None and o.win is window.token) or id(t) in window.slots or sid in window.written
+                    or _storage_use_count(sid) > 2):
+                flush(st, "out_resize")
+                break
+    for category, message in entry.warnings:
+        warn(message, category, as_kernel=True)
+    with torch._C._AutoDispatchBelowADInplaceOrView():  # as eager's kernel does it: no version bump
+        for pos, shape, stride in entry.changes:
+            t = outs[pos]
+            _resize_(t, shape)
+            if t.stride() != stride:
+                _as_strided_(t, shape, stride)
+    return True
 
 
 def _record_view(st: TracerState, f, args, kwargs):

@@ -131,17 +131,27 @@ def module_of(code) -> str:
     return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
 
 
-def warn(message, category: type[Warning] = UserWarning, frame=None) -> None:
+def warn(message, category: type[Warning] = UserWarning, *, as_kernel: bool = False, frame=None) -> None:
     """``warnings.warn`` at the user's own line (Note [Whose line]): not at this library's frames,
     nor at torch's ``import torch`` machinery or ``contextlib`` between them, which a fixed
-    ``stacklevel`` cannot skip (the same warning is reached through different depths). With
-    ``frame``, at that frame's line instead (torch's own warning, issued again where eager would
-    have issued it: Note [Warnings of wrapped readers] in ``_patches``)."""
+    ``stacklevel`` cannot skip (the same warning is reached through different depths).
+    ``as_kernel``: a warning an op's kernel gives in eager (Note [Out resizing] in ``_meta``), at
+    the frame where eager's lands: a C++ warning goes to the Python frame that called the op, the
+    innermost one outside this library and torch's dispatch plumbing (the user's line, or torch's
+    own Python code where that called the op). ``frame``: at that frame's line (torch's own
+    warning, issued again where eager would have issued it: Note [Warnings of wrapped readers] in
+    ``_patches``)."""
     import warnings
 
     f = _getframe(1) if frame is None else frame
-    while frame is None and f is not None and _kind(f.f_code) != _USER:
-        f = f.f_back
+    if frame is not None:
+        pass
+    elif as_kernel:
+        while f is not None and _kind(f.f_code) == _OURS_KIND:
+            f = f.f_back
+    else:
+        while f is not None and _kind(f.f_code) != _USER:
+            f = f.f_back
     if f is None:
         warnings.warn(message, category, stacklevel=2)
         return

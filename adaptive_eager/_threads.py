@@ -115,7 +115,8 @@ def sync_value(t, reason: str, other_threads_only: bool = False) -> None:
 
 
 def _flush_for_reader(st: TracerState, t) -> None:
-    """Run ``st``'s window, another thread's, because this thread (not running a window) reads ``t``."""
+    """Run ``st``'s window, another thread's, because this thread (not running a window) reads ``t``
+    (None: whatever the window holds, Note [Storage resize] in ``_patches``)."""
     me = getattr(_tls, "state", None)
     if me is not None and me.busy:
         return  # no wait inside a busy stretch: never happens (the record path leaves it first)
@@ -126,7 +127,7 @@ def _flush_for_reader(st: TracerState, t) -> None:
             while st.busy:  # the owner finishes its op or its flush, then steps back
                 time.sleep(delay)
                 delay = min(2 * delay, 1e-3)
-            if owner_of(t) is st:
+            if t is None or owner_of(t) is st:
                 _run(st, "other_thread")
         finally:
             st.claim = None

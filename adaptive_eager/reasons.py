@@ -31,9 +31,10 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
                           "torch.where / masks, or decide on the host every N steps",
            "branches on a tensor's value (`if t:`, `while t:`)"),
     Reason("tolist", False, f"`.tolist()` {_HOST_READ}", "reads a tensor on the host (`.tolist()`)"),
-    Reason("host_indices", False, "`tensor_split` with a tensor of indices reads them on the host here: pass a "
-                                  "list of ints, or compute the indices once, before the loop",
-           "reads split indices from a tensor on the host (`tensor_split`)"),
+    Reason("host_indices", False, "an op reads sizes from a tensor on the host here (`tensor_split`'s indices, a "
+                                  "PackedSequence's batch sizes, the size `sparse_coo_tensor` infers): pass a "
+                                  "list of ints or the size, or compute them once, before the loop",
+           "reads sizes from a tensor on the host (`tensor_split`, `pad_packed_sequence`, `sparse_coo_tensor`)"),
     Reason("numpy", False, f"`.numpy()` / `np.asarray(t)` / DLPack {_HOST_READ}", "hands a tensor to NumPy or DLPack"),
     Reason("data_ptr", False, f"`.data_ptr()` (an extension or a C library reading the memory) {_HOST_READ}",
            "takes a tensor's memory address (`.data_ptr()`)"),
@@ -69,6 +70,10 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
     Reason("metadata_mutation", True, "an in-place change of a tensor's shape or storage (resize_, t_, set_) flushes "
                                       "here: use the out-of-place form",
            "changes a tensor's shape or storage in place (resize_, t_, set_)"),
+    Reason("out_resize", False, "an `out=` tensor of another shape than the result is resized here (as eager does, "
+                                "deprecated), and pending ops use it: pass an `out=` of the result's shape, or use "
+                                "the op's result instead of `out=`",
+           "resizes an `out=` tensor that pending ops use"),
     Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
            "runs an op adaptive eager cannot record"),
     Reason("collective", False, None, "runs a torch.distributed collective, a sync point between processes"),

@@ -16,7 +16,8 @@ Note [Out kinds]
 An ``Out`` is one value a node produces:
 - FRESH: a new tensor, its placeholder;
 - ALIAS: the result of an in-place / ``out=`` op, i.e. the mutated argument itself (``out.alias``
-  is that argument: a real tensor or another ``Out``);
+  is that argument: a real tensor or another ``Out``); an ``out=`` eager would resize already has
+  the result's geometry when the op is recorded (Note [Out resizing] in adaptive_eager._meta);
 - VIEW: a view of a pending value (or of a real tensor), created eagerly on the placeholder at
   record time (views read no data), so the program's view already is the final tensor.
 
@@ -167,7 +168,7 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss")
+                 "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -199,6 +200,10 @@ class Window:
         # the values that region returns (``fuser.regions._run_validated``)
         self.hot = None
         self.hot_miss: tuple | None = None  # (cause, position) of the last op that did not match
+        # storages the program freed (``resize_(0)``) while ops of this window still use them, by
+        # ``_cdata``: freed once the window ran. The tracer's alone: Note [Storage resize] in
+        # adaptive_eager._patches
+        self.frees: dict = {}
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))
