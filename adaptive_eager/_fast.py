@@ -11,8 +11,8 @@ import torch
 from fuser.window import OUTS_PER_NODE, Node, Window
 
 from ._metrics import METRICS
-from ._record import (_DECLINED, _alias_out, _append, _cut, _decline, _demote, _dtype_changed, _numbers,
-                      _placeholder)
+from ._record import (_DECLINED, _alias_out, _append, _cut, _decline, _demote, _dtype_changed, _hot_placeholder,
+                      _numbers, _placeholder)
 from ._source import _user_source
 from ._state import TracerState, _default_dtype
 from ._threads import _Elsewhere, pending_mark
@@ -113,7 +113,8 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         if o.slot >= 0:
             window.mutated.add(o.slot)
     else:
-        res, o = _placeholder(st, window, p.spec, p.uid, st.device)
+        res = _hot_placeholder(st, window, p.spec, p.uid)
+        o = None  # a fresh value's record: its Out is the window's only while its tensor lives (Note [Hot liveness])
     if fpos:
         sc = window.scalars
         for pos in fpos:

@@ -133,6 +133,7 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
                      (result and result.region) or "-", result.outcome if result else "failed",
                      where(site))
         if not ran:
+            fuser.adopt_hot(window)  # a hot window's values whose tensors live (Note [Hot liveness] in _hot)
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
 
@@ -172,6 +173,7 @@ def _poison(window: Window) -> None:
     would not have run those lines at all; make what the program holds of them unmistakable (NaN,
     or 0 for integers and bools) instead of leaving uninitialized memory. A value is computed once
     the run bound it (``Out.value``), in replay and compiled regions alike."""
+    fuser.adopt_hot(window)  # a hot window's values whose tensors live (Note [Hot liveness] in _hot)
     with _disable_current_modes(), torch.no_grad():
         for o in window.fresh:
             if o.value is not None or fuser.value_is_dead(o):

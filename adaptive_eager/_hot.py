@@ -16,7 +16,8 @@ window, each real input in its expected slot with that slot's metadata, the same
 value for each float compiled into the region and a float for each one it takes as an input) and makes the placeholder or ALIAS Out exactly as ``_record_fast`` would,
 with the same slots, written/mutated marks, scalars and pending bytes. It skips what the template
 already knows: the signature, the meta-cache lookup, the Node, the user's line. ``window.nodes``
-then holds, per validated op, its Out instead of a Node (its *hot record*), so everything that asks
+then holds, per validated op, its *hot record* instead of a Node (an in-place op's ALIAS Out, None
+for a fresh value: Note [Hot liveness]), so everything that asks
 whether a window has pending ops (``window.nodes``, its length, the cuts) reads it unchanged. The
 rest of each op's arguments needs no record: a validated op's pending inputs are the Outs the
 template names by uid, its real inputs the tensors in the slots it names, its numbers the
@@ -43,30 +44,60 @@ Hot recording is for a CPU target (one device, the placeholders' ``alloc_cpu``);
 only of windows whose every op the fast path records (no views, no general-path ops: those windows
 are recorded in full). ``hot_windows=False`` (``NEURON_EAGER_HOT_WINDOWS=0``) turns it off.
 
+Note [Hot liveness]
+~~~~~~~~~~~~~~~~~~~
+In a hot window a fresh value is live while its Python tensor is, not while its storage is (Note
+[Weak window] in fuser.window). Its Out is held by the tensor's mark and by a ``HotRef`` in
+``Window.alive``: a weak reference to the tensor whose callback (the set's own ``discard``, a C
+call) takes it out of the set when the tensor dies. It has no storage handle, and ``window.nodes``
+holds None at its position. So a value the program drops leaves nothing behind, at the moment it
+is dropped (its tensor, mark, Out and reference go together), and the flush visits only the
+values still alive: ``fuser.replay.adopt_hot`` gives each its storage handle and makes it an
+ordinary FRESH Out (``Window.fresh``, in window order); from there liveness is read as for any
+window. A demotion adopts the same way first, and builds a dead Out (no tensor, no handle, never
+live) for each value that died, as the template knows it (``Template.demote``).
+
+That a tensor's life is its value's life here rests on how memory can be shared. Whatever observes
+a placeholder's memory holds its TensorImpl or another TensorImpl over its storage.
+- Its own TensorImpl, held in C++ (autograd's graph and saved inputs, ``.grad``, a DLPack
+  capsule, an extension): torch keeps the Python object alive while the TensorImpl is used
+  (PyObject preservation), so its ``HotRef`` stays alive.
+- Another TensorImpl over its storage is made by a dispatched op (a view, ``detach``, ``alias``,
+  ``set_``; autograd saving an output and ``.data`` make a ``detach`` while a mode is on), which
+  demotes the window while the tensor is still alive, or by C++ that dispatches nothing:
+  ``_make_subclass`` (``nn.Parameter``), the ``.data`` setter and ``to_dlpack`` flush first (Note
+  [Storage sharers] in ``_patches``); ``as_subclass``'s alias is a view whose base keeps the tensor.
+- Raw readers (``numpy``, ``untyped_storage``, ``data_ptr``, pickling, ``__dlpack__``) flush
+  already (Note [Placeholders]).
+tests/test_hot_windows.py keeps a value only through each of these routes (and a saved-tensor hook,
+a Python holder, a nested tensor) and checks it. Not covered: a C extension that builds a
+TensorImpl over a tensor's storage without dispatching and then lets the tensor go; with it in
+the loop, ``hot_windows=False`` keeps liveness by storage.
+
+One thing is weaker than in a full recording: ``Window.written`` may keep the storage id of a
+placeholder that died (no handle keeps its ``StorageImpl``), and a new storage may reuse that
+address. Every reader of ``written`` then takes the new storage for one with a pending write
+(it flushes first, or reads it in window order instead of snapshotting it), which is safe.
+
 Note [Hot flush cost]
 ~~~~~~~~~~~~~~~~~~~~~
-What a hot flush of the 1000-op loop (``benchmarks/flush_cost.py``, 1000 values, one live) still
-costs, by py-spy samples of the steady state: ~85% is per value, three C-level costs of the weak
-storage handle each FRESH Out holds (Note [Weak window] in fuser.window) and of the Out itself:
-``UntypedStorage._expired`` (the liveness read; each handle's ``StorageImpl`` is cold memory by
-then), ``_free_weak_ref`` (it frees that ``StorageImpl``), and freeing the Outs, their tensor
-weakrefs and handle ints; the Python loops around them are gone (``Window.handles``, one ``map``
-each). The rest (~15%) is the compiled call, binding the live value and the flush's bookkeeping.
-So the 0.3 ms target needs windows whose dying values hold no handle and no Out: a value is then
-live while its Python tensor is (a tensor weakref, or the Out's own reachability). That is sound
-only if nothing else can share a placeholder's storage inside a hot window. What this torch does:
-autograd saving an output for the backward, and ``.data``, both dispatch a view op (a ``detach``),
-which demotes the window (tests/test_hot_windows.py: the intermediate only autograd keeps, the one
-kept through ``.data``), so a validated window has seen no such sharer; a C++ holder of the
-placeholder's own TensorImpl keeps its Python object (and so its weakref) alive. Whether every
-other non-dispatching alias (``saved_tensors_hooks``, extensions) also goes through a dispatched
-view is not established: until it is, every FRESH value keeps its storage handle.
+Before Note [Hot liveness], ~85% of a hot flush of the 1000-op loop (``benchmarks/flush_cost.py``,
+1000 values, one live) was per value: ``UntypedStorage._expired`` on each FRESH Out's handle,
+``_free_weak_ref``, and freeing the 1000 Outs. Now the flush visits one value, and what it costs
+is what a 10-op window's flush costs plus the kernel (11.5 us for the 1000 ops on 16 floats, 2.8 us
+for 10): no line of it grows with the window (cProfile, and per-function timers, compared between a
+10-op and a 1000-op window). Its time is the fixed path running on cold caches: on the shared
+2-core machine the same 10-op flush takes ~34 us of CPU time right after another one and 160-440
+us after 2.5-14 ms of anything else (2500 eager ops, a Python loop, even ``time.sleep(0.003)``
+while other processes run), every line alike. What is left to cut is the fixed path's length:
+the calls and objects a flush touches.
 """
 
 from __future__ import annotations
 
 import torch
-from fuser.window import Node, Out, Window
+from fuser.replay import adopt_hot
+from fuser.window import FRESH, Node, Out, Window
 
 from . import _ops
 from ._metrics import METRICS
@@ -127,13 +158,25 @@ class Template:
         """Turn ``window``'s hot records into the Nodes and signature recording would have made,
         and end its hot recording (Note [Hot windows]); ``cause`` is counted."""
         window.hot = None
+        adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
         records = window.nodes
         nodes = window.nodes = []
-        outs = {o.uid: o for o in records}  # the outputs the ops made, by uid (their inputs' refs)
+        # the outputs the ops made, by uid (their inputs' refs): the live values, the ALIAS records and
+        # the values they write (a dead value's Out may live on as an ALIAS Out's ``alias``)
+        outs = {o.uid: o for o in window.fresh}
+        for o in window.others:
+            outs[o.uid] = o
+            if type(o.alias) is Out:
+                outs.setdefault(o.alias.uid, o.alias)
+        token = window.token
         real, scalars = window.real_inputs, window.scalars
         fbase = 0
         for k, out in enumerate(records):
             p = self.ops[k]
+            if out is None:  # a fresh value: its Out if something still holds it, else a dead one
+                out = outs.get(p.uid)
+                if out is None:
+                    out = outs[p.uid] = Out(token, FRESH, p.uid, p.spec)
             args = [None] * p.n
             inputs = []
             for pos, ref in p.tensors:
@@ -232,4 +275,7 @@ def expect_hot(st) -> None:
         t = None
     if not window.nodes:
         window.hot = t
+        if t is not None and window.alive is None:
+            alive = window.alive = set()  # Note [Hot liveness]
+            window.discard = alive.discard
 

@@ -61,7 +61,10 @@ def _shares_written(window: Window, args, kwargs, written: list) -> bool:
         if any(a is t for t, _ in written) or not a.numel() or _has_internal_overlap(a) != 0:
             continue
         o = getattr(a, "_ae", None)
-        sid = o.storage if o is not None and o.win is window.token and o.kind == FRESH else _untyped_storage(a)._cdata
+        # a FRESH value's handle is its storage's id; a hot window's has none (Note [Hot liveness] in _hot)
+        sid = o.storage if o is not None and o.win is window.token and o.kind == FRESH else None
+        if sid is None:
+            sid = _untyped_storage(a)._cdata
         if sid not in storages:
             continue
         start = a.storage_offset() * a.element_size()

@@ -10,6 +10,21 @@ relative to errors. Readers that dispatch ops (``item``, ``float``, formatting) 
 calling thread's own mode; they are wrapped for reads of values pending in other threads. ``.data``,
 which makes an alias without dispatching, passes a pending value's mark on to the alias.
 
+Note [Storage sharers]
+~~~~~~~~~~~~~~~~~~~~~~
+A few C++ entry points give a tensor a pending value's storage without dispatching an op (so no
+mode sees them) and without keeping the pending tensor's own Python object: ``_make_subclass``
+(``nn.Parameter(t)``, ``nn.Buffer(t)``: a detach with every dispatch mode stashed), the ``.data``
+setter (``a.data = t``: ``a``'s TensorImpl takes ``t``'s storage; ``Module._apply`` does it) and
+``torch.utils.dlpack.to_dlpack`` (a capsule with the memory's address). The new tensor carries
+no mark, so an op on it would read the placeholder's memory before the window computed it; and a
+hot window decides a value's liveness by its Python tensor (Note [Hot liveness] in ``_hot``),
+which may die while the sharer lives. So each of them flushes the window its tensor is pending
+in first (and the setter also when the tensor it sets is pending: it is given other memory).
+``a.data -= x``, which sets ``a.data`` to a tensor already over ``a``'s storage with ``a``'s
+geometry, changes nothing and does not flush. ``as_subclass`` stashes the modes too, but its
+alias is a view whose base keeps the pending tensor alive.
+
 The wrappers are installed when the first thread turns adaptive eager on and removed when the
 last one turns it off; with nothing pending they cost one thread-local read.
 """
@@ -135,7 +150,37 @@ def _data_property(original):
             alias._ae = o
         return alias
 
-    return property(getter, put, doc=original.__doc__)
+    def setter(self, value):
+        # Note [Storage sharers]: unless nothing changes (``a.data -= x``)
+        if isinstance(value, torch.Tensor) and not _same_tensor_memory(self, value):
+            sync_value(value, "storage")
+            sync_value(self, "storage")
+        put(self, value)
+
+    return property(getter, setter, doc=original.__doc__)
+
+
+def _same_tensor_memory(a, b) -> bool:
+    """Whether ``b`` is a tensor over ``a``'s storage with ``a``'s geometry (``a.data = b`` keeps ``a`` as it is)."""
+    try:
+        return (_untyped_storage(a)._cdata == _untyped_storage(b)._cdata and a.storage_offset() == b.storage_offset()
+                and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+    except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass): not the same
+        return False
+
+
+def _storage_sharer(original, reason: str, static: bool = False):
+    """``original(cls, data, ...)`` (``static``: ``_make_subclass``) or ``original(data, ...)`` makes
+    something over ``data``'s memory without dispatching: ``data`` is computed first (Note [Storage sharers])."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        data = args[1 if static else 0] if len(args) > (1 if static else 0) else kwargs.get("data", kwargs.get("tensor"))
+        if isinstance(data, torch.Tensor):
+            sync_value(data, reason)
+        return original(*args, **kwargs)
+
+    return staticmethod(wrapper) if static else wrapper
 
 
 def _print_wrapper(original):
@@ -423,6 +468,15 @@ def install() -> None:
             setattr(module, name, patched)
         _register_host_readers()  # Note [Composites that read memory]
         _saved["host_readers"] = None
+        # Note [Storage sharers]
+        _saved[("attr", torch.Tensor, "_make_subclass")] = torch.Tensor.__dict__.get("_make_subclass", _MISSING)
+        torch.Tensor._make_subclass = _storage_sharer(torch.Tensor._make_subclass, "storage", static=True)
+        import torch.utils.dlpack as dlpack
+
+        for owner in (torch, dlpack):
+            if hasattr(owner, "to_dlpack"):
+                _saved[("attr", owner, "to_dlpack")] = owner.__dict__.get("to_dlpack", _MISSING)
+                owner.to_dlpack = _storage_sharer(owner.to_dlpack, "numpy")
 
 
 def uninstall() -> None:

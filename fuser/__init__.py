@@ -24,7 +24,7 @@ fuser -> neff_cache.
 
 from __future__ import annotations
 
-from .replay import ReplayError, mark_needed, placeholder_of, read_liveness, replay_window, value_is_dead
+from .replay import ReplayError, adopt_hot, mark_needed, placeholder_of, read_liveness, replay_window, value_is_dead
 from .window import ALIAS, FRESH, VIEW, FlushResult, Node, Out, Window
 
 
@@ -99,4 +99,4 @@ def _computed(window: Window) -> int:
 
 
 __all__ = ["Window", "Node", "Out", "FlushResult", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError", "value_is_dead",
-           "placeholder_of", "metrics", "reset_metrics", "stores", "compile_jobs", "cache_clear", "cache_info"]
+           "placeholder_of", "adopt_hot", "metrics", "reset_metrics", "stores", "compile_jobs", "cache_clear", "cache_info"]

@@ -34,6 +34,9 @@ storage (``out.storage``, a ``UntypedStorage._weak_ref`` handle). So
   a view of it (the program's or autograd's), ``.data``, or autograd's saved copy of an output
   (a TensorImpl of its own over the same storage) all hold it. ``fuser.replay.value_is_dead``
   reads that, with no reference counting of our own references.
+A hot window (Note [Hot windows] in adaptive_eager._hot) holds less: a FRESH value is live while
+its Python tensor is, and the window keeps no Out and no storage handle of a value that died
+(``Window.alive``, ``HotRef``; why that is the same thing there: Note [Hot liveness]).
 Real tensors the window reads or writes are held strongly (``Window.real_inputs``): they exist
 before the window and are its region's inputs. Replay rebuilds a view's value from its input
 when a later op reads it; a live value is written into its placeholder's storage at the flush.
@@ -53,11 +56,13 @@ visit: every tensor carrying its mark would share its storage, and that storage 
 Out's storage handle (a raw weak pointer) is freed explicitly. The window keeps those handles in a
 flat list beside its Outs (``Window.handles``), so the liveness read and this release are each one
 ``map`` of a C function over it: a 1000-op window of dead intermediates costs no Python iteration
-per value, only the calls (what each still costs: Note [Hot flush cost] in adaptive_eager._hot).
+per value, only the calls; a hot window makes none for a value that died (Note [Hot flush cost]
+in adaptive_eager._hot).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 FRESH, ALIAS, VIEW = 0, 1, 2
@@ -103,6 +108,17 @@ class Out:
         self.needed = False  # a needed op of the window reads it
         self.live = False  # the program can still observe its placeholder (set by mark_needed)
         self.last = -1  # index of the last needed node that reads it (set by mark_needed)
+
+
+class HotRef(weakref.ref):
+    """A hot window's reference to a FRESH value's tensor (Note [Hot liveness] in adaptive_eager._hot):
+    a weak reference whose callback takes it out of ``Window.alive`` when the tensor dies; ``out``
+    is its Out. Hashed and compared by identity: a plain weak reference hashes and compares its
+    referent, and a tensor's ``__hash__`` is Python and its ``==`` an op."""
+
+    __slots__ = ("out",)
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
 
 class Node:
@@ -168,7 +184,8 @@ class Window:
     """Ops recorded since the last flush, in program order."""
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
-                 "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees")
+                 "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
+                 "discard")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -204,6 +221,11 @@ class Window:
         # ``_cdata``: freed once the window ran. The tracer's alone: Note [Storage resize] in
         # adaptive_eager._patches
         self.frees: dict = {}
+        # while hot: a ``HotRef`` per FRESH value whose tensor lives, and its callback (``alive.discard``),
+        # instead of ``fresh``/``handles`` entries (Note [Hot liveness] in adaptive_eager._hot); None
+        # once ``fuser.replay.adopt_hot`` has turned the survivors into ordinary FRESH Outs
+        self.alive: set | None = None
+        self.discard = None
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

@@ -211,8 +211,12 @@ def _snapshot(window):
               n.fbase, n.source, [(o.uid, o.kind, o.meta, o.slot) for o in n.outs], n.index) for n in window.nodes]
     return dict(nodes=nodes, sigs=list(window.sigs), scalars=list(window.scalars), slots=dict(window.slots),
                 real=[id(t) for t in window.real_inputs], mutated=set(window.mutated),
-                written=sorted(storages.get(sid, -1) for sid in window.written),  # by slot; -1: a placeholder's
-                fresh=[(o.uid, o.meta) for o in window.fresh], others=[(o.uid, o.kind) for o in window.others],
+                # by slot: a placeholder's storage id is not compared, a dead one's may have been reused
+                # (a hot window keeps no handle of it: Note [Hot liveness] in adaptive_eager._hot)
+                written=sorted(storages[sid] for sid in window.written if sid in storages),
+                # the values still observable: a hot window keeps no Out for a value that died
+                fresh=[(o.uid, o.meta) for o in window.fresh if not torch.UntypedStorage._expired(o.storage)],
+                others=[(o.uid, o.kind) for o in window.others],
                 pending_bytes=window.pending_bytes)
 
 
@@ -374,3 +378,191 @@ def test_values_read_after_a_divergence_are_eager(fresh_regions):
         torch.testing.assert_close(kept, want_kept)  # a read: it flushes the demoted window
         torch.testing.assert_close(y, want_y)
         assert ae.metrics()["hot_mismatches"].get("op", 0) >= 1, ae.metrics()["hot_mismatches"]
+
+
+# Note [Hot liveness] in adaptive_eager._hot: a hot window's value is live while its Python tensor
+# is. Each way a program can keep a value without keeping that tensor object, or share its memory,
+# must still see the eager value: the routes below keep an intermediate only that way (the
+# window's template, recorded without the route, has it dead), and ``_read`` reads it back after
+# the context as eager would.
+class _Held:
+    """Something of the program's that is not a tensor and holds one (a Python-level wrapper)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def _pack_subclass(store):
+    def pack(t):
+        store.append(torch.Tensor._make_subclass(torch.Tensor, t))  # a sharer with no mark
+        return len(store) - 1
+
+    return pack
+
+
+_REAL = torch.zeros(16)  # a real tensor made before any window
+
+
+def _route(route, h, w):
+    """Keep ``h`` only through ``route``; answers what the program keeps."""
+    import pickle
+
+    if route == "the_tensor":
+        return h
+    if route == "a_view":
+        return h.view(4, 4)
+    if route == "a_views_base":
+        return h[1:]
+    if route == "in_place_then_kept":
+        return h.mul_(2)
+    if route == "data":
+        return h.data
+    if route == "data_setter":
+        a = _REAL.clone()  # recorded: a pending value, given h's memory
+        a.data = h
+        return _Held(torch.cat([a, a * 2]))  # read in the same window too
+    if route == "data_setter_of_a_real_tensor":
+        a = _HELD_REAL[0]
+        a.data = h
+        return _Held(a * 2)  # read in the same window, through the tensor that took the storage
+    if route == "data_setter_of_the_value":
+        h.data = _HELD_REAL[1]  # the pending tensor is given a real tensor's memory
+        return h
+    if route == "parameter":
+        return torch.nn.Parameter(h)
+    if route == "make_subclass":
+        return torch.Tensor._make_subclass(torch.Tensor, h)
+    if route == "as_subclass":
+        return h.as_subclass(torch.Tensor)
+    if route == "to_dlpack":
+        return torch.utils.dlpack.to_dlpack(h)
+    if route == "__dlpack__":
+        return h.__dlpack__()
+    if route == "numpy":
+        return h.numpy()
+    if route == "untyped_storage":
+        return (h.untyped_storage(), h.shape)
+    if route == "pickle":
+        return pickle.dumps(h)
+    if route == "grad":
+        leaf = torch.zeros(16, requires_grad=True)
+        leaf.grad = h
+        return leaf
+    if route == "set_":
+        return torch.empty(0).set_(h)
+    if route == "nested":
+        return torch.nested.as_nested_tensor([h])
+    if route == "python_holder":
+        return _Held(h)
+    if route == "autograd":  # tanh's output, saved for the backward
+        return (torch.tanh(h * w) * 2).sum()
+    if route == "saved_tensors_hooks":
+        store = []
+        with torch.autograd.graph.saved_tensors_hooks(_pack_subclass(store), lambda i: store[i]):
+            return (h * w).sum(), store  # mul saves h for w's gradient: only the hook's sharer keeps it
+    raise AssertionError(route)
+
+
+def _read(route, kept, w):
+    import pickle
+
+    if route in ("a_view",):
+        return kept.reshape(16)
+    if route == "a_views_base":
+        return kept._base
+    if route in ("to_dlpack", "__dlpack__"):
+        return torch.utils.dlpack.from_dlpack(kept)
+    if route == "numpy":
+        return torch.from_numpy(kept)
+    if route == "untyped_storage":
+        return torch.empty(0).set_(kept[0], 0, kept[1])
+    if route == "pickle":
+        return pickle.loads(kept)
+    if route == "grad":
+        return kept.grad
+    if route == "nested":
+        return kept.unbind()[0]
+    if route in ("python_holder", "data_setter", "data_setter_of_a_real_tensor"):
+        return kept.t
+    if route == "autograd":
+        (g,) = torch.autograd.grad(kept, w)
+        return g
+    if route == "saved_tensors_hooks":
+        (g,) = torch.autograd.grad(kept[0], w)
+        return g
+    return kept.detach()
+
+
+_HELD_REAL = []
+
+ROUTES = ["the_tensor", "a_view", "a_views_base", "in_place_then_kept", "data", "data_setter",
+          "data_setter_of_a_real_tensor", "data_setter_of_the_value", "parameter", "make_subclass", "as_subclass",
+          "to_dlpack", "__dlpack__", "numpy", "untyped_storage", "pickle", "grad", "set_", "nested", "python_holder",
+          "autograd", "saved_tensors_hooks"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_hot_value_kept_only_through_a_route_is_computed(fresh_regions, route):
+    x, w = torch.randn(16), torch.randn(16)
+    wg = w.clone().requires_grad_()
+
+    def step(route):
+        h = torch.tanh(x * w)
+        kept = _route(route, h, wg) if route else None
+        del h  # the program keeps only what the route made
+        return torch.sigmoid(x) + 1, kept
+
+    def eager():
+        _HELD_REAL[:] = [torch.zeros(16), torch.full((16,), 3.0)]
+        y, kept = step(route)
+        return y, _read(route, kept, wg)
+
+    want_y, want = eager()
+    _HELD_REAL[:] = [torch.zeros(16), torch.full((16,), 3.0)]
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step, None)
+        hot_ops = ae.metrics()["hot_ops"]
+        y, kept = step(route)
+        assert ae.metrics()["hot_ops"] >= hot_ops + 2, "the route's value was not made in a hot window"
+        ae.sync()
+    torch.testing.assert_close(_read(route, kept, wg), want)
+    torch.testing.assert_close(y, want_y)
+
+
+def test_an_in_place_write_to_a_dying_hot_value(fresh_regions):
+    # the hot window writes a value in place, reads it, and the program drops it: the write is
+    # computed where a later op reads it, and nothing else of it is materialized
+    x, w = torch.randn(16), torch.randn(16)
+
+    def step():
+        h = torch.tanh(x * w)
+        h.add_(1)
+        z = h * 3
+        del h
+        return z + x
+
+    want = step()
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        hot = ae.metrics()["hot_windows"]
+        got = step()
+        ae.sync()
+        assert ae.metrics()["hot_windows"] == hot + 1, ae.metrics()["hot_mismatches"]
+    torch.testing.assert_close(got, want)
+
+
+def test_a_hot_window_keeps_no_out_for_a_value_that_died(fresh_regions):
+    # Note [Hot liveness]: a value the program drops leaves nothing in a hot window; the flush
+    # finds only the values whose tensors live
+    x, w = torch.randn(16), torch.randn(16)
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(_step, x, w)
+        y = x
+        for i in range(N):
+            y = _op(i, y, x, w)
+        window = current_state().window
+        assert window.hot is not None and len(window.nodes) == N
+        assert len(window.alive) == 1 and next(iter(window.alive)).out is y._ae.alias, len(window.alive)
+        assert window.fresh == [] and window.handles == []
+        ae.sync()
+    torch.testing.assert_close(y, _step(x, w))
