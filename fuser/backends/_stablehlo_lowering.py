@@ -10,7 +10,8 @@ Note [StableHLO lowering]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ``compile``: the graph is traced again with torch-mlir's decomposition table (what its own
 ``export_and_import`` applies: core ATen decompositions plus the few it needs, without those it
-cannot lower; e.g. ``nll_loss_forward`` crashes its importer undecomposed, lowers decomposed), the
+cannot lower; e.g. ``nll_loss_forward`` crashes its importer undecomposed, lowers decomposed) and
+ours, for ops it has no lowering for (Note [Our decompositions] in ``_stablehlo_decompositions``), the
 result imported by torch-mlir's ``FxImporter`` and lowered by the pipelines
 ``torch_mlir.fx.stateless_fx_import(..., output_type="stablehlo")`` runs (``_lower`` says why not
 through that function), the module text compiled by ``get_backend("cpu").compile_and_load`` and
@@ -108,10 +109,13 @@ def _miscompiled(node: torch.fx.Node) -> str | None:
 
 
 @functools.cache
-def _decompositions() -> dict:
+def _decompositions(narrow_64bit: bool) -> dict:
+    """torch-mlir's table and ours (Note [Our decompositions] in ``_stablehlo_decompositions``)."""
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-    return get_decomposition_table()
+    from ._stablehlo_decompositions import decompositions
+
+    return {**get_decomposition_table(), **decompositions(narrow_64bit)}
 
 
 # torch-mlir's pipelines, as ``torch_mlir.fx.stateless_fx_import(..., output_type="stablehlo")`` runs them
@@ -162,7 +166,7 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_
 
     try:
         with torch.no_grad():
-            decomposed = make_fx(gm, decomposition_table=_decompositions(), tracing_mode="fake")(*example_inputs)
+            decomposed = make_fx(gm, decomposition_table=_decompositions(narrow_64bit), tracing_mode="fake")(*example_inputs)
     except Exception as e:
         raise BackendCompileError(f"stablehlo: cannot decompose the graph: {type(e).__name__}: {str(e)[:800]}") from e
     for node in decomposed.graph.nodes:
