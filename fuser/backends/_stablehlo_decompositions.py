@@ -12,6 +12,7 @@ these to torch-mlir's own table, applied by the same ``make_fx`` pass before the
 shape, and where it gives up (``NotImplemented``) the op stays and runs alone, as before.
 
 - ``addmv``: torch's own decomposition (``mv``, ``mul``, ``add``).
+- ``all``/``any`` over a list of dimensions: one ``all.dim``/``any.dim`` per dimension.
 - ``fmax``/``fmin``: ``maximum``/``minimum`` with the NaN of one side replaced by the other: exact.
 - ``cumprod``/``cummax``/``cummin``: an inclusive scan in log2(n) steps (Hillis-Steele: step k
   combines each element with the one 2^k before it), ops torch-mlir lowers (slices, ``cat``,
@@ -51,10 +52,14 @@ aten = torch.ops.aten
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def decompositions(narrow_64bit: bool) -> dict:
+def decompositions(narrow_64bit: bool, theirs: dict) -> dict:
     """Our decompositions (Note [Our decompositions]), by op overload; ``narrow_64bit``: the region
-    computes in 32 bits, so the float32 formulas serve float64 inputs too."""
-    return dict(_table(narrow_64bit))
+    computes in 32 bits, so the float32 formulas serve float64 inputs too. ``theirs``: torch-mlir's
+    table, which the 0-dim wrappers (Note [Reductions over a 0-dim tensor]) call for other inputs."""
+    table = dict(_table(narrow_64bit))
+    for op in _zero_dim_ops():
+        table[op] = _over_one_element(op, table.get(op, theirs.get(op)))
+    return table
 
 
 @functools.cache
@@ -64,6 +69,8 @@ def _table(narrow_64bit: bool) -> tuple:
     float_formula = functools.partial(_float32_formula, narrow_64bit=narrow_64bit)
     return (
         (aten.addmv.default, decomposition_table[aten.addmv.default]),
+        (aten.all.dims, functools.partial(_over_dims, aten.all.dim)),
+        (aten.any.dims, functools.partial(_over_dims, aten.any.dim)),
         (aten.fmax.default, functools.partial(_nan_ignoring, torch.maximum)),
         (aten.fmin.default, functools.partial(_nan_ignoring, torch.minimum)),
         (aten.cumprod.default, _cumprod),
@@ -78,6 +85,61 @@ def _table(narrow_64bit: bool) -> tuple:
     )
 
 
+# Note [Reductions over a 0-dim tensor]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch-mlir's passes crash the process on a reduction or a ``dim`` op over a 0-dim tensor, so
+# ``_crashes_torch_mlir`` refuses such graphs (Note [Lowerings that crash] in _stablehlo_lowering)
+# and the op ran alone: ``amax``, ``argmax``, ``max``/``min``, ``all``/``any``, ``softmax``, ``var``...
+# of a scalar (a loss, a norm). Over a 0-dim tensor each is the same op over that one element as a
+# 1-element vector (dim 0 or -1 is dim 0 there), reshaped back to 0-dim: which is what the wrappers
+# below trace, for the ops of ``_ZERO_DIM_PACKETS`` (all their results are 0-dim for a 0-dim input).
+# Any other input goes to torch-mlir's own decomposition of the op, or none. The graph check after
+# decomposition still refuses whatever 0-dim reduction is left.
+_ZERO_DIM_PACKETS = (
+    "amax", "amin", "argmax", "argmin", "max", "min", "aminmax", "all", "any", "sum", "nansum", "mean", "prod",
+    "var", "std", "var_mean", "std_mean", "logsumexp", "linalg_vector_norm", "cumsum", "_softmax",
+    "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+)
+
+
+@functools.cache
+def _zero_dim_ops() -> tuple:
+    ops = []
+    for name in _ZERO_DIM_PACKETS:
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            arguments = op._schema.arguments
+            if (not overload.endswith("out") and arguments and str(arguments[0].type) == "Tensor"
+                    and not any(a.is_out for a in arguments)):
+                ops.append(op)
+    return tuple(ops)
+
+
+def _over_one_element(op, theirs):
+    names = [a.name for a in op._schema.arguments]
+
+    def decomposed(*args, **kwargs):
+        if not (isinstance(args[0], torch.Tensor) and args[0].dim() == 0):
+            return NotImplemented if theirs is None else theirs(*args, **kwargs)
+
+        def vector(v, name):
+            if isinstance(v, torch.Tensor) and v.dim() == 0:
+                return v.reshape(1)
+            if name == "dim" and isinstance(v, int):
+                return 0
+            if name == "dim" and isinstance(v, (list, tuple)):
+                return [0] * len(v)
+            return v
+
+        out = op(*(vector(v, n) for v, n in zip(args, names)), **{k: vector(v, k) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            return out.reshape(())
+        return type(out)(t.reshape(()) if isinstance(t, torch.Tensor) else t for t in out)
+
+    return decomposed
+
+
 # ---------------------------------------------------------------------------------------- pointwise
 
 
@@ -88,6 +150,20 @@ def _nan_ignoring(extreme, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = extreme(a, b)
     if dtype.is_floating_point:
         out = torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, out))
+    return out
+
+
+def _over_dims(reduce, x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """all.dims / any.dims as one ``reduce`` (all.dim / any.dim) per dimension, the last first; an
+    empty list reduces nothing (eager's: x as bool), None every dimension."""
+    if dim is None:
+        dim = range(x.dim())
+    dims = sorted({d % max(x.dim(), 1) for d in dim}, reverse=True)
+    if not dims:
+        return x != 0 if x.dtype != torch.uint8 else (x != 0).to(torch.uint8)
+    out = x
+    for d in dims:
+        out = reduce(out, d, keepdim)
     return out
 
 
