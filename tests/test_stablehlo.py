@@ -411,6 +411,11 @@ _NEWLY_LOWERED = {
     "all/any over dims": (lambda x, u: (torch.ops.aten.all.dims(x, [0, -1]), torch.ops.aten.any.dims(x, [1], True),
                                         torch.ops.aten.all.dims(x, []), torch.ops.aten.any.dims(u, None)),
                           lambda: [torch.randint(0, 3, (3, 4, 5)).float(), torch.randint(0, 2, (4, 3), dtype=torch.uint8)]),
+    "batch norm in evaluation": (
+        lambda x, w, b, rm, rv: (*torch.ops.aten.native_batch_norm(x, w, b, rm, rv, False, 0.1, 1e-5),
+                                 *torch.ops.aten._native_batch_norm_legit(x, None, b, rm, rv, False, 0.1, 1e-3),
+                                 *torch.ops.aten._native_batch_norm_legit_no_training(x[:, :, 0], w, None, rm, rv, 0.1, 1e-5)),
+        lambda: [torch.randn(3, 2, 4, 5), torch.randn(2), torch.randn(2), torch.randn(2), torch.rand(2)]),
     "fmax": (lambda a, b: (torch.fmax(a, b), torch.fmax(b[0], a)),
              lambda: [_with_specials(torch.randn(4, 5)), torch.tensor([[1.0], [float("nan")], [0.5], [-2.0]])]),
     "fmin": (lambda a, b: (torch.fmin(a, b), torch.fmin(b[0], a)),

@@ -13,6 +13,8 @@ shape, and where it gives up (``NotImplemented``) the op stays and runs alone, a
 
 - ``addmv``: torch's own decomposition (``mv``, ``mul``, ``add``).
 - ``all``/``any`` over a list of dimensions: one ``all.dim``/``any.dim`` per dimension.
+- batch norm in evaluation: the normalization with the running statistics, pointwise; torch-mlir's
+  lowering returned the statistics as [C] where CPU's eager gives [0] (so on CPU it failed to lower).
 - ``fmax``/``fmin``: ``maximum``/``minimum`` with the NaN of one side replaced by the other: exact.
 - ``cumprod``/``cummax``/``cummin``: an inclusive scan in log2(n) steps (Hillis-Steele: step k
   combines each element with the one 2^k before it), ops torch-mlir lowers (slices, ``cat``,
@@ -78,6 +80,10 @@ def _table(narrow_64bit: bool) -> tuple:
         (aten.cummin.default, functools.partial(_cumulative_extreme, torch.le)),
         (aten.erfc.default, functools.partial(float_formula, _erfc)),
         (aten.erfinv.default, functools.partial(float_formula, _erfinv)),
+        (aten.native_batch_norm.default, functools.partial(_batch_norm, None)),
+        (aten._native_batch_norm_legit.default,
+         functools.partial(_batch_norm, decomposition_table[aten._native_batch_norm_legit.default])),
+        (aten._native_batch_norm_legit_no_training.default, _batch_norm_evaluation),
         (aten.avg_pool2d.default, _avg_pool2d),
         (aten.avg_pool2d_backward.default, _avg_pool2d_backward),
         (aten._adaptive_avg_pool2d_backward.default, _adaptive_avg_pool2d_backward),
@@ -209,6 +215,30 @@ def _erfinv(x: torch.Tensor) -> torch.Tensor:
 
     p = torch.where(w < 5, horner(_ERFINV_CENTRAL, w - 2.5), horner(_ERFINV_TAIL, torch.sqrt(w) - 3))
     return torch.where(x.abs() == 1, x * math.inf, p * x)
+
+
+def _batch_norm(training_decomposition, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training or running_mean is None or running_var is None:
+        return NotImplemented if training_decomposition is None else training_decomposition(
+            x, weight, bias, running_mean, running_var, training, momentum, eps)
+    return _batch_norm_evaluation(x, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def _batch_norm_evaluation(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Batch norm with the running statistics, and the statistics eager returns: empty on CPU, the
+    running mean and invstd on any other device (Note [Emulated batch-norm statistics] in
+    adaptive_eager.neuron_emulation); torch-mlir's own lowering returns [C] on CPU too and fails."""
+    dtype = _compute_dtype(x)
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    invstd = 1 / torch.sqrt(running_var.to(dtype) + eps)
+    out = (x.to(dtype) - running_mean.to(dtype).reshape(shape)) * invstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    if x.device.type == "cpu":
+        return out.to(x.dtype), x.new_zeros((0,), dtype=dtype), x.new_zeros((0,), dtype=dtype)
+    return out.to(x.dtype), running_mean.to(dtype, copy=True), invstd
 
 
 # ----------------------------------------------------------------------------------------- scans
