@@ -346,7 +346,7 @@ _ZERO_DIM = textwrap.dedent(
         return [x.var(), x.std(), x.logsumexp(0), x.argmax(), torch.var_mean(x)[0], x.softmax(0), x.cumsum(0),
                 x.sum() + x.amax() * 2, torch.lt(x, i), x.amin(-1, keepdim=True), x.argmin(0), *x.max(0),
                 *x.min(-1, keepdim=True), x.max(), (x > 0).all(), (x > 1).any(0), x.log_softmax(-1), x.cumprod(0),
-                *x.cummax(0), x.norm(), x.prod(0), x.mean((0,))]
+                *x.cummax(0), x.norm(), x.prod(0), x.mean((0,)), torch.stack([x, x * 2]), x.unsqueeze(-1).squeeze(0)]
 
     t, i = torch.tensor([0.75, 2.0, -1.0]), torch.tensor(3)
     want = program(t, i)

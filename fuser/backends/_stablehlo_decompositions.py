@@ -58,7 +58,7 @@ def decompositions(narrow_64bit: bool, theirs: dict) -> dict:
     """Our decompositions (Note [Our decompositions]), by op overload; ``narrow_64bit``: the region
     computes in 32 bits, so the float32 formulas serve float64 inputs too. ``theirs``: torch-mlir's
     table, which the 0-dim wrappers (Note [Reductions over a 0-dim tensor]) call for other inputs."""
-    table = dict(_table(narrow_64bit))
+    table = {op: _or_theirs(ours, theirs[op]) if op in theirs else ours for op, ours in _table(narrow_64bit)}
     for op in _zero_dim_ops():
         table[op] = _over_one_element(op, table.get(op, theirs.get(op)))
     return table
@@ -80,6 +80,9 @@ def _table(narrow_64bit: bool) -> tuple:
         (aten.cummin.default, functools.partial(_cumulative_extreme, torch.le)),
         (aten.erfc.default, functools.partial(float_formula, _erfc)),
         (aten.erfinv.default, functools.partial(float_formula, _erfinv)),
+        (aten.unsqueeze.default, _unsqueeze),
+        (aten.squeeze.dim, _squeeze),
+        (aten.squeeze.dims, _squeeze),
         (aten.native_batch_norm.default, functools.partial(_batch_norm, None)),
         (aten._native_batch_norm_legit.default,
          functools.partial(_batch_norm, decomposition_table[aten._native_batch_norm_legit.default])),
@@ -99,7 +102,9 @@ def _table(narrow_64bit: bool) -> tuple:
 # of a scalar (a loss, a norm). Over a 0-dim tensor each is the same op over that one element as a
 # 1-element vector (dim 0 or -1 is dim 0 there), reshaped back to 0-dim: which is what the wrappers
 # below trace, for the ops of ``_ZERO_DIM_PACKETS`` (all their results are 0-dim for a 0-dim input).
-# Any other input goes to torch-mlir's own decomposition of the op, or none. The graph check after
+# Any other input goes to torch-mlir's own decomposition of the op, or none. ``unsqueeze`` and
+# ``squeeze`` of a 0-dim tensor are reshapes (``torch.stack`` of scalars unsqueezes each: one op run
+# alone per step of examples/finetune_transformer.py, in ``clip_grad_norm_``). The graph check after
 # decomposition still refuses whatever 0-dim reduction is left.
 _ZERO_DIM_PACKETS = (
     "amax", "amin", "argmax", "argmin", "max", "min", "aminmax", "all", "any", "sum", "nansum", "mean", "prod",
@@ -120,6 +125,25 @@ def _zero_dim_ops() -> tuple:
                     and not any(a.is_out for a in arguments)):
                 ops.append(op)
     return tuple(ops)
+
+
+def _or_theirs(ours, theirs):
+    """``ours``, and where it gives up (NotImplemented), torch-mlir's decomposition of the op."""
+
+    def decomposed(*args, **kwargs):
+        out = ours(*args, **kwargs)
+        return theirs(*args, **kwargs) if out is NotImplemented else out
+
+    return decomposed
+
+
+def _unsqueeze(x: torch.Tensor, dim: int):
+    """Of a 0-dim tensor (``torch.stack`` of scalars: clip_grad_norm_'s norms), a reshape to [1]."""
+    return x.reshape(1) if x.dim() == 0 else NotImplemented
+
+
+def _squeeze(x: torch.Tensor, dim):
+    return x.reshape(()) if x.dim() == 0 else NotImplemented
 
 
 def _over_one_element(op, theirs):
