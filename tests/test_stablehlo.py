@@ -6,6 +6,7 @@ from first sight (``hot_after=1``) in this process, so every window exercises th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -496,3 +497,52 @@ def test_variance_of_no_elements_is_nan_as_in_eager(fresh_regions):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, equal_nan=True)
     assert ae.metrics()["run_alone"].get("miscompiled") == 3, ae.metrics()
+
+
+
+def _split_step(params, grads, index):
+    for p, g in zip(params, grads):
+        p.mul_(0.9).add_(torch.special.bessel_j0(g), alpha=-0.1)  # bessel_j0 runs alone: a split region
+    return params[0][index].sum() * 2  # indexing runs alone too (Note [Unchecked indices]): it may raise
+
+
+def _run_split_steps(options, indices):
+    """Steps of ``_split_step`` (synced) with each index; the tensors, each step's result (None
+    where it raised IndexError), each step's launches, and whether memory and versions are eager's."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(4, 3, generator=gen) for _ in range(3)]
+    grads = [torch.randn(4, 3, generator=gen) for _ in range(3)]
+    addresses = [p.data_ptr() for p in params]
+    launches, outs = [], []
+    with ae.adaptive_eager(**options) if options else contextlib.nullcontext():
+        for index in indices:
+            before = ae.metrics()["launches"]
+            try:
+                out = _split_step(params, grads, index)
+                ae.sync()  # adaptive eager raises eager's error here (the failed run is replayed)
+            except IndexError:
+                out = None
+            outs.append(out)
+            launches.append(ae.metrics()["launches"] - before)
+    kept = [p.data_ptr() for p in params] == addresses and [p._version for p in params] == [2 * len(indices)] * 3
+    return params, outs, launches, kept
+
+
+@needs_stablehlo
+def test_a_split_region_stores_its_inputs_in_one_last_launch(fresh_regions):
+    """Note [A split region's stores]: a region split around ops that run alone stores the inputs it
+    writes in one last piece, not one copy per tensor through the fuser; values, memory and version
+    counters are eager's. An index out of range (run alone) raises before that piece runs, so the
+    replay after the failed run applies each update once, as eager does."""
+    good, bad = torch.tensor([1, 3]), torch.tensor([1, 10])
+    indices = [good, good, good, bad, good]
+    want, want_outs, _, _ = _run_split_steps(None, indices)
+    got, got_outs, launches, kept = _run_split_steps(STABLEHLO, indices)
+    m = ae.metrics()
+    assert m["compile_failures"] == 0 and kept, m
+    # the split region's run (fuser.launch counts it as one) and no copies: 1 + 3 before
+    assert [launches[i] for i in (1, 2, 4)] == [1, 1, 1], launches
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert [o is None for o in got_outs] == [o is None for o in want_outs] == [False, False, False, True, False]
+    torch.testing.assert_close([o for o in got_outs if o is not None], [o for o in want_outs if o is not None])
