@@ -150,7 +150,9 @@ def _over_one_element(op, theirs):
     names = [a.name for a in op._schema.arguments]
 
     def decomposed(*args, **kwargs):
-        if not (isinstance(args[0], torch.Tensor) and args[0].dim() == 0):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not (isinstance(args[0], torch.Tensor) and all(t.dim() == 0 for t in tensors)):
+            # (max.other of a 0-dim and a vector broadcasts: not over one element)
             return NotImplemented if theirs is None else theirs(*args, **kwargs)
 
         def vector(v, name):
