@@ -112,7 +112,10 @@ class EmulatedNeuronTensor(torch.Tensor):
             return _set_storage(*args, **kwargs)
         wrappers = {id(a._data): a for a in pytree.tree_leaves((args, kwargs)) if type(a) is EmulatedNeuronTensor}
         out = func(*pytree.tree_map(cpu_data, args), **pytree.tree_map(cpu_data, kwargs))
+        if func in _BATCH_NORMS:
+            out = _device_batch_norm_stats(func, args, kwargs, out)
         view = func.is_view
+        bases = None
         if not view and func not in _NO_LAUNCH:
             _launches += 1  # Note [Emulated launches]
 
@@ -126,13 +129,54 @@ class EmulatedNeuronTensor(torch.Tensor):
                 return held
             if not to_device:
                 return r
+            base = args[0] if view else None
             if not view:
-                return on_device(r)
+                # Note [Emulated aliases]: a result that is no view by schema may still share an input's memory
+                nonlocal bases
+                if bases is None:
+                    bases = {_storage_of(a._data)._cdata: a for a in wrappers.values()}
+                base = bases.get(_storage_of(r)._cdata) if bases else None
+                if base is None:
+                    return on_device(r)
             t = EmulatedNeuronTensor(r)
-            _share_storage(t, args[0])  # Note [Emulated storage]
+            _share_storage(t, base)  # Note [Emulated storage]
             return t
 
         return pytree.tree_map(wrap, out)
+
+
+# Note [Emulated aliases]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# ``unsafe_split`` / ``unsafe_chunk`` are not views by schema (autograd does not track them as
+# views) but their results share the input's memory, on CPU and on a real device. A result of
+# such an op whose CPU data shares an input's storage is wrapped as a view of that input (its
+# outer storage, Note [Emulated storage]), so the emulated device's plain eager aliases as a real
+# one does (before, the wrappers had storages of their own, and eager disagreed with a compiled
+# region, whose outputs share the input's storage as on a real device).
+#
+# Note [Emulated batch-norm statistics]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In evaluation (``training=False``, ``_native_batch_norm_legit_no_training``) CPU's batch-norm
+# kernels return empty ``save_mean``/``save_invstd`` (shape [0]); on any other device, and in the
+# meta kernels that fake tensors (our recorded metadata) run for every device but CPU, they are
+# the running mean and 1 / sqrt(running_var + eps) (shape [C]; torch's decomposition does the same
+# for a device that is not CPU). The emulated device runs CPU's kernels, so it gives the device's
+# statistics instead: its eager then agrees with the recorded shapes and with a compiled region.
+_BATCH_NORMS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+                torch.ops.aten._native_batch_norm_legit_no_training.default)
+
+
+def _device_batch_norm_stats(func, args, kwargs, out):
+    """``out`` with an evaluation's statistics as a device that is not CPU returns them (Note
+    [Emulated batch-norm statistics])."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+    if bound.get("training", False) or bound.get("running_mean") is None or bound.get("running_var") is None:
+        return out
+    x = cpu_data(bound["input"])
+    dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    mean = cpu_data(bound["running_mean"]).to(dtype, copy=True)
+    invstd = 1 / torch.sqrt(cpu_data(bound["running_var"]).to(dtype) + bound["eps"])
+    return (out[0], mean, invstd)
 
 
 _storage_of = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches flushes on it)

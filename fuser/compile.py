@@ -65,7 +65,8 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     the real inputs ((Window.scalars index, dtype) each), and how to run it: ``alone``, the nodes
     that run outside compiled code by reason (Note [Partitions]; none: the artifact is
     ``backend.load``'s, else ``partition.load``'s), and ``inplace``, whether it writes the mutated
-    inputs itself (a split region never does: Note [Partitions])."""
+    inputs itself (a split region only with a backend that stores after its run: Note [A split
+    region's stores] in fuser.partition)."""
     with trace_lock():  # Note [One trace at a time] in fuser.backends._common
         return _compile_program(program, backend)
 
@@ -76,15 +77,16 @@ def _compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     failed: set = set()  # ops the backend failed on: retried alone (Note [Partitions])
     while True:
         alone = partition.alone(gm, backend, failed)
-        if alone and program.inplace:
+        if alone and program.inplace and not getattr(backend, "stores_after_run", False):
             program.inplace = False  # a split region writes back instead (Note [Partitions])
             gm = program.graph()
             continue
         try:
             if not alone:
                 return backend.compile(gm, examples), program.lifted_inputs, {"alone": {}, "inplace": program.inplace}
+            # ... unless its backend stores after its run: one last piece stores (Note [A split region's stores])
             artifact = partition.split(gm, examples, alone, backend)
-            return artifact, program.lifted_inputs, {"alone": partition.counts(alone), "inplace": False}
+            return artifact, program.lifted_inputs, {"alone": partition.counts(alone), "inplace": program.inplace}
         except BackendCompileError as e:
             if e.inplace and program.inplace:
                 # the compiled code would not write the inputs the graph writes (Inductor on torch

@@ -25,8 +25,9 @@ plan as an FX graph calling the loaded pieces: one callable with the backend's c
 convention, so the fuser runs a split region like any other. A graph with no such node is not split: the backend gets it whole.
 
 Nodes that run alone are counted by reason per region compiled or loaded (``metrics()["run_alone"]``).
-A split region is never compiled in place (Note [In-place regions] in ``fuser.compilable``): a check
-can fail part way, after a piece has run.
+A split region is compiled in place (Note [In-place regions] in ``fuser.compilable``) only with a
+backend that stores after its run, its stores one last piece (Note [A split region's stores]);
+otherwise it writes back through the fuser: a check can fail part way, after a piece has run.
 """
 
 from __future__ import annotations
@@ -81,11 +82,29 @@ def keep_checks(node: torch.fx.Node) -> bool:
 
 
 class _Compilable(OperatorSupportBase):
-    def __init__(self, alone: dict):
-        self.alone = alone
+    def __init__(self, alone: dict, stores: set):
+        self.alone, self.stores = alone, stores
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-        return node.op == "call_function" and node not in self.alone
+        return node.op == "call_function" and node not in self.alone and node not in self.stores
+
+
+# Note [A split region's stores]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A region that writes its inputs (Note [In-place regions] in fuser.compilable) ends in
+# functionalization's ``copy_`` of each new value into its input. Split, it wrote back through the
+# fuser, one copy (one launch) per written tensor: 128 a step of examples/finetune_transformer.py on
+# the emulated device. With a backend that stores only once its executable has finished
+# (``stores_after_run``) those ``copy_`` nodes become one piece of their own, run last, after every
+# other piece and every node that runs alone: one launch stores every input. Last, so no node reads
+# an input after its store (the pieces' graph has no edge from a store to a later reader of the old
+# value), and a node that raises (a check, an index out of range run alone) raises before anything
+# is stored, so replaying the window after a failed run applies no update twice.
+
+
+def _is_store(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.aten.copy_.default and not node.users
+            and node.args[0].op == "placeholder")
 
 
 def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, backend) -> bytes:
@@ -104,13 +123,21 @@ def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, b
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape):
                 raise BackendCompileError("a region with nodes that run alone is compiled per shape")
-    partitioner = CapabilityBasedPartitioner(gm, _Compilable(alone), allows_single_node_partition=True)
+    # Note [A split region's stores]: the graph's stores into its inputs, one piece run last
+    stores = [n for n in gm.graph.nodes if _is_store(n)] if getattr(backend, "stores_after_run", False) else []
+    partitioner = CapabilityBasedPartitioner(gm, _Compilable(alone, set(stores)), allows_single_node_partition=True)
     # A piece of views only computes nothing: Inductor would compile no code for it (AOTAutograd
     # turns outputs that alias inputs into views it regenerates outside the graph), so its views
     # stay in the plan, where they cost what they cost in eager.
-    pieces = [p for p in partitioner.propose_partitions() if any(_computes(n) for n in p.nodes)]
-    outer = fuse_by_partitions(gm, [dict.fromkeys(p.nodes) for p in pieces], prefix="piece_",
-                               always_return_tuple=True)
+    pieces = [dict.fromkeys(p.nodes) for p in partitioner.propose_partitions() if any(_computes(n) for n in p.nodes)]
+    if stores:
+        pieces.append(dict.fromkeys(stores))
+    outer = fuse_by_partitions(gm, pieces, prefix="piece_", always_return_tuple=True)
+    if stores:
+        last = next(n for n in outer.graph.nodes if n.op == "call_module" and n.target == f"piece_{len(pieces) - 1}")
+        if last.users:
+            raise BackendCompileError("split: the stores' piece has outputs")
+        next(n for n in outer.graph.nodes if n.op == "output").prepend(last)
     index: dict = {}
     nodes, parts, outputs = [], [], []
     for node in outer.graph.nodes:

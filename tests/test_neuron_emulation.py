@@ -228,6 +228,73 @@ def test_dropout_masks_are_drawn_at_record_time_bitwise_as_eager_there(tmp_path)
 
 
 @needs_stablehlo
+def test_unsafe_split_aliases_its_input_in_eager_and_compiled_as_on_cpu(tmp_path):
+    """Note [Emulated aliases]: unsafe_split / unsafe_chunk results share the input's storage on
+    cpu and in a compiled region; the emulated device's plain eager gave them storages of their own."""
+    out = _child("""
+        import json
+        ne.emulate_neuron()
+
+        def program(x):
+            return [*torch.unsafe_split(x * 2, 2), *torch.unsafe_chunk(x * 2, 3, 1)]
+
+        def layout(outs):
+            base = outs[0].untyped_storage()._cdata
+            return [[o.untyped_storage()._cdata == base if i < 3 else o.untyped_storage()._cdata ==
+                     outs[3].untyped_storage()._cdata, o.storage_offset(), list(o.stride())] for i, o in enumerate(outs)]
+
+        x = torch.randn(6, 4)
+        cpu, eager = program(x), program(x.to("neuron"))
+        with ae.adaptive_eager(backend="stablehlo", hot_after=1, async_compile=False):
+            compiled = program(x.to("neuron"))
+            ae.sync()
+        print(json.dumps({"cpu": layout(cpu), "eager": layout(eager), "compiled": layout(compiled),
+                          "values": all(torch.equal(a, b.cpu()) and torch.equal(a, c.cpu())
+                                        for a, b, c in zip(cpu, eager, compiled))}))
+        """, tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["eager"] == r["cpu"] == r["compiled"] and r["values"], r
+    assert all(shared for shared, _, _ in r["cpu"]), r
+
+
+@needs_stablehlo
+def test_batch_norm_statistics_in_evaluation_have_the_devices_shape(tmp_path):
+    """Note [Emulated batch-norm statistics]: in evaluation the statistics a device (and its fake
+    tensors) return are the running mean and 1/sqrt(running_var + eps), [C]; the emulated device ran
+    CPU's kernel, [0], so its eager disagreed with the recorded shapes and with stablehlo's [C]."""
+    out = _child("""
+        import json
+        ne.emulate_neuron()
+        aten = torch.ops.aten
+
+        def program(x, w, b, rm, rv):
+            x = x * 1
+            return [*aten.native_batch_norm(x, w, b, rm, rv, False, 0.1, 1e-5),
+                    *aten._native_batch_norm_legit(x, None, None, rm, rv, False, 0.1, 1e-5),
+                    *aten._native_batch_norm_legit_no_training(x.half(), w, b, rm, rv, 0.1, 1e-3)]
+
+        torch.manual_seed(0)
+        args = [torch.randn(3, 2, 4), torch.randn(2), torch.randn(2), torch.randn(2), torch.rand(2)]
+        on = [a.to("neuron") for a in args]
+        eager = program(*on)
+        with ae.adaptive_eager(backend="stablehlo", hot_after=1, async_compile=False):
+            compiled = program(*on)
+            ae.sync()
+        rm, rv = args[3], args[4]
+        want = [rm, 1 / torch.sqrt(rv + 1e-5), rm, 1 / torch.sqrt(rv + 1e-5), rm, 1 / torch.sqrt(rv + 1e-3)]
+        stats = [t for i, t in enumerate(eager) if i % 3]
+        print(json.dumps({"eager": [[list(t.shape), str(t.dtype)] for t in eager],
+                          "compiled": [[list(t.shape), str(t.dtype)] for t in compiled],
+                          "stats": all(torch.allclose(s.cpu(), w) for s, w in zip(stats, want)),
+                          "values": all(torch.allclose(e.cpu(), c.cpu(), rtol=1e-3, atol=1e-3)
+                                        for e, c in zip(eager, compiled))}))
+        """, tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["eager"] == r["compiled"] and r["stats"] and r["values"], r
+    assert [shape for shape, _ in r["eager"]] == [[3, 2, 4], [2], [2]] * 3, r
+
+
+@needs_stablehlo
 def test_stablehlo_is_the_default_backend_and_trains_like_eager_cpu(tmp_path):
     out = _child("""
         ne.emulate_neuron()

@@ -10,7 +10,8 @@ Note [StableHLO lowering]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ``compile``: the graph is traced again with torch-mlir's decomposition table (what its own
 ``export_and_import`` applies: core ATen decompositions plus the few it needs, without those it
-cannot lower; e.g. ``nll_loss_forward`` crashes its importer undecomposed, lowers decomposed), the
+cannot lower; e.g. ``nll_loss_forward`` crashes its importer undecomposed, lowers decomposed) and
+ours, for ops it has no lowering for (Note [Our decompositions] in ``_stablehlo_decompositions``), the
 result imported by torch-mlir's ``FxImporter`` and lowered by the pipelines
 ``torch_mlir.fx.stateless_fx_import(..., output_type="stablehlo")`` runs (``_lower`` says why not
 through that function), the module text compiled by ``get_backend("cpu").compile_and_load`` and
@@ -94,9 +95,21 @@ _MISCOMPILED = {
         "index_fill.int_Scalar", "index_reduce.default", "scatter.src", "scatter.value", "scatter.reduce",
         "scatter.value_reduce", "scatter_add.default", "scatter_reduce.two", "take_along_dim.default",
     )], (None, "an index out of range is clamped (XLA's gather and scatter), where eager raises")),
+    # found with more OpInfo samples (AE_TEST_OPINFO_SAMPLES=12): torch-mlir's var of no elements
+    **dict.fromkeys([f"aten.{op}" for op in (
+        "var.correction", "var.dim", "var.default", "std.correction", "std.dim", "std.default",
+        "var_mean.correction", "var_mean.dim", "var_mean.default", "std_mean.correction", "std_mean.dim",
+        "std_mean.default",
+    )], (lambda node: _empty_input(node), "over no elements it gives -0.0, eager NaN")),
     "aten.avg_pool3d.default": (lambda node: node.kwargs.get("divisor_override", (node.args + (None,) * 7)[6])
                                 is not None, "divisor_override is not applied"),
 }
+
+
+def _empty_input(node: torch.fx.Node) -> bool:
+    first = node.args[0] if node.args else None
+    value = first.meta.get("val") if isinstance(first, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.numel() == 0
 
 
 def _miscompiled(node: torch.fx.Node) -> str | None:
@@ -108,10 +121,14 @@ def _miscompiled(node: torch.fx.Node) -> str | None:
 
 
 @functools.cache
-def _decompositions() -> dict:
+def _decompositions(narrow_64bit: bool) -> dict:
+    """torch-mlir's table and ours (Note [Our decompositions] in ``_stablehlo_decompositions``)."""
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-    return get_decomposition_table()
+    from ._stablehlo_decompositions import decompositions
+
+    theirs = get_decomposition_table()
+    return {**theirs, **decompositions(narrow_64bit, theirs)}
 
 
 # torch-mlir's pipelines, as ``torch_mlir.fx.stateless_fx_import(..., output_type="stablehlo")`` runs them
@@ -128,8 +145,9 @@ _PIPELINES = (
 # 0-dim tensor (``var``, ``std``, ``logsumexp``, ``argmax``, ``var_mean``, ``_softmax``,
 # ``cumsum``; ``sum``, ``mean``, ``amax``, ``prod`` lower). Such graphs are refused before the
 # passes run: a reduction (``Tag.reduction``) or an op taking a ``dim`` whose first tensor argument
-# has no dimension (harmless ones included: they are trivial, and run alone). The whole region is
-# checked after decomposition, so a composite that decomposes into one is caught too.
+# has no dimension (harmless ones included). The whole region is checked after decomposition, so a
+# composite that decomposes into one is caught too; the common ones never get here: they are traced
+# over a 1-element vector instead (Note [Reductions over a 0-dim tensor] in _stablehlo_decompositions).
 
 
 def _crashes_torch_mlir(graph: torch.fx.Graph) -> str | None:
@@ -162,7 +180,7 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_
 
     try:
         with torch.no_grad():
-            decomposed = make_fx(gm, decomposition_table=_decompositions(), tracing_mode="fake")(*example_inputs)
+            decomposed = make_fx(gm, decomposition_table=_decompositions(narrow_64bit), tracing_mode="fake")(*example_inputs)
     except Exception as e:
         raise BackendCompileError(f"stablehlo: cannot decompose the graph: {type(e).__name__}: {str(e)[:800]}") from e
     for node in decomposed.graph.nodes:

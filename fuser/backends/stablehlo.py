@@ -40,6 +40,9 @@ from ._stablehlo_lowering import (
 log = logging.getLogger(__name__)
 
 _FORMAT = 1
+# What the lowering lowers (Note [Our decompositions]): in the fingerprint, so a cached split region
+# whose ops ran alone before a decomposition existed is compiled again, whole. Bump on such a change.
+_LOWERING = 2
 _MAGIC = b"adaptive-eager stablehlo\n"
 _DEVICE_TYPES = ("cpu",)
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "jax": "jax", "jaxlib": "jaxlib"}
@@ -99,6 +102,7 @@ class StablehloBackend:
         self.narrow_64bit = narrow_64bit
         self._fingerprint = "|".join([
             f"{self.name}-{_FORMAT}",
+            f"lowering-{_LOWERING}",
             f"torch-{torch.__version__}",
             f"torch-mlir-{importlib.metadata.version('torch-mlir')}",
             *self._identity(),
