@@ -248,8 +248,12 @@ def _host_reader(op, where):
 
 
 def _register_host_readers() -> None:
-    """Note [Composites that read memory] in _ops."""
+    """Note [Composites that read memory] in _ops: once a process (registering them at every
+    outermost ``adaptive_eager()`` and removing them at its exit cost ~0.5 ms a block); a thread
+    without the mode, or the program after the block, runs the op's own composite through them."""
     global _library
+    if _library is not None:
+        return
     _library = torch.library.Library("aten", "IMPL")
     for name in HOST_READERS:
         _, packet, overload = name.split(".")
@@ -258,13 +262,6 @@ def _register_host_readers() -> None:
         name = packet if overload == "default" else f"{packet}.{overload}"
         for key in _AUTOGRAD_KEYS:  # the alias key ``Autograd`` would lose to the composite kernel
             _library.impl(name, kernel, key)
-
-
-def _unregister_host_readers() -> None:
-    global _library
-    if _library is not None:
-        _library._destroy()
-        _library = None
 
 
 # Note [Storage resize]
@@ -467,7 +464,6 @@ def install() -> None:
             _saved[("attr", module, name)] = module.__dict__[name]
             setattr(module, name, patched)
         _register_host_readers()  # Note [Composites that read memory]
-        _saved["host_readers"] = None
         # Note [Storage sharers]
         _saved[("attr", torch.Tensor, "_make_subclass")] = torch.Tensor.__dict__.get("_make_subclass", _MISSING)
         torch.Tensor._make_subclass = _storage_sharer(torch.Tensor._make_subclass, "storage", static=True)
@@ -490,8 +486,6 @@ def uninstall() -> None:
                 builtins.print = value
             elif key == "breakpointhook":
                 sys.breakpointhook = value
-            elif key == "host_readers":
-                _unregister_host_readers()
             elif key == "optimizer_hook":
                 value.remove()
                 _optim.uninstall()
