@@ -41,6 +41,8 @@ _SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast p
 #   (``Window.viewed``): ``_scalars_settled``.
 
 
+_storage_nbytes = torch._C.StorageBase.nbytes  # the C method (``_patches`` wraps UntypedStorage.nbytes)
+
 def _written(window: Window, t: torch.Tensor) -> bool:
     # a 0-dim tensor with a pending write must be read in window order, not snapshot now
     return bool(window.written) and _untyped_storage(t)._cdata in window.written
@@ -55,7 +57,7 @@ def _scalars_settled(window: Window, f, args, n: int) -> bool:
         if i < n and isinstance(args[i], _Tensor):
             t = args[i]
             storage = _untyped_storage(t)
-            if i in f.write_pos and storage.nbytes() != t.element_size():
+            if i in f.write_pos and _storage_nbytes(storage) != t.element_size():
                 return False  # other elements of its storage may be read by pending ops
             sid = storage._cdata
             if sid in written or (i in f.write_pos and sid in viewed):

@@ -24,6 +24,8 @@ _weakref = weakref.ref
 _uid = attrgetter("uid")
 
 
+_nbytes = torch._C.StorageBase.nbytes  # the C method (adaptive_eager wraps UntypedStorage.nbytes)
+
 def value_is_dead(out: Out) -> bool:
     """Whether nothing can observe FRESH ``out`` any more: its placeholder's storage is gone.
 
@@ -218,7 +220,7 @@ def _swap_storages(storage, result: torch.Tensor, meta) -> bool:
         return False
     rs = _untyped_storage(result)
     # the result's TensorImpl and the storage object ``rs``: nothing else holds that memory
-    if storage.nbytes() != rs.nbytes() or _storage_use_count(rs._cdata) > 2 or storage.device != rs.device:
+    if _nbytes(storage) != _nbytes(rs) or _storage_use_count(rs._cdata) > 2 or storage.device != rs.device:
         return False
     _swap_data_ptr(storage, rs)
     return True
