@@ -112,8 +112,10 @@ _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python
 # its ops going through autograd and the mode as before. Registered when a thread first turns
 # adaptive eager on, and kept for the process (registering them at each outermost block and
 # removing them at its exit made entering and leaving a block 0.25 -> 0.7-0.9 ms); a thread
-# without the mode, and the program outside a block, run the same composite through them, with
-# one Python call more. Under ``inference_mode`` the autograd keys are skipped and the op
+# without the mode, and the program outside a block, get what the key gives without them: the
+# composite, with one Python call more, or under the Python dispatcher (Dynamo's and make_fx's
+# fake tensors) the op's Python decomposition (the C++ composite would read a fake tensor's
+# memory: torch.compile of ``tensor_split`` with tensor indices failed after a block). Under ``inference_mode`` the autograd keys are skipped and the op
 # itself reaches the mode (the Python key is not one of the composite's): a HOST_READ op, for
 # which the mode does the same, its composite's ops coming back to the mode as INLINE ones do.
 # The list is what reading ATen's composites for such reads found (TensorShape, PackedSequence,

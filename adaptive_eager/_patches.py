@@ -234,12 +234,22 @@ _AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradPrivateUse1")
 _library = None  # the torch.library registration of the _host_reader kernels while installed
 
 
+def _python_dispatcher_on() -> bool:
+    return torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+
+
 def _host_reader(op, where):
     composite = composite_kernel(op)
 
     def kernel(*args, **kwargs):
         st = current_state()
-        if st is not None and st.mode is not None and read_on_host(op, where, args, kwargs):
+        if st is None or st.mode is None:
+            # what this key runs without us: the composite, or under the Python dispatcher (Dynamo,
+            # make_fx, fake tensors) the op's Python decomposition where it has one
+            if _python_dispatcher_on():
+                return op.decompose(*args, **kwargs)
+            return composite(*args, **kwargs)
+        if read_on_host(op, where, args, kwargs):
             with _disable_current_modes():
                 return composite(*args, **kwargs)
         return composite(*args, **kwargs)

@@ -106,3 +106,14 @@ def test_a_thread_without_the_mode_splits_as_eager_does():
     assert got == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0, 9.0]]]
     assert ae.metrics()["flushes"].get("host_indices", 0) == 0
     torch.testing.assert_close(y, X * 2)
+
+
+def test_torch_compile_after_adaptive_eager_traces_the_composite_as_without_it():
+    """The kernels stay registered after a block: under the Python dispatcher (Dynamo's fake
+    tensors) they must do what the key does without them, the op's Python decomposition; the
+    C++ composite would read a fake tensor's memory and fail the compile."""
+    with ae.adaptive_eager(backend="replay"):
+        pass
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, i: [p * 2 for p in torch.tensor_split(x, i)], backend="aot_eager")
+    assert [p.tolist() for p in f(X, INDICES)] == [[0.0, 2.0], [4.0, 6.0, 8.0], [10.0, 12.0, 14.0, 16.0, 18.0]]
