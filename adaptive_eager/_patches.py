@@ -21,6 +21,11 @@ no mark, so an op on it would read the placeholder's memory before the window co
 hot window decides a value's liveness by its Python tensor (Note [Hot liveness] in ``_hot``),
 which may die while the sharer lives. So each of them flushes the window its tensor is pending
 in first (and the setter also when the tensor it sets is pending: it is given other memory).
+``_make_subclass`` flushes only in a hot window: outside one the value is live while its
+storage is, which the Parameter holds, and ops on the Parameter read the value the window
+computes into that storage (checked: ``nn.Parameter`` of a pending value, the value dropped, an
+op on the Parameter: eager's value, no flush). FSDP2 makes a Parameter of each all-gathered
+tensor: flushing there cost 4 flushes in 4 steps of tests/test_fsdp.py's model.
 ``a.data -= x``, which sets ``a.data`` to a tensor already over ``a``'s storage with ``a``'s
 geometry, changes nothing and does not flush. ``as_subclass`` stashes the modes too, but its
 alias is a view whose base keeps the pending tensor alive.
@@ -169,14 +174,20 @@ def _same_tensor_memory(a, b) -> bool:
         return False
 
 
+def _in_hot_window(t) -> bool:
+    o = getattr(t, "_ae", None)
+    return o is not None and pending_mark(o) and o.win.owner.window.hot is not None
+
+
 def _storage_sharer(original, reason: str, static: bool = False):
     """``original(cls, data, ...)`` (``static``: ``_make_subclass``) or ``original(data, ...)`` makes
-    something over ``data``'s memory without dispatching: ``data`` is computed first (Note [Storage sharers])."""
+    something over ``data``'s memory without dispatching: ``data`` is computed first (Note [Storage
+    sharers]); for ``_make_subclass``, only where its window is hot."""
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         data = args[1 if static else 0] if len(args) > (1 if static else 0) else kwargs.get("data", kwargs.get("tensor"))
-        if isinstance(data, torch.Tensor):
+        if isinstance(data, torch.Tensor) and (not static or _in_hot_window(data)):
             sync_value(data, reason)
         return original(*args, **kwargs)
 

@@ -566,3 +566,17 @@ def test_a_hot_window_keeps_no_out_for_a_value_that_died(fresh_regions):
         assert window.fresh == [] and window.handles == []
         ae.sync()
     torch.testing.assert_close(y, _step(x, w))
+
+
+def test_a_parameter_of_a_pending_value_outside_a_hot_window_needs_no_flush():
+    """Note [Storage sharers]: ``_make_subclass`` flushes only in a hot window (FSDP2 makes a
+    Parameter of every all-gathered tensor, in windows that are not hot)."""
+    x = torch.randn(3)
+    with ae.adaptive_eager(backend="replay"):
+        y = x * 2
+        p = torch.nn.Parameter(y)
+        del y
+        ae.reset_metrics()
+        z = p + 1
+        assert ae.is_lazy(z) and not ae.metrics()["flushes"]
+        assert torch.equal(z, x * 2 + 1)
