@@ -96,7 +96,8 @@ the calls and objects a flush touches.
 from __future__ import annotations
 
 import torch
-from fuser.replay import adopt_hot
+from fuser import replay as _replay  # a module, not its names: ``import torch`` in a process that
+# imports fuser first (a compile worker) loads adaptive eager while fuser.replay is half-imported
 from fuser.window import FRESH, Node, Out, Window
 
 from . import _ops
@@ -158,7 +159,7 @@ class Template:
         """Turn ``window``'s hot records into the Nodes and signature recording would have made,
         and end its hot recording (Note [Hot windows]); ``cause`` is counted."""
         window.hot = None
-        adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
+        _replay.adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
         records = window.nodes
         nodes = window.nodes = []
         # the outputs the ops made, by uid (their inputs' refs): the live values, the ALIAS records and

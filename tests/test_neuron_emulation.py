@@ -314,6 +314,47 @@ def test_stablehlo_is_the_default_backend_and_trains_like_eager_cpu(tmp_path):
     assert "NEFF launches, adaptive eager" in out
 
 
+def test_a_process_that_imports_the_fuser_first_emulates_the_device(tmp_path):
+    """A compile worker imports ``fuser.compile`` before torch; ``import torch`` then loads adaptive
+    eager (NEURON_EAGER_EMULATE=1), whose ``_hot`` imported a name of the half-imported
+    ``fuser.replay``: "adaptive_eager stays off: cannot import name 'adopt_hot'", no device."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    environ.update(PYTHONPATH=str(ROOT), NEURON_EAGER="eager", NEURON_EAGER_EMULATE="1",
+                   NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"))
+    code = ("import fuser.compile\nfrom fuser.backends.stablehlo import _HOST_DEVICES\n"
+            "import torch\nprint(sorted(_HOST_DEVICES), torch._C._get_privateuse1_backend_name())")
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], env=environ, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.split() == ["['neuron']", "neuron"], out.stdout + out.stderr
+
+
+@needs_stablehlo
+def test_background_compiles_on_the_emulated_device_land(tmp_path):
+    """With the default options a region compiles in a worker process, which emulates the device
+    at its ``import torch`` (``emulate_neuron()`` sets NEURON_EAGER_EMULATE for children). When that
+    failed (the import cycle of the test above) every compile failed ("supports device types cpu,
+    not 'neuron'") and the region was replayed for good; the tests of this file compile in place
+    (``async_compile=False``), so none saw it."""
+    _child("""
+        import time
+        ne.emulate_neuron()
+        model = mlp().to("neuron")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)).to("neuron")
+        deadline = time.monotonic() + 300
+        with ae.adaptive_eager(hot_after=1):
+            while ae.metrics()["compiled_runs"] == 0 and time.monotonic() < deadline:
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                loss.item()
+                time.sleep(0.05)
+        m = ae.metrics()
+        assert m["compiled_runs"] > 0 and not m["blacklisted"] and not m["compile_failures"], m
+        """, tmp_path)
+
+
 def test_unmodified_script_with_the_environment(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
