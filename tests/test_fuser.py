@@ -12,6 +12,7 @@ import torch
 
 import adaptive_eager as ae
 import fuser
+import fuser.artifacts
 import fuser.launch
 import fuser.regions
 from fuser.window import OUTS_PER_NODE
@@ -294,9 +295,16 @@ def test_background_compile_never_blocks_the_program(tmp_path):
             ae.sync()
             step_times.append(time.perf_counter() - t0)
             time.sleep(0.05)
+    # the worker stores the artifact itself, and a later sight may load it from the store before
+    # the job's result is collected (that counts the compile and its seconds): collect it
+    for _ in range(300):
+        fuser.artifacts.finished_jobs()
+        if ae.metrics()["compiles"]:
+            break
+        time.sleep(0.1)
     m = ae.metrics()
     assert m["compiled_runs"] >= 1, m  # the worker process compiled it and the program picked it up
-    assert m["compiles"] == 1 and m["replayed_regions"] >= 2
+    assert m["compiles"] == 1 and m["replayed_regions"] >= 2, m
     assert m["compile_seconds"] > 0  # the worker's compile time is reported (not only in-process ones)
     # while the worker compiled (seconds), no step waited for it (the first step pays one-time
     # imports: the backend's fingerprint names the compiler's version)
