@@ -41,6 +41,15 @@ _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_ea
 #   A run never starts another flush (``_tls.running``): the ops of the running window read their
 #   values when those were real (recording them met no other thread's pending mark, or ran that
 #   window first), and the fuser is not reentrant.
+# - An alias made without the mode: ``loss.detach()`` (or any view) in a thread without the mode
+#   is a new tensor with no mark over the placeholder's storage, so ``owner_of`` also looks, for
+#   a tensor with no mark, among the FRESH placeholders' storages of the *other* threads' windows
+#   (``Window.handles``; while hot, the storages of the tensors in ``Window.alive``). Only there:
+#   in the owner's own thread such an alias is made by a recorded op and carries a mark, so its
+#   hot per-op reads (``item`` in an optimizer) pay nothing for it. A hot window's value is live
+#   while its tensor is (Note [Hot liveness] in ``_hot``), so the alias reads right while the
+#   program still holds the original (the usual case: the thread got the loss and detaches it);
+#   an alias kept after the program dropped the original is the case below.
 # - Not covered: ATen ops on a pending value in a thread *without* the mode (``t + 1``,
 #   ``torch.cat``, a module's forward there). Dispatch modes are per thread and a plain tensor has
 #   no ``__torch_function__``, so no Python sees those ops: they read the placeholder's memory.
@@ -48,7 +57,9 @@ _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_ea
 #   ``repr``/``print``/formatting, pickling and ``torch.save``, ``copy.deepcopy``, storage and
 #   ``data_ptr`` access, and so ``torch.multiprocessing``'s sharing), as is any op in a thread
 #   with the mode on. A value used by ATen ops in a plain thread must be handed over after one of
-#   those reads, or after ``adaptive_eager.sync()`` in the owning thread.
+#   those reads, or after ``adaptive_eager.sync()`` in the owning thread. So must an alias made
+#   there (``detach``, a view) that the thread keeps after the program dropped the original, in a
+#   hot window: no Python saw it made, and the value died with its tensor.
 
 
 class _Elsewhere(Exception):
@@ -76,24 +87,44 @@ def _check_elsewhere(t, o) -> None:
         raise _Elsewhere(o.win.owner, t)
 
 
+def _holds_fresh(window, sid: int) -> bool:
+    """Whether storage ``sid`` is a FRESH placeholder's of ``window``: ``Window.handles`` (equal to
+    the storages' ``_cdata``) and, while hot, the storages of the tensors in ``Window.alive``."""
+    if sid in window.handles:
+        return True
+    alive = window.alive
+    if alive:
+        for r in list(alive):  # a copy: a value dying now takes its reference out of the set
+            p = r()
+            if p is not None and _untyped_storage(p)._cdata == sid:
+                return True
+    return False
+
+
 def owner_of(t) -> TracerState | None:
     """The state whose window holds ``t``'s pending value, any thread's; None when ``t`` is real."""
     o = getattr(t, "_ae", None)
     if o is not None and pending_mark(o):
         return o.win.owner
     sid = None
+    me = getattr(_tls, "state", None)
     for st in _state._STATES:
-        written = st.window.written
+        window = st.window
+        written = window.written
         running = st.running
         if running is not None:
             written = written | running.written
-        if written:
+        # an unmarked alias of another thread's placeholder (Note [Reads from other threads])
+        fresh = o is None and st is not me and (window.nodes or running is not None)
+        if written or fresh:
             if sid is None:
                 try:
                     sid = _untyped_storage(t)._cdata
                 except (RuntimeError, NotImplementedError):  # no storage: no pending op writes it
                     return None
             if sid in written:
+                return st
+            if fresh and (_holds_fresh(window, sid) or running is not None and _holds_fresh(running, sid)):
                 return st
     return None
 

@@ -80,6 +80,11 @@ READERS = {
     "data": (lambda y, s: y.data.tolist()),
     "iter": (lambda y, s: [float(v) for v in y]),
     "bool": (lambda y, s: bool(s)),
+    # an alias made in the reading thread, without the mode: no mark, the placeholder's storage
+    "detach float": (lambda y, s: float(s.detach())),
+    "detach numpy": (lambda y, s: y.detach().numpy().tolist()),
+    "view tolist": (lambda y, s: y.view(2, 3).tolist()),
+    "index item": (lambda y, s: y[4].item()),
     # the documented hand-over: after one Python-level read, ATen ops see the value too
     "read then op": (lambda y, s: (float(s), (y + 1).tolist())),
 }
@@ -107,6 +112,57 @@ def test_another_thread_reads_the_eager_value(reader):
     assert got["value"] == want
     assert torch.equal(z, want_y * 2)
     assert ae.metrics()["flushes"].get("other_thread") == 1
+
+
+def test_a_thread_reads_a_detached_loss_of_each_step():
+    """A thread per step reads ``float(loss.detach())`` while the program holds ``loss``: the
+    detach, made without the mode, carries no mark, and its storage is the placeholder's (Note
+    [Reads from other threads]). Each read is the eager loss of its step."""
+
+    def train(adaptive: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        xs, ys = torch.randn(6, 4, 8), torch.randn(6, 4, 1)
+        seen, losses = [], []
+        options = dict(backend="inductor", hot_after=1, async_compile=False)
+        with adaptive_eager(**options) if adaptive else contextlib.nullcontext():
+            for x, y in zip(xs, ys):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                _run_in_threads(lambda l=loss: seen.append(float(l.detach())))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return seen, losses
+
+    eager_seen, eager_losses = train(False)
+    seen, losses = train(True)
+    assert seen == losses  # the thread read the value the program reads
+    assert seen == pytest.approx(eager_seen, rel=1e-5, abs=1e-6)
+    assert losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+
+
+def test_a_thread_reads_an_alias_of_a_hot_windows_value():
+    """The same in hot windows, whose values are live while their tensors are (Note [Hot
+    liveness]): a thread reads a detached value and an index into it while the program holds it."""
+    x, w = torch.randn(16), torch.randn(16)
+
+    def step(i):
+        return torch.tanh(x * w + 0.5 * i) - x
+
+    seen = []
+    ae.reset_metrics()
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=False):
+        for i in range(6):
+            y = step(i)
+            _run_in_threads(lambda v=y: seen.append((float(v.detach()[3]), v.detach().tolist())))
+            assert y.tolist() == seen[-1][1]
+    assert ae.metrics()["hot_windows"] >= 3  # the reads met hot windows
+    for i, (first, values) in enumerate(seen):
+        want = step(i)
+        assert first == want[3].item()
+        assert values == pytest.approx(want.tolist(), rel=1e-6, abs=1e-6)
 
 
 def test_a_logging_thread_reads_losses_while_the_owner_records():
