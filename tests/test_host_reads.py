@@ -117,3 +117,73 @@ def test_torch_compile_after_adaptive_eager_traces_the_composite_as_without_it()
     torch._dynamo.reset()
     f = torch.compile(lambda x, i: [p * 2 for p in torch.tensor_split(x, i)], backend="aot_eager")
     assert [p.tolist() for p in f(X, INDICES)] == [[0.0, 2.0], [4.0, 6.0, 8.0], [10.0, 12.0, 14.0, 16.0, 18.0]]
+
+
+def _reads_memory(info, sample) -> bool:
+    """Whether ``info``'s op, on ``sample``, reads an argument's memory without dispatching: each
+    tensor is a functional wrapper, whose memory access raises (its ops dispatch as usual)."""
+    from torch.utils._pytree import tree_map
+
+    def wrap(x):
+        return torch._to_functional_tensor(x) if isinstance(x, torch.Tensor) else x
+
+    args = tree_map(wrap, (sample.input, *sample.args))
+    kwargs = tree_map(wrap, dict(sample.kwargs))
+    torch._enable_functionalization(reapply_views=True)
+    try:
+        info.op(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - only the memory read is asked about
+        return "data is not allocated" in str(e)
+    finally:
+        torch._disable_functionalization()
+    return False
+
+
+def _composite(info) -> bool:
+    """Whether an overload of the ATen op ``info`` names has a CompositeImplicitAutograd kernel:
+    only such a kernel runs above the dispatch mode (what eager's kernels read, the mode sees)."""
+    packet = getattr(torch.ops.aten, info.aten_name or info.name.split(".")[-1], None)
+    if packet is None:
+        return True  # a Python function over several ops: sweep it
+    name = packet._qualified_op_name
+    for o in packet.overloads():
+        try:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(name + ("." + o if o != "default" else ""),
+                                                              "CompositeImplicitAutograd"):
+                return True
+        except RuntimeError:  # an overload TorchScript alone has (``aten::acos.int``)
+            pass
+    return False
+
+
+@pytest.mark.slow
+def test_no_composite_of_the_opinfo_database_reads_memory_unlisted():
+    """Sweep OpInfo: an op whose composite reads a tensor's memory in C++ must be in HOST_READERS
+    (a new torch may add one; its pending argument would be read as uninitialized memory)."""
+    import warnings
+
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from adaptive_eager._ops import HOST_READERS
+
+    listed = {name.split(".")[1] for name in HOST_READERS}
+    found, swept = set(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for info in op_db:
+            if not _composite(info):
+                continue
+            dtypes = info.supported_dtypes("cpu")
+            if not dtypes:
+                continue
+            dtype = torch.float32 if torch.float32 in dtypes else (torch.int64 if torch.int64 in dtypes else next(iter(dtypes)))
+            try:
+                samples = list(info.sample_inputs("cpu", dtype, requires_grad=False))
+            except Exception:  # noqa: BLE001 - a sample generator that needs what this machine lacks
+                continue
+            swept += 1
+            if any(_reads_memory(info, s) for s in samples):
+                found.add(info.aten_name or info.name)
+    assert swept > 100
+    assert "tensor_split" in found  # the sweep sees the read it is for
+    assert found <= listed, f"composites reading memory, not in HOST_READERS: {sorted(found - listed)}"
