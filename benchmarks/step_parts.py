@@ -1,0 +1,119 @@
+"""Where a training step's time goes, phase by phase: eager against adaptive eager, interleaved.
+
+    python benchmarks/step_parts.py [--threads 2] [--repeats 10] [--iters 10]
+
+The suite's MLP train step (``workloads.build_mlp_train``: 3x Linear(1024, 1024), batch 64, SGD),
+timed per phase with ``perf_counter`` around each call of the step: ``zero_grad``, the forward
+(with the loss), ``backward``, ``opt.step()`` and the final ``ae.sync()``. Under adaptive eager the
+forward and backward only record; the window runs at ``opt.step()`` (its flush, whose time
+``metrics()["flush_seconds"]`` gives, is split out of the step's), and ``region`` is the compiled
+region's own call inside that flush (``fuser.launch._run_compiled``: the kernels and the binding
+of their outputs). Medians over ``--repeats`` interleaved samples of ``--iters`` steps each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import adaptive_eager as ae  # noqa: E402
+import fuser.launch  # noqa: E402
+from workloads import ADAPTIVE_OPTIONS  # noqa: E402
+
+PHASES = ("zero_grad", "forward", "backward", "step", "flush", "region", "sync")
+_REGION: list[float] = []
+
+
+def _timed_region(run):
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _REGION.append(time.perf_counter() - t0)
+    return timed
+
+
+def make_step(model, x, y, times):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = time.perf_counter
+
+    def step():
+        a = clock()
+        opt.zero_grad(set_to_none=True)
+        b = clock()
+        loss = F.mse_loss(model(x), y)
+        c = clock()
+        loss.backward()
+        d = clock()
+        flushed, regions = ae.metrics()["flush_seconds"], len(_REGION)
+        opt.step()
+        e = clock()
+        ae.sync()
+        f = clock()
+        flush = ae.metrics()["flush_seconds"] - flushed
+        for name, v in (("zero_grad", b - a), ("forward", c - b), ("backward", d - c), ("step", e - d - flush),
+                        ("flush", flush), ("region", sum(_REGION[regions:])), ("sync", f - e)):
+            times[name].append(v)
+        return loss
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    fuser.launch._run_compiled = _timed_region(fuser.launch._run_compiled)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    times = {name: {p: [] for p in PHASES} for name in ("eager", "adaptive")}
+    eager = make_step(copy.deepcopy(base), x, y, times["eager"])
+    adaptive = make_step(copy.deepcopy(base), x, y, times["adaptive"])
+    with ae.adaptive_eager(**ADAPTIVE_OPTIONS):
+        for _ in range(8):  # to the compiled steady state
+            adaptive()
+    for _ in range(3):
+        eager()
+    for t in times.values():
+        for v in t.values():
+            v.clear()
+    for _ in range(args.repeats):
+        for _ in range(args.iters):
+            eager()
+        with ae.adaptive_eager(**ADAPTIVE_OPTIONS):
+            for _ in range(args.iters):
+                adaptive()
+    load = os.getloadavg()[0]
+    print(f"python benchmarks/step_parts.py --threads {args.threads} --repeats {args.repeats} --iters {args.iters}"
+          f"; torch {torch.__version__}, load {load:.1f}; ms per step, medians")
+    print("| phase | eager | adaptive |")
+    print("| --- | ---: | ---: |")
+    totals = {}
+    for p in PHASES:
+        row = []
+        for name in ("eager", "adaptive"):
+            v = statistics.median(times[name][p]) * 1e3
+            row.append(v)
+        print(f"| {p} | {row[0]:.3f} | {row[1]:.3f} |")
+    for name in ("eager", "adaptive"):
+        totals[name] = sum(statistics.median(times[name][p]) for p in PHASES if p != "region") * 1e3
+    print(f"| total (the phases but region) | {totals['eager']:.2f} | {totals['adaptive']:.2f} |")
+    print(f"adaptive / eager time: {totals['adaptive'] / totals['eager']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
