@@ -125,3 +125,42 @@ def test_a_new_process_replays_its_first_step_while_inductor_imports(tmp_path):
     assert r["values"][0] == want  # replayed: bitwise eager
     torch.testing.assert_close(r["values"], [want] * len(r["values"]), rtol=1e-5, atol=0)
 
+
+
+def test_a_window_replays_before_its_artifact_starts_loading(tmp_path, monkeypatch):
+    """Note [Load after the replay] in fuser.regions: the load (Inductor's import, on the compile
+    thread) would take the GIL from the window's own replay."""
+    from fuser import regions
+
+    compiled_into(tmp_path, program)
+    events = []
+    replay, submit = regions.replay_window, regions._submit
+    monkeypatch.setattr(regions, "replay_window", lambda w: events.append("replay") or replay(w))
+    monkeypatch.setattr(regions, "_submit", lambda fn, *a: events.append(fn.__name__) or submit(fn, *a))
+    first, m, values = run_until_loaded(program, tmp_path)
+    assert events[:2] == ["replay", "_load"], events
+    assert first["replay_reasons"] == {"loading": 1} and m["compiles"] == 0 and m["cache_hits_disk"] == 1, m
+    assert values[0] == program().item()
+
+
+def test_a_replay_that_raises_still_starts_its_artifacts_load(tmp_path, monkeypatch):
+    """The window's error is the program's; its region loads all the same, and is not compiled
+    again at a later sight (Note [Load after the replay])."""
+    from fuser import regions
+
+    compiled_into(tmp_path, program)
+    replay, calls = regions.replay_window, []
+
+    def failing_once(window):
+        calls.append(1)
+        if len(calls) == 1:
+            raise IndexError("index 7 is out of bounds")  # what a bad index gives at the replay
+        return replay(window)
+
+    monkeypatch.setattr(regions, "replay_window", failing_once)
+    with adaptive_eager(backend="inductor", cache_dir=str(tmp_path)):
+        with pytest.raises(IndexError):
+            program().item()
+    first, m, values = run_until_loaded(program, tmp_path)
+    assert m["compiles"] == 0 and m["cache_hits_disk"] == 1 and m["compiled_runs"] >= 1, m
+    torch.testing.assert_close(values, [program().item()] * len(values), rtol=1e-5, atol=0)
