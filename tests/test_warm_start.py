@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _oracle import artifacts
 
 import adaptive_eager as ae
 import fuser
@@ -35,10 +36,10 @@ def compiled_into(cache, *programs) -> list[str]:
     fuser.cache_clear(store_handles=True)  # an earlier test's regions would be memory hits: nothing stored
     keys = []
     for fn in programs:
-        before = {e["key"] for e in ArtifactStore(cache).entries()}
+        before = {e["key"] for e in artifacts(ArtifactStore(cache))}
         with adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=str(cache)):
             fn().item()
-        (key,) = {e["key"] for e in ArtifactStore(cache).entries()} - before
+        (key,) = {e["key"] for e in artifacts(ArtifactStore(cache))} - before
         keys.append(key)
     fuser.cache_clear(store_handles=True)
     ae.reset_metrics()
@@ -75,7 +76,7 @@ def test_a_warm_start_replays_while_the_artifact_loads_then_runs_it(tmp_path):
 def test_an_artifact_that_fails_to_load_in_the_background_is_evicted_and_replayed(tmp_path, caplog):
     key, other_key = compiled_into(tmp_path, program, other)
     with ArtifactStore(tmp_path) as store:  # another region's artifact under this key: its checksum is right
-        data, fingerprint = store.get(other_key), store.entries()[0]["fingerprint"]
+        data, fingerprint = store.get(other_key), artifacts(store)[0]["fingerprint"]
         store.put(key, data, fingerprint=fingerprint, backend="inductor", compile_seconds=0.0)
     first, m, values = run_until_loaded(program, tmp_path)
     assert first["replay_reasons"] == {"loading": 1}, first
