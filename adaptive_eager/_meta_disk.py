@@ -213,7 +213,11 @@ def table_for(options) -> DiskTable | None:
         return None
     from fuser.artifacts import _store
 
-    store = _store(options)
+    try:
+        store = _store(options)
+    except Exception as e:  # noqa: BLE001 - the first flush opens it again, and says what is wrong
+        log.info("adaptive_eager: no meta entries from %s: %s", options.cache_dir, e)
+        return None
     table = _TABLES.get(id(store))
     if table is None or table.store is not store:
         with _LOCK:
@@ -235,7 +239,10 @@ def after_flush() -> None:
 def write_all() -> None:
     _NEW[0], _WRITTEN_AT[0] = 0, time.monotonic()
     for table in list(_TABLES.values()):
-        table.write()
+        try:
+            table.write()
+        except Exception as e:  # noqa: BLE001 - a cache (also at exit): the next process computes them
+            log.info("adaptive_eager: the meta entries were not stored in %s: %s", table.store.directory, e)
 
 
 def clear() -> None:
