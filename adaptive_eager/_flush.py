@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 import fuser
 from fuser.window import Window, op_ids, where
 
+from . import _meta_disk
 from ._hot import expect_hot, template_of
 from ._log import log
 from ._metrics import METRICS
@@ -82,6 +83,8 @@ def _run(st: TracerState, reason: str) -> None:
     _tls.running = window
     try:
         _run_window(st, window, reason)
+        if _meta_disk._NEW[0]:
+            _meta_disk.after_flush()  # Note [Meta entries on disk]
     finally:
         _tls.running = st.running = None
         if window.frees:  # Note [Storage resize] in _patches: the frees that waited for it

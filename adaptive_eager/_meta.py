@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from fuser.window import ARITY
 
-from . import _signatures
+from . import _meta_disk, _signatures
 from ._kernel_warnings import kernel_warnings
 from ._log import log
 from ._overlap import _Raises, _extent, _has_internal_overlap, _overlap_error
@@ -230,10 +230,22 @@ _META_CACHES: dict = {}  # default dtype -> {op signature: its entry}; Note [Bou
 _MISSES = [0]  # meta-cache misses since the last cache_clear()
 
 
-def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, arity: int):
-    """The entry for a meta-cache miss, computed and stored: output metadata, ``_Raises``, or
-    ``_Failed`` with the reason (Note [Meta cache key])."""
+def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, arity: int, options=None):
+    """The entry for a meta-cache miss, from the cache directory (Note [Meta entries on disk] in
+    _meta_disk) or computed, and stored: output metadata, ``_Raises``, or ``_Failed`` with the
+    reason (Note [Meta cache key])."""
     _MISSES[0] += 1
+    disk = text = None
+    if options is not None and options.meta_on_disk:
+        disk = _meta_disk.table_for(options)
+        text = None if disk is None else _meta_disk.key_text(f, sig, ksig, dtype)
+        value = None if text is None else disk.get(text)
+        if value is not None:
+            entry = _meta_disk.decode(f, value, sig, ksig, dtype, arity)
+            if entry is not None:
+                _meta_disk.STATS["disk_hits"] += 1
+                return _signatures.bounded_put(cache, key, entry)
+            _meta_disk.STATS["disk_ignored"] += 1
     try:
         entry = _compute_meta(f, args, kwargs, dtype, sig, ksig, written)
     except Exception as e:
@@ -242,6 +254,8 @@ def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, ari
     else:
         if entry.__class__ is tuple:
             ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
+            if text is not None:
+                disk.add(text, entry)
     return _signatures.bounded_put(cache, key, entry)
 
 
@@ -261,6 +275,8 @@ def cache_info() -> dict:
         "meta_misses": _MISSES[0],
         "evictions": _signatures.EVICTIONS[0],
         "failures": failed,
+        "meta_disk_hits": _meta_disk.STATS["disk_hits"],  # Note [Meta entries on disk] in _meta_disk
+        "meta_disk_ignored": _meta_disk.STATS["disk_ignored"],
     }
 
 
@@ -272,3 +288,5 @@ def cache_clear() -> None:
     _signatures._STRUCTURE_IDS.clear()
     _signatures._VIEW_IDS.clear()
     _MISSES[0] = _signatures.EVICTIONS[0] = 0
+    _meta_disk.clear()  # what was read from the cache directories is read again at the next miss
+    _meta_disk.STATS["disk_hits"] = _meta_disk.STATS["disk_ignored"] = 0

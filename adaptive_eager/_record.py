@@ -356,7 +356,7 @@ def _record(st: TracerState, f, args, kwargs):
     except TypeError:  # an unhashable argument we do not model: run it eagerly
         return _DECLINED
     if entry is None:
-        entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs))
+        entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs), st.options)
     if entry.__class__ is not tuple:
         if entry.__class__ is _Failed:
             return _DECLINED

@@ -54,6 +54,7 @@ class Options:
     # compile runs off the step (Note [Compile off the step] in _optim)
     optimizer_capture: bool | str = True
     hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
+    meta_on_disk: bool = True  # first-sight metadata kept in the cache: Note [Meta entries on disk] in _meta_disk
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -148,6 +149,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
     "hot_windows": (_parse_bool, "record a window whose structure runs compiled against the expected ops, instead of "
                     "in full (default 1; 0 for a full recording of every window)"),
+    "meta_on_disk": (_parse_bool, "keep each op signature's output metadata (shapes, strides, dtypes) in the cache "
+                     "directory, so that a new process records a known op without running it on meta tensors and "
+                     "for its layout (default 1; cpu only; 0: every process computes them)"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile still running when the program exits "
                              "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
@@ -337,7 +341,7 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "tune_gc", "workers", "emulate"):
+    for name in ("async_compile", "tune_gc", "workers", "emulate", "meta_on_disk"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     capture = values.get("optimizer_capture")

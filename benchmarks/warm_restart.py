@@ -1,6 +1,6 @@
 """Cold vs warm start: time to the first step and to steady state, adaptive eager vs torch.compile.
 
-    python benchmarks/warm_restart.py [--steps 30] [--write]
+    python benchmarks/warm_restart.py [--steps 30] [--runs 5] [--write]
 
 Each variant is a fresh process training the same MLP (3 x Linear(512, 512), batch 64, SGD):
 adaptive eager with an empty persistent cache (compiling in place), then again on the cache that
@@ -8,6 +8,14 @@ run filled, twice: with ``async_compile=False`` (a window whose artifact is on d
 load, Inductor's import included) and with the default options (it replays while the artifact
 loads in the background, counted in "replayed while loading"); torch.compile with an empty
 Inductor cache directory, then again on it. A second run of adaptive eager compiles nothing.
+
+The warm rows and eager are run ``--runs`` times, interleaved (eager, then each warm variant, per
+round), each a fresh process on the caches the cold runs filled; the table gives medians over the
+rounds (eager's own first step swings 5-100 ms on a shared machine: OpenMP threads waiting for a
+core), and "first step / eager's" is the ratio of the medians, issue 14's warm-restart figure.
+The cold rows run once (they fill the caches). Python writes bytecode for the children
+(``PYTHONDONTWRITEBYTECODE`` is dropped from their environment): a first process on a machine
+that forbids it compiles the library's modules from source at every start (~160 ms).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,40 +88,63 @@ def summarize(result: dict) -> dict:
     # steady state starts after the last step that took over 3x the steady step (a compile or load;
     # smaller spikes are this machine's noise)
     reach = max((i + 1 for i, t in enumerate(times) if t > 3 * steady), default=0)
-    return {"first_ms": times[0] * 1e3, "to_steady_s": sum(times[:reach]), "steady_ms": steady * 1e3,
+    return {"first_ms": times[0] * 1e3, "second_ms": times[1] * 1e3 if len(times) > 1 else float("nan"),
+            "to_steady_s": sum(times[:reach]), "steady_ms": steady * 1e3,
             **{k: v for k, v in result.items() if k != "times"}}
+
+
+def medians(results: list) -> dict:
+    """Each figure's median over the runs of one variant (the counters: the first run's)."""
+    out = dict(results[0])
+    for k in ("first_ms", "second_ms", "to_steady_s", "steady_ms"):
+        out[k] = statistics.median(r[k] for r in results)
+    out["runs"] = len(results)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=5, help="fresh-process runs of eager and each warm variant")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
     args = parser.parse_args()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("NEURON_EAGER", "TORCHINDUCTOR"))}
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("NEURON_EAGER", "TORCHINDUCTOR", "PYTHONDONTWRITEBYTECODE"))}
     rows = []
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as inductor:
         adaptive_env = {**base, "NEURON_EAGER_CACHE_DIR": cache}
         compile_env = {**base, "TORCHINDUCTOR_CACHE_DIR": inductor}
-        rows.append(("eager", summarize(run("eager", args.steps, base))))
-        rows.append(("adaptive eager, cold cache", summarize(run("adaptive", args.steps, adaptive_env))))
-        rows.append(("adaptive eager, warm cache", summarize(run("adaptive", args.steps, adaptive_env))))
-        rows.append(("adaptive eager, warm cache, default options",
-                     summarize(run("adaptive-default", args.steps, adaptive_env))))
-        rows.append(("torch.compile, cold Inductor cache", summarize(run("compile", args.steps, compile_env))))
-        rows.append(("torch.compile, warm Inductor cache", summarize(run("compile", args.steps, compile_env))))
+        cold = summarize(run("adaptive", args.steps, adaptive_env))
+        compile_cold = summarize(run("compile", args.steps, compile_env))
+        warm = {"eager": [], "adaptive": [], "adaptive-default": [], "compile": []}
+        for _ in range(args.runs):
+            warm["eager"].append(summarize(run("eager", args.steps, base)))
+            for mode in ("adaptive", "adaptive-default"):
+                warm[mode].append(summarize(run(mode, args.steps, adaptive_env)))
+            warm["compile"].append(summarize(run("compile", args.steps, compile_env)))
+        eager = medians(warm["eager"])
+        rows.append(("eager", eager))
+        rows.append(("adaptive eager, cold cache", cold))
+        rows.append(("adaptive eager, warm cache, `async_compile=False`", medians(warm["adaptive"])))
+        rows.append(("adaptive eager, warm cache, default options", medians(warm["adaptive-default"])))
+        rows.append(("torch.compile, cold Inductor cache", compile_cold))
+        rows.append(("torch.compile, warm Inductor cache", medians(warm["compile"])))
     lines = [
-        "| variant | first step ms | time to steady state s | steady step ms | compiles | disk hits | "
-        "replayed while loading |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | runs | first step ms | first step / eager's | second step ms | time to steady state s | "
+        "steady step ms | compiles | disk hits | replayed while loading |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in rows:
-        lines.append(f"| {name} | {r['first_ms']:.1f} | {r['to_steady_s']:.2f} | {r['steady_ms']:.2f} | "
+        lines.append(f"| {name} | {r.get('runs', 1)} | {r['first_ms']:.1f} | {r['first_ms'] / eager['first_ms']:.2f} | "
+                     f"{r['second_ms']:.1f} | {r['to_steady_s']:.2f} | {r['steady_ms']:.2f} | "
                      f"{r.get('compiles', '—')} | {r.get('cache_hits_disk', '—')} | {r.get('loading', '—')} |")
     table = "\n".join(lines)
     print(table)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     if args.write:
         write_section("warm", f"## Cold vs warm start\n\nReproduce: `python benchmarks/warm_restart.py --steps {args.steps} "
-                      f"--write` (each row a fresh process; MLP 3 x Linear(512), batch 64, SGD; {os.cpu_count()} cores)"
+                      f"--runs {args.runs} --write` (each row a fresh process, warm rows and eager medians of "
+                      f"{args.runs} interleaved runs; MLP 3 x Linear(512), batch 64, SGD; {os.cpu_count()} cores)"
                       f"\n\n{table}")
 
 

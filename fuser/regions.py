@@ -202,10 +202,34 @@ def _execute(plan: _Plan, entry: _Entry, flush: _Flush, backend, options, wait: 
         STATS.cache_misses += 1
         if entry.program is None and not _describe(entry, flush, backend):
             return _replay(flush, entry.blacklisted, entry.region)
+    elif not wait:
+        return _replay_then_load(entry, flush, store, backend, options, plan.data)
     _obtain(entry, store, backend, options, wait, plan.data)
     if entry.run is not None:
         return _run_or_replay(entry, flush, "loaded" if action == "load" else "compiled")
     return _replay(flush, entry.blacklisted or _in_flight(entry), entry.region)
+
+
+# Note [Load after the replay]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A window whose artifact is on disk replays while the artifact loads on the compile thread
+# ("loading"). The first load in a process imports Inductor: 1-4 s of Python on that thread,
+# which shares the GIL with the program's, so whatever the program's thread runs meanwhile runs at
+# about half speed (the switch interval hands the GIL back and forth). Started before the window's
+# replay, the load slowed the very replay it was meant to hide: on a warm restart the first step's
+# flush took 114-310 ms with the load switched off and 225-590 ms with it (MLP of
+# benchmarks/warm_restart.py, load 3-4). So the window replays first and the load starts after
+# it, also when the replay raises (the program's error: the artifact is still this structure's,
+# and a later window must not find the entry seen but its artifact never asked for, which would
+# compile it again). The region runs compiled no later than before: the load could not have
+# finished during one replay anyway (it takes seconds, a replay milliseconds).
+def _replay_then_load(entry: _Entry, flush: _Flush, store, backend, options, data: bytes) -> FlushResult:
+    """The window of a region whose artifact ``data`` is on disk: replayed, then its load started
+    on the compile thread (Note [Load after the replay])."""
+    try:
+        return _replay(flush, "loading", entry.region)
+    finally:
+        _obtain(entry, store, backend, options, False, data)
 
 
 def _in_flight(entry: _Entry) -> str:

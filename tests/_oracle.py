@@ -122,3 +122,9 @@ def first_difference(expected, actual, where: str = "output", *, values: bool = 
 
 def _len(x):
     return len(x) if isinstance(x, (tuple, list)) else "-"
+
+
+def artifacts(store) -> list:
+    """``store.entries()`` less adaptive eager's tables of op metadata (Note [Meta entries on disk]
+    in adaptive_eager._meta_disk): the compiled artifacts."""
+    return [e for e in store.entries() if e["backend"] != "meta"]

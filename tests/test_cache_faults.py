@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+from _oracle import artifacts
 
 import adaptive_eager as ae
 import fuser
@@ -152,7 +153,7 @@ def test_next_process_recovers_from_a_compile_killed_at(killed_compiles, stage):
     else:
         assert (m["cache_hits_disk"], m["compiles"]) == (0, 1)
     with ArtifactStore(cache_dir) as store:
-        (entry,) = store.entries()
+        (entry,) = artifacts(store)
         assert entry["key"] == left_claimed and not store.is_claimed(left_claimed) and not store.in_memory
     assert orphans(cache_dir) == 0
 
@@ -211,7 +212,7 @@ def test_process_waiting_on_a_claim_compiles_once_its_holder_dies(tmp_path):
     c = unique_constant()
     run_here(tmp_path / "scratch", c)
     with ArtifactStore(tmp_path / "scratch") as scratch:
-        (entry,) = scratch.entries()
+        (entry,) = artifacts(scratch)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "cache"), entry["key"]], env=ENV,
                               stdout=subprocess.PIPE, text=True)
     expected, got = program(c), []
@@ -276,9 +277,9 @@ def test_disk_full_while_storing_keeps_values_and_the_next_process_stores_it(tmp
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "disk is full" in warning and "free space" in warning
     monkeypatch.undo()
-    assert ArtifactStore(tmp_path).entries() == [] and orphans(tmp_path) == 0
+    assert artifacts(ArtifactStore(tmp_path)) == [] and orphans(tmp_path) == 0
     m = run_here(tmp_path, c)  # space again: the next process compiles and stores it
-    assert m["compiles"] == 1 and len(ArtifactStore(tmp_path).entries()) == 1
+    assert m["compiles"] == 1 and len(artifacts(ArtifactStore(tmp_path))) == 1
 
 
 def run_read_only(directory, argv: list[str]) -> subprocess.CompletedProcess:
@@ -341,7 +342,7 @@ def test_read_only_cache_is_read_and_new_compiles_stay_in_memory(tmp_path):
         tmp_path, [sys.executable, "-m", "neff_cache", "stats", "--cache-dir", str(tmp_path)]).stdout
     cleared = run_read_only(tmp_path, [sys.executable, "-m", "neff_cache", "clear", "--cache-dir", str(tmp_path)])
     assert cleared.returncode == 1 and "read-only" in cleared.stderr
-    assert len(ArtifactStore(tmp_path).entries()) == 1
+    assert len(artifacts(ArtifactStore(tmp_path))) == 1
 
 
 # ------------------------------------------------------------------ a program shorter than its compile
@@ -375,9 +376,9 @@ def test_compile_of_a_program_that_exits_first_lands_in_the_cache_for_the_next_r
     assert time.monotonic() - start < 60  # exit does not wait for the compile
     with ArtifactStore(tmp_path) as store:
         deadline = time.monotonic() + 240
-        while not store.entries() and time.monotonic() < deadline:
+        while not artifacts(store) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert store.entries(), "the compile running at exit never landed in the cache"
+        assert artifacts(store), "the compile running at exit never landed in the cache"
     second = subprocess.run(command + ["sync"], env=ENV, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr
     assert json.loads(second.stdout.splitlines()[-1]) == {"cache_hits_disk": 1, "compiles": 0, "compiled_runs": 3}

@@ -25,6 +25,7 @@ import zipfile
 import diskcache
 import pytest
 import torch
+from _oracle import artifacts
 
 import adaptive_eager as ae
 import fuser
@@ -84,11 +85,11 @@ def template(tmp_path_factory):
     forget_regions()
     keys = {}
     for program in (wide, narrow):
-        before = {e["key"] for e in ArtifactStore(directory).entries()}
+        before = {e["key"] for e in artifacts(ArtifactStore(directory))}
         with adaptive_eager(**SYNC, cache_dir=str(directory)):
             kept = program()  # noqa: F841 - a value nobody keeps is dead: nothing would compile
-        (keys[program.__name__],) = {e["key"] for e in ArtifactStore(directory).entries()} - before
-    (fingerprint,) = {e["fingerprint"] for e in ArtifactStore(directory).entries()}
+        (keys[program.__name__],) = {e["key"] for e in artifacts(ArtifactStore(directory))} - before
+    (fingerprint,) = {e["fingerprint"] for e in artifacts(ArtifactStore(directory))}
     forget_regions()
     return {"dir": directory, "fingerprint": fingerprint, **keys}
 
@@ -400,15 +401,15 @@ def test_an_edited_in_place_artifact_writes_nothing_before_its_check(tmp_path, f
     directory, p0 = tmp_path / "cache", torch.randn(8, 4)
     keys = {}
     for program in (_writes_rows, _writes_columns):
-        before, p = {e["key"] for e in ArtifactStore(directory).entries()}, p0.clone()  # a real input
+        before, p = {e["key"] for e in artifacts(ArtifactStore(directory))}, p0.clone()  # a real input
         with adaptive_eager(**SYNC, cache_dir=str(directory)):
             kept = program(p)  # noqa: F841 - a value nobody keeps is dead: nothing would compile
-        (keys[program],) = {e["key"] for e in ArtifactStore(directory).entries()} - before
+        (keys[program],) = {e["key"] for e in artifacts(ArtifactStore(directory))} - before
     assert all(e.inplace for e in fuser.regions.CACHE.entries.values() if e.run is not None)
     from fuser.backends._common import pack_sections, unpack_sections
 
     header, sections = unpack_sections(artifact(directory, keys[_writes_columns]), "test")
-    (fingerprint,) = {e["fingerprint"] for e in ArtifactStore(directory).entries()}
+    (fingerprint,) = {e["fingerprint"] for e in artifacts(ArtifactStore(directory))}
     plant(directory, keys[_writes_rows], pack_sections({**header, "key": keys[_writes_rows]}, sections), fingerprint)
     forget_regions()
     got, want = p0.clone(), p0.clone()

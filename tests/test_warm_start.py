@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _oracle import artifacts
 
 import adaptive_eager as ae
 import fuser
@@ -35,10 +36,10 @@ def compiled_into(cache, *programs) -> list[str]:
     fuser.cache_clear(store_handles=True)  # an earlier test's regions would be memory hits: nothing stored
     keys = []
     for fn in programs:
-        before = {e["key"] for e in ArtifactStore(cache).entries()}
+        before = {e["key"] for e in artifacts(ArtifactStore(cache))}
         with adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=str(cache)):
             fn().item()
-        (key,) = {e["key"] for e in ArtifactStore(cache).entries()} - before
+        (key,) = {e["key"] for e in artifacts(ArtifactStore(cache))} - before
         keys.append(key)
     fuser.cache_clear(store_handles=True)
     ae.reset_metrics()
@@ -75,7 +76,7 @@ def test_a_warm_start_replays_while_the_artifact_loads_then_runs_it(tmp_path):
 def test_an_artifact_that_fails_to_load_in_the_background_is_evicted_and_replayed(tmp_path, caplog):
     key, other_key = compiled_into(tmp_path, program, other)
     with ArtifactStore(tmp_path) as store:  # another region's artifact under this key: its checksum is right
-        data, fingerprint = store.get(other_key), store.entries()[0]["fingerprint"]
+        data, fingerprint = store.get(other_key), artifacts(store)[0]["fingerprint"]
         store.put(key, data, fingerprint=fingerprint, backend="inductor", compile_seconds=0.0)
     first, m, values = run_until_loaded(program, tmp_path)
     assert first["replay_reasons"] == {"loading": 1}, first
@@ -125,3 +126,42 @@ def test_a_new_process_replays_its_first_step_while_inductor_imports(tmp_path):
     assert r["values"][0] == want  # replayed: bitwise eager
     torch.testing.assert_close(r["values"], [want] * len(r["values"]), rtol=1e-5, atol=0)
 
+
+
+def test_a_window_replays_before_its_artifact_starts_loading(tmp_path, monkeypatch):
+    """Note [Load after the replay] in fuser.regions: the load (Inductor's import, on the compile
+    thread) would take the GIL from the window's own replay."""
+    from fuser import regions
+
+    compiled_into(tmp_path, program)
+    events = []
+    replay, submit = regions.replay_window, regions._submit
+    monkeypatch.setattr(regions, "replay_window", lambda w: events.append("replay") or replay(w))
+    monkeypatch.setattr(regions, "_submit", lambda fn, *a: events.append(fn.__name__) or submit(fn, *a))
+    first, m, values = run_until_loaded(program, tmp_path)
+    assert events[:2] == ["replay", "_load"], events
+    assert first["replay_reasons"] == {"loading": 1} and m["compiles"] == 0 and m["cache_hits_disk"] == 1, m
+    assert values[0] == program().item()
+
+
+def test_a_replay_that_raises_still_starts_its_artifacts_load(tmp_path, monkeypatch):
+    """The window's error is the program's; its region loads all the same, and is not compiled
+    again at a later sight (Note [Load after the replay])."""
+    from fuser import regions
+
+    compiled_into(tmp_path, program)
+    replay, calls = regions.replay_window, []
+
+    def failing_once(window):
+        calls.append(1)
+        if len(calls) == 1:
+            raise IndexError("index 7 is out of bounds")  # what a bad index gives at the replay
+        return replay(window)
+
+    monkeypatch.setattr(regions, "replay_window", failing_once)
+    with adaptive_eager(backend="inductor", cache_dir=str(tmp_path)):
+        with pytest.raises(IndexError):
+            program().item()
+    first, m, values = run_until_loaded(program, tmp_path)
+    assert m["compiles"] == 0 and m["cache_hits_disk"] == 1 and m["compiled_runs"] >= 1, m
+    torch.testing.assert_close(values, [program().item()] * len(values), rtol=1e-5, atol=0)
