@@ -40,14 +40,14 @@ class _Resizes:
 
 
 class _Warns:
-    """A meta-cache entry for a signature whose kernel warns each time it runs (Note [Kernel
-    warnings]): the ordinary entry, and the warnings the recorder gives at each record of it."""
+    """A meta-cache entry for a signature whose kernel warns each time it runs: the op runs eagerly,
+    where eager's kernel gives its warnings (Note [Kernel warnings])."""
 
-    __slots__ = ("entry", "warnings")
+    __slots__ = ("op", "warnings")
 
-    def __init__(self, entry: tuple, warnings: tuple):
-        self.entry = entry  # (specs, nbytes, returns_list, eid)
-        self.warnings = warnings  # ((category, message), ...)
+    def __init__(self, op: str, warnings: tuple):
+        self.op = op
+        self.warnings = warnings  # ((category, message), ...), for cache_info()
 
 
 def _texts(caught) -> list:
@@ -114,7 +114,7 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
         return entry, ()
     again = _texts(kernel_warnings(probe)[1])  # what it gives each time; the rest, once a process
     once = tuple(dict.fromkeys(w for w in first if w not in again))
-    return (_Warns(entry, tuple(again)) if again else entry), once
+    return (_Warns(f.name, tuple(again)) if again else entry), once
 
 
 # Note [Eager layouts]
@@ -272,9 +272,10 @@ def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, ari
         log.debug("cannot record %s: meta execution failed: %s", f.name, e)
         entry = _Failed(f.name, f"{type(e).__name__}: {e}")
     else:
-        if entry.__class__ is tuple:
+        if entry.__class__ is tuple:  # (the entry, its once-a-process warnings); else _Raises or _Resizes
             entry, once = entry
-            ARITY[(entry.entry if entry.__class__ is _Warns else entry)[3]] = arity  # Note [Window signature] in fuser.window
+            if entry.__class__ is tuple:
+                ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
     entry = _signatures.bounded_put(cache, key, entry)
     for category, message in once:  # the kernel's TORCH_WARN_ONCE, which the runs above used up
         warn(message, category, as_kernel=True)
@@ -283,13 +284,15 @@ def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, ari
 
 def cache_info() -> dict:
     """The meta cache and the signature ids: entries (bounded: Note [Bounded tables]), misses and
-    entries dropped since ``cache_clear()``, and the signatures that cannot be recorded, by op, with
-    why."""
+    entries dropped since ``cache_clear()``, and the signatures that cannot be recorded (or run
+    eagerly because their kernel warns), by op, with why."""
     failed = {}
     for cache in list(_META_CACHES.values()):
         for entry in list(cache.values()):
             if entry.__class__ is _Failed:
                 failed.setdefault(entry.op, entry.reason)
+            elif entry.__class__ is _Warns:
+                failed.setdefault(entry.op, "its kernel warns: " + entry.warnings[0][1])
     return {
         "meta_entries": sum(len(c) for c in list(_META_CACHES.values())),
         "signature_ids": len(_signatures._STRUCTURE_IDS) + len(_signatures._VIEW_IDS),
