@@ -14,7 +14,7 @@ import torch
 
 import adaptive_eager as ae
 from _device import COMPILED_BACKEND
-from test_hot_windows import SYNC
+from test_hot_windows import SYNC, _step
 
 COMPILED = dict(SYNC, backend=COMPILED_BACKEND)  # replays, compiles, then runs hot
 REPLAY = dict(backend="replay")
@@ -97,6 +97,27 @@ def test_the_flush_gives_no_warning_of_its_own(fresh_regions):
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, _mark("MARK-std"))] * 3, \
         [(w.filename, w.lineno, str(w.message)) for w in caught]
     assert ae.metrics()["fallback_ops"].get("aten.std.correction") == 3, ae.metrics()["fallback_ops"]
+
+
+def test_a_warning_op_between_the_ops_of_a_hot_window(fresh_regions):
+    """The op that warns runs eagerly beside a window that goes on (it reads nothing pending) and
+    runs hot: a warning each step, at its line, and none from the hot window's runs."""
+    x, w = torch.randn(16), torch.randn(16)
+    want = _step(_step(x, w), w)
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ae.adaptive_eager(**COMPILED):
+            for _ in range(5):
+                y = _step(x, w)
+                ONE.std()  # MARK-hot
+                got.append(_step(y, w))
+                ae.sync()
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, _mark("MARK-hot"))] * 5, \
+        [(w.filename, w.lineno, str(w.message)) for w in caught]
+    assert ae.metrics()["hot_windows"] >= 1, ae.metrics()
+    for v in got:
+        torch.testing.assert_close(v, want)
 
 
 def test_our_capture_keeps_the_programs_default_filter():
