@@ -12,14 +12,75 @@ layout probe of Note [Eager layouts], the overlap probe of Note [Overlapping wri
 probe of Note [Out resizing]), whose warnings ``warnings.catch_warnings`` cannot stop: they are
 not Python warnings until that outer binding returns. ``autograd.Function.apply`` is a binding
 that calls back into Python, so a probe run under it (``kernel_warnings``) has its kernels'
-warnings handed over when ``apply`` returns, inside the ``catch_warnings`` around it.
+warnings handed over when ``apply`` returns, inside the capture around it (``caught_warnings``).
+
+What eager's kernel warns must still reach the program, once per run of the op, at eager's line.
+A signature's warnings are learnt when it first misses the meta cache: the meta run's and the
+layout probe's (or, with no probe, the meta run's alone), then the same run once more. What the
+second run gives again is a warning of every run (``TORCH_WARN``: ``std`` of one element): the
+entry is ``_Warns``, and the op runs eagerly each time (reason ``kernel_warning``, after a flush
+when it reads pending values), so eager's own kernel warns, at eager's line, under the program's
+filters, and no window holds it: a replay, a compiled region or a hot window never warns for it
+again, and never twice. Recording it and issuing its warnings by hand was tried: the window's run
+warns again, and to drop that the flush must capture warnings, which costs every flush and, with
+``catch_warnings``, clears the program's ``"default"`` registries (below). Such ops are a user's
+bug or a deprecation: correct and slow is the right trade. What only the first run gave is a
+``TORCH_WARN_ONCE`` (``searchsorted`` of a non-contiguous boundary) that the runs used up: it is
+issued then, at eager's line (``_source.warn(as_kernel=True)``), and the op is recorded.
+
+Warnings that depend on the values (the probe's inputs are stand-ins) are not learnt: they come
+when the window runs, where its run hands them over (a reader's line, or stderr for a flush with
+no binding around it).
+
+``warnings.catch_warnings`` bumps the filters' version on entry and exit, which empties every
+module's warning registry: a program's ``"default"`` filter then shows again a warning it had
+shown. So ``caught_warnings`` puts an ``"always"`` filter in front of ``warnings.filters`` in
+place and points ``warnings.showwarning`` (documented as replaceable) at a list for the call: no
+version bump. Like ``catch_warnings`` it is process-wide for its duration: a warning another
+thread raises then is caught with the probe's (and dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 
 import torch
+
+
+_ALWAYS = ("always", None, Warning, None, 0)  # a ``warnings.filters`` entry
+
+
+class _Caught(list):
+    """What ``warnings.showwarning`` was handed: ``warnings.WarningMessage``s."""
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None):
+        self.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+
+@contextlib.contextmanager
+def caught_warnings():
+    """``warnings.catch_warnings(record=True)`` with ``simplefilter("always")``, without its cost to
+    the program's own ``"default"`` and ``"module"`` filters (Note [Kernel warnings])."""
+    if getattr(sys.flags, "context_aware_warnings", False):  # Python 3.14's per-context filters
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+        return
+    caught = _Caught()
+    filters, shown = warnings.filters, warnings.showwarning
+    entry = (*_ALWAYS,)  # its own object, found again by identity
+    filters.insert(0, entry)
+    warnings.showwarning = caught
+    try:
+        yield caught
+    finally:
+        warnings.showwarning = shown
+        for i, f in enumerate(filters):
+            if f is entry:
+                del filters[i]
+                break
 
 
 class _Binding(torch.autograd.Function):
@@ -36,8 +97,7 @@ def kernel_warnings(run):
     """``(run(), the warnings it gave)``: Python's and its kernels' (Note [Kernel warnings]); an
     exception ``run`` raises propagates as it was raised."""
     box = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caught_warnings() as caught:
         try:
             _Binding.apply(run, box)
         except RuntimeError as e:

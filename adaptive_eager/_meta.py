@@ -9,6 +9,7 @@ from fuser.window import ARITY
 from . import _meta_disk, _signatures
 from ._kernel_warnings import kernel_warnings
 from ._log import log
+from ._source import warn
 from ._overlap import _Raises, _extent, _has_internal_overlap, _overlap_error
 
 _Tensor = torch.Tensor
@@ -36,6 +37,21 @@ class _Resizes:
     def __init__(self, changes: tuple, warnings: tuple):
         self.changes = changes  # ((argument position or keyword, shape, stride), ...)
         self.warnings = warnings  # ((category, message), ...)
+
+
+class _Warns:
+    """A meta-cache entry for a signature whose kernel warns each time it runs: the op runs eagerly,
+    where eager's kernel gives its warnings (Note [Kernel warnings])."""
+
+    __slots__ = ("op", "warnings")
+
+    def __init__(self, op: str, warnings: tuple):
+        self.op = op
+        self.warnings = warnings  # ((category, message), ...), for cache_info()
+
+
+def _texts(caught) -> list:
+    return [(w.category, str(w.message)) for w in caught]
 
 
 def _meta(t):
@@ -69,7 +85,8 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
     mkwargs = {k: (_meta(v) if isinstance(v, _Tensor) else v) for k, v in kwargs.items()}
     if f.factory or "device" in mkwargs:
         mkwargs["device"] = "meta"
-    res, _ = kernel_warnings(lambda: f.func(*margs, **mkwargs))  # not eager's: Note [Kernel warnings]
+    run = lambda: f.func(*margs, **mkwargs)  # noqa: E731
+    res, caught = kernel_warnings(run)  # the meta kernel's: Note [Kernel warnings]
     if f.mutates and any(t.shape != m.shape or t.stride() != m.stride()
                          for (_, t), (_, m) in zip(_written_args(f, args, kwargs), _written_args(f, margs, mkwargs))):
         return _out_resizes(f, args, kwargs)
@@ -84,9 +101,20 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
             raise NotImplementedError(f"{f.name} returns a non-tensor")
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
-    specs = tuple(_eager_layouts(f, args, kwargs, specs))
+    specs, probe = _eager_layouts(f, args, kwargs, specs)
+    specs = tuple(specs)
     eid = _signatures.structure_id((f, tuple(sig), ksig, specs, dtype))
-    return specs, nbytes, isinstance(res, list), eid
+    entry = (specs, nbytes, isinstance(res, list), eid)
+    if probe is None:  # no device run: the meta kernel's warnings stand for the device's
+        first, probe = _texts(caught), run
+    else:
+        first = _texts(caught) + probe[0]
+        probe = probe[1]
+    if not first:
+        return entry, ()
+    again = _texts(kernel_warnings(probe)[1])  # what it gives each time; the rest, once a process
+    once = tuple(dict.fromkeys(w for w in first if w not in again))
+    return (_Warns(f.name, tuple(again)) if again else entry), once
 
 
 # Note [Eager layouts]
@@ -167,10 +195,12 @@ def _out_resizes(f, args, kwargs):
     return _Resizes(changes, tuple((w.category, str(w.message)) for w in caught if "resized" in str(w.message)))
 
 
-def _eager_layouts(f, args, kwargs, specs: list) -> list:
-    """``specs`` with each fresh output's strides taken from a real run of the op (Note [Eager layouts])."""
+def _eager_layouts(f, args, kwargs, specs: list):
+    """``(specs, probe)``: ``specs`` with each fresh output's strides taken from a real run of the
+    op (Note [Eager layouts]), and ``(the warnings it gave, the run)``, or None where there was no
+    such run (Note [Kernel warnings])."""
     if f.factory or all(s is None for s in specs):
-        return specs
+        return specs, None
     written = f.write_pos
 
     def stand_in(t, written: bool, fill):
@@ -187,17 +217,18 @@ def _eager_layouts(f, args, kwargs, specs: list) -> list:
             rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
                      else stand_in(a, i in written, fill) for i, a in enumerate(args)]
             # the op warns when it runs, as eager's does: Note [Kernel warnings]
-            res, _ = kernel_warnings(lambda: f.func(*rargs, **{k: stand_in(v, k in written, fill)
-                                                                 for k, v in kwargs.items()}))
+            rkwargs = {k: stand_in(v, k in written, fill) for k, v in kwargs.items()}
+            run = lambda: f.func(*rargs, **rkwargs)  # noqa: E731
+            res, caught = kernel_warnings(run)
             break
         except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
             error = e
     else:
         log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, error)
-        return specs
+        return specs, None
     outs = res if isinstance(res, (tuple, list)) else (res,)
     return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
-            else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)]
+            else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)], (_texts(caught), run)
 
 
 # Note [Meta cache key]
@@ -246,28 +277,36 @@ def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, ari
                 _meta_disk.STATS["disk_hits"] += 1
                 return _signatures.bounded_put(cache, key, entry)
             _meta_disk.STATS["disk_ignored"] += 1
+    once = ()
     try:
         entry = _compute_meta(f, args, kwargs, dtype, sig, ksig, written)
     except Exception as e:
         log.debug("cannot record %s: meta execution failed: %s", f.name, e)
         entry = _Failed(f.name, f"{type(e).__name__}: {e}")
     else:
-        if entry.__class__ is tuple:
-            ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
-            if text is not None:
-                disk.add(text, entry)
-    return _signatures.bounded_put(cache, key, entry)
+        if entry.__class__ is tuple:  # (the entry, its once-a-process warnings); else _Raises or _Resizes
+            entry, once = entry
+            if entry.__class__ is tuple:
+                ARITY[entry[3]] = arity  # Note [Window signature] in fuser.window
+                if text is not None and not once:  # a once-warning is issued at first sight only
+                    disk.add(text, entry)
+    entry = _signatures.bounded_put(cache, key, entry)
+    for category, message in once:  # the kernel's TORCH_WARN_ONCE, which the runs above used up
+        warn(message, category, as_kernel=True)
+    return entry
 
 
 def cache_info() -> dict:
     """The meta cache and the signature ids: entries (bounded: Note [Bounded tables]), misses and
-    entries dropped since ``cache_clear()``, and the signatures that cannot be recorded, by op, with
-    why."""
+    entries dropped since ``cache_clear()``, and the signatures that cannot be recorded (or run
+    eagerly because their kernel warns), by op, with why."""
     failed = {}
     for cache in list(_META_CACHES.values()):
         for entry in list(cache.values()):
             if entry.__class__ is _Failed:
                 failed.setdefault(entry.op, entry.reason)
+            elif entry.__class__ is _Warns:
+                failed.setdefault(entry.op, "its kernel warns: " + entry.warnings[0][1])
     return {
         "meta_entries": sum(len(c) for c in list(_META_CACHES.values())),
         "signature_ids": len(_signatures._STRUCTURE_IDS) + len(_signatures._VIEW_IDS),

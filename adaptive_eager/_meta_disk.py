@@ -27,8 +27,9 @@ from fuser.window import ARITY
 # read back by the next process:
 # - what is kept: the output metadata of a signature that records (a ``tuple`` entry: per output
 #   shape, strides and dtype, or None for an alias; the outputs' bytes; whether it returns a list),
-#   never a ``_Failed``, ``_Raises`` or ``_Resizes`` entry (those run the op, or raise, at each
-#   sight, and are rare). The signature id is made afresh in each process, from the same
+#   never a ``_Failed``, ``_Raises``, ``_Resizes`` or ``_Warns`` entry (those run the op, or raise, at each
+#   sight, and are rare), nor one whose first sight gave a once-a-process kernel warning (Note
+#   [Kernel warnings]: a later process issues it at its own first sight, which a disk hit would skip). The signature id is made afresh in each process, from the same
 #   structure as ``_compute_meta``'s, so a region key is the one a first sight gives;
 # - the key: a canonical JSON text of the meta cache's key (the op by name; per argument its
 #   geometry and dtype, numbers with their type, 1, 1.0 and True apart) and the default dtype. A

@@ -20,7 +20,7 @@ from ._metrics import METRICS
 from ._ops import ALLOC, BATCH_NORM, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
 from ._fast import _record_fast, _record_hot
 from ._meta import _Resizes
-from ._record import _DECLINED, _SCALAR, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs
+from ._record import _DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs
 from ._state import TracerState, _default_dtype, _on_target, _register, _step_back, _tls, _unregister, current_state
 from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader
 from .config import Options
@@ -111,8 +111,10 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
         _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
         raise
-    if (res is _SCALAR or res is _DECLINED or res.__class__ is _Resizes) and len(window.real_inputs) != n0:
+    if (res is _SCALAR or res is _DECLINED or res is _WARNS or res.__class__ is _Resizes) and len(window.real_inputs) != n0:
         _unslot(window, n0)
+    if res is _WARNS:
+        return _eager(st, f, args, kwargs, "kernel_warning")
     if res.__class__ is _Resizes:  # Note [Out resizing] in _meta
         if not resize_outs(st, f, res, args, kwargs):
             return _eager(st, f, args, kwargs, "out_resize")
@@ -123,7 +125,7 @@ def _record_or_run(st: TracerState, f, args, kwargs):
         except BaseException:
             _decline(window, n0)
             raise
-        if res is _SCALAR or res.__class__ is _Resizes:
+        if res is _SCALAR or res is _WARNS or res.__class__ is _Resizes:
             res = _DECLINED  # never expected: the op runs eagerly, correct if slow
         if res is _DECLINED and len(window.real_inputs) != n0:
             _unslot(window, n0)

@@ -116,10 +116,9 @@ _WARNING_READERS = ("__float__", "__complex__")
 
 
 def _warning_at_caller(original, self, args, kwargs):
-    import warnings
+    from ._kernel_warnings import caught_warnings
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caught_warnings() as caught:
         result = original(self, *args, **kwargs)
     for w in caught:
         _source.warn(w.message, w.category, frame=sys._getframe(2))  # the caller of ``wrapper``

@@ -13,7 +13,7 @@ from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, HotRef, Node, Out, W
 
 from . import _signatures
 from ._flush import flush
-from ._meta import _META_CACHES, _Failed, _Resizes, _written_args, meta_entry
+from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
 from ._args import _tensors
 from ._overlap import _overlap_error, _shares_written
@@ -28,6 +28,7 @@ _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_ea
 _storage_use_count = torch._C._storage_Use_Count
 _DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
 _SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast path])
+_WARNS = object()  # _record's answer for an op whose kernel warns each run (Note [Kernel warnings])
 
 # Note [Scalar fast path]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -360,6 +361,8 @@ def _record(st: TracerState, f, args, kwargs):
     if entry.__class__ is not tuple:
         if entry.__class__ is _Failed:
             return _DECLINED
+        if entry.__class__ is _Warns:
+            return _WARNS  # Note [Kernel warnings] in _kernel_warnings
         if entry.__class__ is _Resizes:
             return entry  # Note [Out resizing] in _meta: ``resize_outs``, then the op again
         raise entry.error()  # Note [Overlapping writes]

@@ -74,6 +74,10 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
                                 "deprecated), and pending ops use it: pass an `out=` of the result's shape, or use "
                                 "the op's result instead of `out=`",
            "resizes an `out=` tensor that pending ops use"),
+    Reason("kernel_warning", True, "an op whose kernel warns (a deprecation, `std` of one element) runs eagerly "
+                                   "here, so that its warning comes at this line each time, as in eager: fix what "
+                                   "it warns about",
+           "runs an op whose kernel warns"),
     Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
            "runs an op adaptive eager cannot record"),
     Reason("collective", False, None, "runs a torch.distributed collective, a sync point between processes"),

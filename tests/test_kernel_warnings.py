@@ -1,0 +1,172 @@
+"""Warnings a recorded op's kernel gives (Note [Kernel warnings] in adaptive_eager._kernel_warnings):
+each comes once per run of the op, at the user's line, with eager's category and text, whether the
+window replays, compiles or runs hot, from the record fast path or the general path, and never
+again when the window runs. Plain eager is the oracle, under the "always" and "default" filters."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from _device import COMPILED_BACKEND
+from test_hot_windows import SYNC, _step
+
+COMPILED = dict(SYNC, backend=COMPILED_BACKEND)  # replays, compiles, then runs hot
+REPLAY = dict(backend="replay")
+torch.manual_seed(0)
+X, ONE = torch.randn(4, 3), torch.randn(1)
+
+
+def _src(x, pending):
+    return x * 1 if pending else x  # ``x * 1``: a value pending in the window
+
+
+# each case: (input, pending) -> a tensor; the op that warns is the case's one line (``_line``)
+CASES = {
+    # TORCH_WARN in the kernels (ReduceOps.cpp: degrees of freedom <= 0), each time they run
+    "std_of_one_element": lambda p: _src(ONE, p).std(),
+    "std_dim_correction": lambda p: torch.std(_src(X, p), dim=0, correction=4),
+    "var_of_one_element": lambda p: _src(ONE, p).var(),
+    "var_dim_correction": lambda p: _src(X, p).var(0, correction=5),
+    "std_mean": lambda p: torch.std_mean(_src(ONE, p))[0],
+    "var_mean": lambda p: torch.var_mean(_src(X, p), 1, correction=3)[1],
+    "std_then_more_ops": lambda p: (_src(ONE, p).std() + 1) * 2,
+    # composite ops (their warning is above the mode), data-dependent ops, torch.tensor(t), out=
+    "cov_of_one_observation": lambda p: torch.cov(_src(X, p)[:, :1]),
+    "uint8_mask_index": lambda p: _src(X, p)[torch.ones(4, 3, dtype=torch.uint8)],
+    "tensor_of_a_tensor": lambda p: torch.tensor(_src(X, p)) + 1,
+    "resized_out": lambda p: torch.mul(_src(X, p), 2, out=torch.empty(3)),
+    "softmax_without_dim": lambda p: torch.nn.functional.softmax(_src(X, p)),
+}
+_LINES = {}
+
+
+def _line(name: str) -> int:
+    if not _LINES:
+        with open(__file__) as f:
+            for i, text in enumerate(f, 1):
+                for case in CASES:
+                    if text.lstrip().startswith(f'"{case}":'):
+                        _LINES[case] = i
+    return _LINES[name]
+
+
+def _observe(name: str, pending: bool, flt: str, steps: int, options=None):
+    """The warnings of ``steps`` runs of the case (category, text, file, line) and its values."""
+    values = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter(flt)
+        for _ in range(steps):
+            if options is None:
+                values.append(CASES[name](pending))
+            else:
+                values.append(CASES[name](pending))
+                ae.sync()
+    return [(w.category, str(w.message), w.filename, w.lineno) for w in caught
+            if w.filename == __file__], values
+
+
+@pytest.mark.parametrize("flt", ["always", "default"])
+@pytest.mark.parametrize("pending", [True, False], ids=["pending", "real"])
+@pytest.mark.parametrize("options", [REPLAY, COMPILED], ids=["replay", "compiled"])
+@pytest.mark.parametrize("name", CASES)
+def test_a_kernels_warning_comes_once_per_run_at_the_users_line(fresh_regions, name, pending, options, flt):
+    want, want_values = _observe(name, pending, flt, 4)
+    assert want and all(line == _line(name) for *_, line in want), want  # the oracle warns, at the line
+    with ae.adaptive_eager(**options):
+        got, values = _observe(name, pending, flt, 4, options)
+    assert got == want, (got, want)
+    for v, w in zip(values, want_values):
+        torch.testing.assert_close(v, w, equal_nan=True)
+
+
+def test_the_flush_gives_no_warning_of_its_own(fresh_regions):
+    """The brief's case: ``.item()`` ran the window, whose replay warned again, at
+    ``adaptive_eager/_patches.py`` (the patched reader) instead of the user's line."""
+    with ae.adaptive_eager(**COMPILED):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                y = (ONE * 1).std()  # MARK-std
+                y.item()
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, _mark("MARK-std"))] * 3, \
+        [(w.filename, w.lineno, str(w.message)) for w in caught]
+    assert ae.metrics()["fallback_ops"].get("aten.std.correction") == 3, ae.metrics()["fallback_ops"]
+
+
+def test_a_warning_op_between_the_ops_of_a_hot_window(fresh_regions):
+    """The op that warns runs eagerly beside a window that goes on (it reads nothing pending) and
+    runs hot: a warning each step, at its line, and none from the hot window's runs."""
+    x, w = torch.randn(16), torch.randn(16)
+    want = _step(_step(x, w), w)
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ae.adaptive_eager(**COMPILED):
+            for _ in range(5):
+                y = _step(x, w)
+                ONE.std()  # MARK-hot
+                got.append(_step(y, w))
+                ae.sync()
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, _mark("MARK-hot"))] * 5, \
+        [(w.filename, w.lineno, str(w.message)) for w in caught]
+    assert ae.metrics()["hot_windows"] >= 1, ae.metrics()
+    for v in got:
+        torch.testing.assert_close(v, want)
+
+
+def test_our_capture_keeps_the_programs_default_filter():
+    """``warnings.catch_warnings`` clears every module's warning registry (it bumps the filters'
+    version): a program's ``"default"`` filter then shows a warning it had shown already. The
+    library's captures (the layout probe on each new signature, ``float(loss)`` of a tensor that
+    requires grad) must not."""
+    from adaptive_eager._kernel_warnings import kernel_warnings
+
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for i in range(3):
+            warnings.warn("the program's own")  # MARK-own
+            kernel_warnings(lambda: torch.ops.aten.std.correction(ONE))
+            with ae.adaptive_eager(backend="replay"):
+                float((x * 2).sum())
+    own = [w for w in caught if "the program's own" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in own] == [(__file__, _mark("MARK-own"))], own
+
+
+def _mark(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "_mark(" not in line)
+
+
+# TORCH_WARN_ONCE: once a process, which the layout probe of a new signature used to use up
+ONCE = textwrap.dedent("""
+    import warnings, torch, adaptive_eager as ae
+    x = torch.randn(4, 3)
+    with ae.adaptive_eager(backend=BACKEND, hot_after=2, async_compile=False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                y = torch.searchsorted((x * 1).t(), torch.zeros(3, 2))
+                ae.sync()
+    for w in caught:
+        print("WARNING", w.filename, w.lineno, w.message)
+    assert torch.equal(y, torch.searchsorted(x.t().contiguous(), torch.zeros(3, 2)))
+""")
+
+
+@pytest.mark.parametrize("backend", ["replay", COMPILED_BACKEND])
+def test_a_once_a_process_warning_comes_once(tmp_path, backend):
+    script = tmp_path / "prog.py"
+    script.write_text(ONCE.replace("BACKEND", repr(backend)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env.update(NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING") and "searchsorted" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"WARNING {script} 8 "), out.stdout + out.stderr
