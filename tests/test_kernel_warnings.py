@@ -166,7 +166,10 @@ def test_a_once_a_process_warning_comes_once(tmp_path, backend):
     script.write_text(ONCE.replace("BACKEND", repr(backend)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
     env.update(NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING") and "searchsorted" in line]
-    assert len(lines) == 1 and lines[0].startswith(f"WARNING {script} 8 "), out.stdout + out.stderr
+    # a second process on the same cache directory too: its first sight is not skipped by the
+    # metadata kept on disk (Note [Meta entries on disk]), so it issues the warning again, once
+    for _ in range(2 if backend == "replay" else 1):
+        out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING") and "searchsorted" in line]
+        assert len(lines) == 1 and lines[0].startswith(f"WARNING {script} 8 "), out.stdout + out.stderr
