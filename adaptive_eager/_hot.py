@@ -98,7 +98,7 @@ from __future__ import annotations
 import torch
 from fuser import replay as _replay  # a module, not its names: ``import torch`` in a process that
 # imports fuser first (a compile worker) loads adaptive eager while fuser.replay is half-imported
-from fuser.window import FRESH, Node, Out, Window
+from fuser.window import FRESH, Node, Out, Window, finish_hot
 
 from . import _ops
 from ._metrics import METRICS
@@ -110,8 +110,8 @@ _Tensor = torch.Tensor
 class _Pos:
     """One position of a template: what recording its op produced (Note [Hot windows])."""
 
-    __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid", "nbytes", "source", "sig_end",
-                 "pending")
+    __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
+                 "nbytes", "source", "sig_end", "pending")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -126,6 +126,7 @@ class _Pos:
         self.fvals: list = []
         self.kw: tuple = ()  # (name, value) of keywords (in-place ops); the value ``float`` for a float
         self.spec = None  # the fresh output's (shape, stride, dtype); None for an in-place op
+        self.shape = self.stride = self.dtype = None  # its three parts
         self.uid = 0  # its Out's uid
         self.nbytes = 0  # what it adds to ``Window.pending_bytes``
         self.source = None  # the user's line of the template's op here
@@ -159,16 +160,21 @@ class Template:
         """Turn ``window``'s hot records into the Nodes and signature recording would have made,
         and end its hot recording (Note [Hot windows]); ``cause`` is counted."""
         window.hot = None
+        count_hot(window)
         _replay.adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
         records = window.nodes
         nodes = window.nodes = []
         # the outputs the ops made, by uid (their inputs' refs): the live values, the ALIAS records and
-        # the values they write (a dead value's Out may live on as an ALIAS Out's ``alias``)
+        # the values they write (a dead value's Out may live on as an ALIAS Out's ``alias``: a hot
+        # Out, completed here, Note [Hot Outs] in fuser.window)
         outs = {o.uid: o for o in window.fresh}
         for o in window.others:
             outs[o.uid] = o
-            if type(o.alias) is Out:
-                outs.setdefault(o.alias.uid, o.alias)
+            a = o.alias
+            if type(a) is Out and a.uid not in outs:
+                if a.kind == FRESH:
+                    finish_hot(a, None, None)  # its tensor died: not adopted
+                outs[a.uid] = a
         token = window.token
         real, scalars = window.real_inputs, window.scalars
         fbase = 0
@@ -207,6 +213,18 @@ class Template:
         METRICS.hot_mismatches[cause] += 1
         expected = self.ops[len(records)].f.name if len(records) < len(self.ops) else "(end of window)"
         METRICS.hot_break_sites[(cause, expected, _user_source(2))] += 1
+
+
+def count_hot(window: Window) -> None:
+    """Count ``window``'s hot records in ``METRICS`` (``ops_recorded``, ``hot_ops``): once, when its
+    hot recording ends (a demotion, the flush). ``_record_hot`` does not count per op (Note [Hot
+    record cost]); ``metrics()`` adds the records of the hot windows still recording
+    (``_state.pending_hot_ops``)."""
+    n = len(window.nodes) - window.hot_counted
+    if n > 0:
+        METRICS.ops_recorded += n
+        METRICS.hot_ops += n
+        window.hot_counted += n
 
 
 def template_of(st, window: Window, entry) -> Template | None:
@@ -248,6 +266,7 @@ def template_of(st, window: Window, entry) -> Template | None:
         p.uid = o.uid
         if not f.fast_inplace:
             p.spec = o.meta
+            p.shape, p.stride, p.dtype = o.meta
             p.nbytes = _storage_bytes(o.meta)
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         refs = [ref for _, ref in tensors]
