@@ -144,13 +144,24 @@ def metrics() -> dict:
     """Counters since the last ``reset_metrics()`` (process-wide, all threads)."""
     import fuser
 
-    return {**METRICS.as_dict(), **fuser.metrics()}
+    from ._state import pending_hot_ops
+
+    m = METRICS.as_dict()
+    pending = pending_hot_ops()  # Note [Hot record cost] in _hot: counted when each window ends
+    if pending:
+        m["ops_recorded"] += pending
+        m["hot_ops"] += pending
+        m["eager_equivalent_launches"] += pending
+    return {**m, **fuser.metrics()}
 
 
 def reset_metrics() -> None:
     import fuser
 
+    from ._state import hot_ops_counted
+
     METRICS.reset()
+    hot_ops_counted()
     fuser.reset_metrics()
 
 

@@ -8,11 +8,10 @@ and one for its output metadata (none for a hot record)."""
 from __future__ import annotations
 
 import torch
-from fuser.window import OUTS_PER_NODE, Node, Window
+from fuser.window import FRESH, OUTS_PER_NODE, HotRef as _HotRef, Node, Out, Window
 
 from ._metrics import METRICS
-from ._record import (_DECLINED, _alias_out, _append, _cut, _decline, _demote, _dtype_changed, _hot_placeholder,
-                      _numbers, _placeholder)
+from ._record import _DECLINED, _alias_out, _append, _cut, _decline, _demote, _dtype_changed, _numbers, _placeholder
 from ._source import _user_source
 from ._state import TracerState, _default_dtype
 from ._threads import _Elsewhere, pending_mark
@@ -20,6 +19,7 @@ from ._threads import _Elsewhere, pending_mark
 _Tensor = torch.Tensor
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _storage_use_count = torch._C._storage_Use_Count
+_new = object.__new__
 
 
 # Note [Record fast path]
@@ -45,11 +45,14 @@ def _miss(window: Window, n0: int, cause: str):
 def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     """Record a fast-path op of a hot window against its template's position (Note [Hot windows]
     in ``_hot``): the same placeholder or ALIAS Out, slots and marks as ``_record_fast``, without
-    its signature, meta lookup or Node. ``_DECLINED`` (nothing changed) when it does not match."""
-    ops = window.hot.ops
+    its signature, meta lookup or Node. ``_DECLINED`` (nothing changed) when it does not match.
+    ``kwargs`` may be None (none given). Note [Hot record cost] says what each line costs."""
+    nodes = window.nodes
+    i = len(nodes)
+    hot = window.hot
+    ops = hot.ops
     real = window.real_inputs
     n0 = len(real)
-    i = len(window.nodes)
     if i >= len(ops):
         return _miss(window, n0, "past_end")
     p = ops[i]
@@ -58,7 +61,6 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     if _default_dtype() is not st.dtype:
         return _miss(window, n0, "default_dtype")
     token = window.token
-    slots = window.slots
     src = None  # an in-place op's first argument as recorded: its Out when pending
     for pos, ref in p.tensors:
         a = args[pos]
@@ -69,26 +71,30 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
             if pos == 0:
                 src = o
             continue
-        if o is not None and (o.win is token or pending_mark(o)) or not isinstance(a, _Tensor):
+        if o is not None and (o.win is token or pending_mark(o)):
             return _miss(window, n0, "binding")
-        slot = slots.get(id(a))
-        if slot is None:
-            slot = -1 - ref
-            if slot != len(real):
-                return _miss(window, n0, "binding")
-            shape, stride, dtype = window.hot.slot_meta[slot]
-            if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
-                return _miss(window, n0, "metadata")
-            slots[id(a)] = slot
-            real.append(a)
-        elif slot != -1 - ref:
+        slot = -1 - ref
+        if slot < n0 and real[slot] is a:  # the tensor in its slot already: a tensor, slotted there
+            continue
+        if not isinstance(a, _Tensor):
             return _miss(window, n0, "binding")
+        slots = window.slots
+        known = slots.get(id(a))
+        if known is not None:
+            return _miss(window, n0, "binding")  # slotted, in another slot
+        if slot != len(real):
+            return _miss(window, n0, "binding")
+        shape, stride, dtype = hot.slot_meta[slot]
+        if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
+            return _miss(window, n0, "metadata")
+        slots[id(a)] = slot
+        real.append(a)
     for pos, v in p.consts:
         a = args[pos]
         if a.__class__ is not v.__class__ or a != v:
             return _miss(window, n0, "scalar")
     if kwargs or p.kw:
-        if len(kwargs) != len(p.kw):
+        if len(kwargs or ()) != len(p.kw):
             return _miss(window, n0, "scalar")
         for name, v in p.kw:
             a = kwargs.get(name, _DECLINED)
@@ -113,17 +119,31 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         if o.slot >= 0:
             window.mutated.add(o.slot)
     else:
-        res = _hot_placeholder(st, window, p.spec, p.uid)
+        # ``_placeholder`` in a hot window (Note [Hot liveness] in ``_hot``): the Out is held by its
+        # tensor's mark and by a ``HotRef`` in ``Window.alive``, which the tensor's death removes; no
+        # storage handle, and the Out is a hot one (Note [Hot Outs] in fuser.window): its other
+        # fields are set when it is adopted (``fuser.replay.adopt_hot``) or demoted dead
+        res = st.alloc_cpu(p.shape, p.stride, p.dtype)
+        o = _new(Out)
+        o.win = token
+        o.kind = FRESH
+        o.uid = p.uid
+        o.meta = p.spec
+        o.slot = -1
+        o.storage = None
+        r = _HotRef(res, window.discard)
+        r.out = o
+        window.alive.add(r)
+        res._ae = o
         o = None  # a fresh value's record: its Out is the window's only while its tensor lives (Note [Hot liveness])
     if fpos:
         sc = window.scalars
         for pos in fpos:
             sc.append(args[pos] if type(pos) is int else kwargs[pos])
-    window.nodes.append(o)  # its hot record: Note [Hot windows]
+    nodes.append(o)  # its hot record: Note [Hot windows]; counted in METRICS when the window ends
     window.pending_bytes += p.nbytes
-    METRICS.ops_recorded += 1
-    METRICS.hot_ops += 1
-    _cut(st, window)
+    if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:
+        _cut(st, window)
     return res
 
 

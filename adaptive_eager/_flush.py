@@ -17,7 +17,7 @@ import fuser
 from fuser.window import Window, op_ids, where
 
 from . import _meta_disk
-from ._hot import expect_hot, template_of
+from ._hot import count_hot, expect_hot, template_of
 from ._log import log
 from ._metrics import METRICS
 from ._source import _flush_site
@@ -78,6 +78,8 @@ def _run(st: TracerState, reason: str) -> None:
         # use when it was real, and the fuser is not reentrant (Note [Reads from other threads])
         return
     t0 = time.perf_counter()
+    if window.hot is not None:
+        count_hot(window)  # its hot records: it records no more (Note [Hot record cost] in _hot)
     st.running = window  # before the swap: a reader in another thread always finds the window
     st.window = Window(st)  # first: anything the run triggers must not see the old window
     _tls.running = window

@@ -47,7 +47,7 @@ are recorded in full). ``hot_windows=False`` (``NEURON_EAGER_HOT_WINDOWS=0``) tu
 Note [Hot liveness]
 ~~~~~~~~~~~~~~~~~~~
 In a hot window a fresh value is live while its Python tensor is, not while its storage is (Note
-[Weak window] in fuser.window). Its Out is held by the tensor's mark and by a ``HotRef`` in
+[Weak window] in fuser.window). Its Out (a hot Out: Note [Hot Outs] in fuser.window) is held by the tensor's mark and by a ``HotRef`` in
 ``Window.alive``: a weak reference to the tensor whose callback (the set's own ``discard``, a C
 call) takes it out of the set when the tensor dies. It has no storage handle, and ``window.nodes``
 holds None at its position. So a value the program drops leaves nothing behind, at the moment it
@@ -90,7 +90,32 @@ for 10): no line of it grows with the window (cProfile, and per-function timers,
 2-core machine the same 10-op flush takes ~34 us of CPU time right after another one and 160-440
 us after 2.5-14 ms of anything else (2500 eager ops, a Python loop, even ``time.sleep(0.003)``
 while other processes run), every line alike. What is left to cut is the fixed path's length:
-the calls and objects a flush touches.
+the calls and objects a flush touches. (Counting a hot window's records, ``count_hot``, and
+completing its survivors' hot Outs, Note [Hot Outs] in fuser.window, add one call each.)
+
+Note [Hot record cost]
+~~~~~~~~~~~~~~~~~~~~~~
+Issue 14's target: a hot window records at <= 1.15x an empty ``TorchDispatchMode``
+(``benchmarks/record_overhead.py``, hot-window row; 1000s of 4-op iterations on 16 floats). Per
+op, the empty mode pays the interception (C++ to the Python mode and back) and the kernel, ~2.5-4
+us of its ~4.3-7 us here; a hot record pays the same interception and, instead of the kernel, its
+own Python: ``__torch_dispatch__``'s prologue, then ``_record_hot``. Calling ``__torch_dispatch__``
+directly on the tiny-op loop (no interception, min of 30 runs of 2000 ops, load 2-3) costs 2.6-3.6
+us per op before and 1.9-2.4 us after the changes below; of that, the prologue and the
+placeholder's allocation and free (Inductor's ``_empty_strided_cpu``) are ~0.65-0.7 us, and the
+rest is ``_record_hot``'s ~40 lines. Each step timed alone (a function-local loop, min of 41 runs,
+noisy at this load): the placeholder's alloc + free 320-600 ns, its mark (``_ae``: a ``__dict__``
+per tensor) ~80, the ``HotRef`` and ``alive.add`` 155-180 (plus its callback at the tensor's
+death), an ``Out`` by ``__init__`` 135-245 against 137-143 for a hot Out, a facts lookup by the
+``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id``, the default-dtype
+check 22-45, a Python call ~35. What went, per op: ``Out.__init__`` (Note [Hot Outs]), the calls of
+``_hot_placeholder`` and ``_cut`` (inlined; ``_cut`` runs only at a cut), the two ``METRICS``
+increments (``count_hot`` counts a window's records when it ends, ``metrics()`` adds the open
+windows': ``_state.pending_hot_ops``), the ``OpOverload`` hash (``_ops.FACTS_BY_ID``), the empty
+kwargs dict, and a real input's ``slots`` lookup when the tensor already sits in its slot
+(identity with ``real_inputs[slot]``). What stands is the mark, the ``HotRef`` and the allocation
+(each is what makes a value pending, live while its tensor lives, and real memory), and the
+comparison itself, one bytecode at a time: fewer lines would need code specialized per position.
 """
 
 from __future__ import annotations
@@ -98,7 +123,7 @@ from __future__ import annotations
 import torch
 from fuser import replay as _replay  # a module, not its names: ``import torch`` in a process that
 # imports fuser first (a compile worker) loads adaptive eager while fuser.replay is half-imported
-from fuser.window import FRESH, Node, Out, Window
+from fuser.window import FRESH, Node, Out, Window, finish_hot
 
 from . import _ops
 from ._metrics import METRICS
@@ -110,8 +135,8 @@ _Tensor = torch.Tensor
 class _Pos:
     """One position of a template: what recording its op produced (Note [Hot windows])."""
 
-    __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid", "nbytes", "source", "sig_end",
-                 "pending")
+    __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
+                 "nbytes", "source", "sig_end", "pending")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -126,6 +151,7 @@ class _Pos:
         self.fvals: list = []
         self.kw: tuple = ()  # (name, value) of keywords (in-place ops); the value ``float`` for a float
         self.spec = None  # the fresh output's (shape, stride, dtype); None for an in-place op
+        self.shape = self.stride = self.dtype = None  # its three parts
         self.uid = 0  # its Out's uid
         self.nbytes = 0  # what it adds to ``Window.pending_bytes``
         self.source = None  # the user's line of the template's op here
@@ -159,16 +185,21 @@ class Template:
         """Turn ``window``'s hot records into the Nodes and signature recording would have made,
         and end its hot recording (Note [Hot windows]); ``cause`` is counted."""
         window.hot = None
+        count_hot(window)
         _replay.adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
         records = window.nodes
         nodes = window.nodes = []
         # the outputs the ops made, by uid (their inputs' refs): the live values, the ALIAS records and
-        # the values they write (a dead value's Out may live on as an ALIAS Out's ``alias``)
+        # the values they write (a dead value's Out may live on as an ALIAS Out's ``alias``: a hot
+        # Out, completed here, Note [Hot Outs] in fuser.window)
         outs = {o.uid: o for o in window.fresh}
         for o in window.others:
             outs[o.uid] = o
-            if type(o.alias) is Out:
-                outs.setdefault(o.alias.uid, o.alias)
+            a = o.alias
+            if type(a) is Out and a.uid not in outs:
+                if a.kind == FRESH:
+                    finish_hot(a, None, None)  # its tensor died: not adopted
+                outs[a.uid] = a
         token = window.token
         real, scalars = window.real_inputs, window.scalars
         fbase = 0
@@ -207,6 +238,18 @@ class Template:
         METRICS.hot_mismatches[cause] += 1
         expected = self.ops[len(records)].f.name if len(records) < len(self.ops) else "(end of window)"
         METRICS.hot_break_sites[(cause, expected, _user_source(2))] += 1
+
+
+def count_hot(window: Window) -> None:
+    """Count ``window``'s hot records in ``METRICS`` (``ops_recorded``, ``hot_ops``): once, when its
+    hot recording ends (a demotion, the flush). ``_record_hot`` does not count per op (Note [Hot
+    record cost]); ``metrics()`` adds the records of the hot windows still recording
+    (``_state.pending_hot_ops``)."""
+    n = len(window.nodes) - window.hot_counted
+    if n > 0:
+        METRICS.ops_recorded += n
+        METRICS.hot_ops += n
+        window.hot_counted += n
 
 
 def template_of(st, window: Window, entry) -> Template | None:
@@ -248,6 +291,7 @@ def template_of(st, window: Window, entry) -> Template | None:
         p.uid = o.uid
         if not f.fast_inplace:
             p.spec = o.meta
+            p.shape, p.stride, p.dtype = o.meta
             p.nbytes = _storage_bytes(o.meta)
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         refs = [ref for _, ref in tensors]

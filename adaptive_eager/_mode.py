@@ -26,6 +26,7 @@ from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader
 from .config import Options
 
 _empty_strided = torch.empty_strided
+_FACTS_BY_ID = _ops.FACTS_BY_ID
 
 # Note [Tensor subclasses]
 # A mode sees an op before any tensor subclass among its arguments does. A subclass made of inner
@@ -169,23 +170,25 @@ class LazyMode(TorchDispatchMode):
         if st.claim is not None and st.busy == 1:
             _step_back(st)
         try:
-            f = _ops.FACTS.get(func)
+            f = _FACTS_BY_ID.get(id(func))
             if f is None:
                 f = facts_for(func)
             kind = f.kind
-            if kwargs is None:
-                kwargs = {}
             if kind == RECORD:
                 if (f.fast and not kwargs) or f.fast_inplace:
                     window = st.window
                     if window.hot is not None:  # Note [Hot windows] in _hot
-                        res = _record_hot(st, window, f, args, kwargs)
+                        res = _record_hot(st, window, f, args, kwargs)  # kwargs None or a dict
                         if res is not _DECLINED:
                             return res
+                    if kwargs is None:
+                        kwargs = {}
                     res = _record_fast(st, f, args, kwargs)
                     if res is not _DECLINED:
                         return res
-                return _record_or_run(st, f, args, kwargs)
+                return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
+            if kwargs is None:
+                kwargs = {}
             if kind == VIEW_OP:
                 return _record_view(st, f, args, kwargs)
             if kind == ALLOC:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, HotRef, Node, Out, Window
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
 
 from . import _signatures
 from ._flush import flush
@@ -134,19 +134,6 @@ def _placeholder(st: TracerState, window: Window, spec: tuple, uid: int, device)
     window.fresh.append(o)
     window.handles.append(h)
     return p, o
-
-
-def _hot_placeholder(st: TracerState, window: Window, spec: tuple, uid: int):
-    """``_placeholder`` in a hot window (Note [Hot liveness] in ``_hot``): the Out is held by its
-    tensor's mark and by a ``HotRef`` in ``Window.alive``, which the tensor's death removes, so a
-    value the program drops leaves nothing for the flush; no storage handle. Answers the tensor."""
-    p = st.alloc_cpu(spec[0], spec[1], spec[2])
-    o = Out(window.token, FRESH, uid, spec)
-    r = HotRef(p, window.discard)
-    r.out = o
-    window.alive.add(r)
-    p._ae = o
-    return p
 
 
 def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, floats, args, kwargs,

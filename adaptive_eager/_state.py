@@ -119,6 +119,25 @@ def _prune(states: tuple) -> tuple:
     return tuple(kept)
 
 
+def pending_hot_ops() -> int:
+    """The hot records of the windows still recording, which ``METRICS`` counts when each ends
+    (``_hot.count_hot``): what ``metrics()`` adds to ``ops_recorded`` and ``hot_ops``."""
+    n = 0
+    for s in _STATES:
+        window = s.window
+        if window.hot is not None:
+            n += len(window.nodes) - window.hot_counted
+    return n
+
+
+def hot_ops_counted() -> None:
+    """``reset_metrics()``: the records the open hot windows hold so far count as counted."""
+    for s in _STATES:
+        window = s.window
+        if window.hot is not None:
+            window.hot_counted = len(window.nodes)
+
+
 def _on_target(st: TracerState, t: torch.Tensor) -> bool:
     attr = st.target_attr
     return getattr(t, attr) if attr is not None else t.device.type == st.target

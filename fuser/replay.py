@@ -13,7 +13,7 @@ from operator import attrgetter, not_
 
 import torch
 
-from .window import ALIAS, FRESH, VIEW, Node, Out, Window
+from .window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched: see adaptive_eager._patches
@@ -87,8 +87,7 @@ def adopt_hot(window: Window) -> None:
         t = r()
         if t is not None:
             o = r.out
-            o.ref = _weakref(t)
-            o.storage = _untyped_storage(t)._weak_ref()
+            finish_hot(o, _weakref(t), _untyped_storage(t)._weak_ref())  # Note [Hot Outs] in fuser.window
             outs.append(o)
     if len(outs) > 1:
         outs.sort(key=_uid)

@@ -110,6 +110,26 @@ class Out:
         self.last = -1  # index of the last needed node that reads it (set by mark_needed)
 
 
+# Note [Hot Outs]
+# A hot window's FRESH value (Note [Hot liveness] in adaptive_eager._hot) gets a *hot* Out: made
+# without ``__init__`` (``object.__new__``), with only the fields anything reads while its window
+# records set: ``win``, ``kind`` (FRESH), ``uid``, ``meta``, ``slot`` (-1) and ``storage`` (None).
+# ``__init__`` (13 stores and a Python frame) was the largest single cost of a hot record (Note
+# [Hot record cost] in adaptive_eager._hot). Before anything reads the rest (the flush, a replay, a
+# demotion's Nodes) it is completed by ``finish_hot``: ``fuser.replay.adopt_hot`` for each value
+# whose tensor lives, ``Template.demote`` for a dead one an ALIAS Out names. Nothing else can reach
+# a hot Out: its tensor's mark, its ``HotRef`` (both adopted) and an ALIAS Out's ``alias``.
+
+
+def finish_hot(o: Out, ref, storage) -> None:
+    """Set the fields a hot Out was made without (Note [Hot Outs]), as ``Out.__init__`` sets them."""
+    o.ref = ref
+    o.storage = storage
+    o.tensor = o.alias = o.value = None
+    o.needed = o.live = False
+    o.last = -1
+
+
 class HotRef(weakref.ref):
     """A hot window's reference to a FRESH value's tensor (Note [Hot liveness] in adaptive_eager._hot):
     a weak reference whose callback takes it out of ``Window.alive`` when the tensor dies; ``out``
@@ -185,7 +205,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard")
+                 "discard", "hot_counted")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -226,6 +246,8 @@ class Window:
         # once ``fuser.replay.adopt_hot`` has turned the survivors into ordinary FRESH Outs
         self.alive: set | None = None
         self.discard = None
+        # how many of its hot records ``METRICS`` counts already (``adaptive_eager._hot.count_hot``)
+        self.hot_counted = 0
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

@@ -580,3 +580,53 @@ def test_a_parameter_of_a_pending_value_outside_a_hot_window_needs_no_flush():
         z = p + 1
         assert ae.is_lazy(z) and not ae.metrics()["flushes"]
         assert torch.equal(z, x * 2 + 1)
+
+
+def test_a_dead_hot_value_written_in_place_in_a_demoted_window(fresh_regions):
+    # Note [Hot Outs] in fuser.window: the value ``h`` dies while only the ALIAS Out of its in-place
+    # write names its (hot) Out; the demotion completes that Out and the replay computes through it
+    x, w = torch.randn(16), torch.randn(16)
+
+    def step(diverge=False):
+        h = torch.tanh(x * w)
+        h.add_(1)
+        z = h * 3
+        del h
+        return torch.sigmoid(z) if diverge else z + x
+
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        got = step(diverge=True)
+        assert ae.metrics()["hot_mismatches"] == {"op": 1}, ae.metrics()["hot_mismatches"]
+        ae.sync()
+        again = step()
+        ae.sync()
+    torch.testing.assert_close(got, step(diverge=True))
+    torch.testing.assert_close(again, step())
+
+
+def test_hot_records_are_counted_while_the_window_records_and_after_a_reset(fresh_regions):
+    # Note [Hot record cost] in _hot: a hot window counts its records when it ends; metrics() adds
+    # those of the windows still recording, and reset_metrics() forgets the ones made before it
+    x, w = torch.randn(16), torch.randn(16)
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(_step, x, w)
+        ae.reset_metrics()
+        y = x
+        for i in range(10):
+            y = _op(i, y, x, w)
+        m = ae.metrics()
+        assert current_state().window.hot is not None
+        assert m["ops_recorded"] == m["hot_ops"] == 10 and m["eager_equivalent_launches"] == 10, m
+        ae.reset_metrics()
+        for i in range(10, N):
+            y = _op(i, y, x, w)
+        assert ae.metrics()["hot_ops"] == N - 10
+        ae.sync()
+        m = ae.metrics()
+        assert m["hot_windows"] == 1 and m["hot_ops"] == m["ops_recorded"] == N - 10, m
+        y = _step(x, w, "op", 20)  # demoted at 20: 20 hot records, then 30 ops recorded in full
+        ae.sync()
+        m = ae.metrics()
+        assert m["hot_ops"] == N - 10 + 20 and m["ops_recorded"] == 2 * N - 10, m
+    torch.testing.assert_close(y, _step(x, w, "op", 20))
