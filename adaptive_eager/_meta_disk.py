@@ -35,7 +35,8 @@ from fuser.window import ARITY
 #   geometry and dtype, numbers with their type, 1, 1.0 and True apart) and the default dtype. A
 #   signature with anything else in it (an object we do not model) is not kept;
 # - one entry of the store holds a table of them, under a key and a fingerprint of what else can
-#   change an answer: this format, torch's version and commit, the machine, the CPU capability
+#   change an answer: this format, our own source (``fuser._library.library_digest``: a bug of
+#   ours fixed is a table not read), torch's version and commit, the machine, the CPU capability
 #   torch dispatches to, and whether oneDNN is there and on (a channels_last convolution's output
 #   layout is the kernel's choice). Only the ``cpu`` target keeps entries: another device's
 #   layouts depend on its model and libraries, which the fingerprint does not name;
@@ -102,8 +103,11 @@ def key_text(f, sig, ksig, dtype) -> str | None:
 
 
 def fingerprint() -> str:
+    from fuser._library import library_digest
+
     mkldnn = torch.backends.mkldnn
-    return json.dumps({"format": FORMAT, "torch": torch.__version__, "git": torch.version.git_version,
+    return json.dumps({"format": FORMAT, "library": library_digest(), "torch": torch.__version__,
+                       "git": torch.version.git_version,
                        "machine": platform.machine(), "cpu": torch.backends.cpu.get_cpu_capability(),
                        "mkldnn": [mkldnn.is_available(), bool(mkldnn.enabled)]}, sort_keys=True)
 

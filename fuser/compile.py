@@ -12,6 +12,7 @@ import torch
 
 from . import partition
 from .backends._common import BackendCompileError, pack_sections, trace_lock, unpack_sections
+from ._library import library_digest
 from .program import FORMAT, Program
 
 log = logging.getLogger("adaptive_eager.fuser")
@@ -157,11 +158,18 @@ def _compile_and_store(program: Program, backend, store, pkey: str):
         store.put(pkey, _pack(artifact, lifted_inputs, how, pkey), fingerprint=backend.fingerprint(),
                   backend=backend.name, compile_seconds=seconds)
     except Exception as e:
-        store.put_failure(pkey, _failure_reason(e), fingerprint=backend.fingerprint(), backend=backend.name)
+        store.put_failure(pkey, _failure_reason(e), fingerprint=failure_fingerprint(backend), backend=backend.name)
         raise
     finally:
         store.release(pkey)
     return _load_artifact(artifact, how, backend), lifted_inputs, seconds, how
+
+
+def failure_fingerprint(backend) -> str:
+    """What a remembered failure is kept and read under (Note [Remembered failures] in
+    neff_cache.store): the backend's fingerprint and ``library_digest()``, so a failure a bug of
+    ours caused does not outlive the version that fixes it."""
+    return f"{backend.fingerprint()}|library-{library_digest()}"
 
 
 def _failure_reason(error: BaseException) -> str:

@@ -30,7 +30,7 @@ import torch
 
 from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submit_job
 from .compilable import _checks, _not_compilable
-from .compile import _Unverified, _compile_and_store, _failure_reason, _load
+from .compile import _Unverified, _compile_and_store, _failure_reason, _load, failure_fingerprint
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, replay_window
 from .program import Program
@@ -383,7 +383,7 @@ def poll_jobs() -> None:
 def _failed_before(entry: _Entry, store, backend) -> bool:
     """Whether compiling ``entry`` failed in an earlier process (Note [Remembered failures] in
     neff_cache.store); if so it is handled as that failure was, without compiling again."""
-    reason = store.failure(entry.pkey, fingerprint=backend.fingerprint())
+    reason = store.failure(entry.pkey, fingerprint=failure_fingerprint(backend))
     if reason is None:
         return False
     _compile_failed(entry, reason, f"compile failed in an earlier process (remembered in {store.directory})",

@@ -126,7 +126,8 @@ def _store(destination: dict, reply: list) -> bool:
         if ok:
             store.put(key, result, fingerprint=fingerprint, backend=backend, compile_seconds=seconds)
         else:
-            store.put_failure(key, failure, fingerprint=fingerprint, backend=backend)
+            store.put_failure(key, failure, fingerprint=destination.get("failure_fingerprint") or fingerprint,
+                              backend=backend)
         store.release(key)  # only a claim handed over to this process (Note [Claim holders] in neff_cache.claims)
         return not (store.in_memory or store.read_only)
     except Exception:  # noqa: BLE001 - the parent stores it instead

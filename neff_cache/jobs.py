@@ -88,6 +88,7 @@ class _Job:
     fingerprint: str
     backend: str
     destination: dict | None  # where the worker stores the result: Note [Compiles that outlive the program]
+    failure_fingerprint: str | None = None  # what a failure is remembered under (default: ``fingerprint``)
     attempts: int = 0
     alone: bool = False  # a retry after a worker died runs with no other job beside it
 
@@ -184,9 +185,12 @@ class CompileJobs:
         self._shut_down = False
         atexit.register(self._stop_at_exit)
 
-    def submit(self, key: str, fn_path: str, payload: bytes, *, fingerprint: str, backend: str) -> bool:
+    def submit(self, key: str, fn_path: str, payload: bytes, *, fingerprint: str, backend: str,
+               failure_fingerprint: str | None = None) -> bool:
         """Queue ``fn_path(payload)`` to compile ``key``; False if ``key`` is already pending here,
-        already stored, or being compiled by another process (use ``store.wait_for`` for that)."""
+        already stored, or being compiled by another process (use ``store.wait_for`` for that). A
+        failure is remembered under ``failure_fingerprint`` (default: ``fingerprint``; Note
+        [Remembered failures] in neff_cache.store)."""
         if type(fn_path) is not str or _FN_PATH_PATTERN.fullmatch(fn_path) is None:
             raise ValueError(f"fn_path must name a function as 'package.module:function', got {fn_path!r}")
         if not isinstance(payload, (bytes, bytearray, memoryview)):
@@ -199,8 +203,10 @@ class CompileJobs:
                 return False
             if not self.store.claim(key, ttl_s=self.claim_ttl_s):
                 return False
-            destination = self._destination(key, fingerprint, backend)
-            self._queue.append(_Job(key, fn_path, bytes(payload), str(fingerprint), str(backend), destination))
+            failure_fp = str(fingerprint if failure_fingerprint is None else failure_fingerprint)
+            destination = self._destination(key, fingerprint, backend, failure_fp)
+            self._queue.append(_Job(key, fn_path, bytes(payload), str(fingerprint), str(backend), destination,
+                                    failure_fingerprint=failure_fp))
             self._start_queued_jobs()
             return True
 
@@ -254,13 +260,14 @@ class CompileJobs:
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _destination(self, key: str, fingerprint: str, backend: str) -> dict | None:
+    def _destination(self, key: str, fingerprint: str, backend: str, failure_fingerprint: str) -> dict | None:
         store = self.store
         if store.in_memory or store.read_only:
             return None  # the worker could not reach what this process stores
         return {"directory": store.directory, "size_limit_mb": store.size_limit_bytes / BYTES_PER_MB,
                 "format_version": store.format_version, "key": key, "fingerprint": str(fingerprint),
-                "backend": str(backend), "after_exit_s": self.finish_after_exit_s}
+                "backend": str(backend), "after_exit_s": self.finish_after_exit_s,
+                "failure_fingerprint": failure_fingerprint}
 
     def _pending_keys(self) -> set[str]:
         return {job.key for job in self._unfinished_jobs()}
@@ -309,7 +316,8 @@ class CompileJobs:
                         job.key, result, fingerprint=job.fingerprint, backend=job.backend, compile_seconds=seconds
                     )
                 else:
-                    self.store.put_failure(job.key, failure, fingerprint=job.fingerprint, backend=job.backend)
+                    self.store.put_failure(job.key, failure, fingerprint=job.failure_fingerprint or job.fingerprint,
+                                           backend=job.backend)
             if ok:
                 self._finish(job, None, seconds=seconds)
             else:

@@ -259,6 +259,28 @@ def test_failed_compile_is_not_paid_again_by_the_next_process(tmp_path, monkeypa
     assert second["not_compiled"] == {"failed_before": 1}
 
 
+def test_a_failure_remembered_by_another_version_of_the_library_is_not_believed(tmp_path, monkeypatch):
+    """A failure is remembered under the library's own digest too (Note [Remembered failures] in
+    neff_cache.store): one that a bug of ours caused lapses with the version that fixes it."""
+    import fuser._library
+
+    attempts = []
+
+    def failing_compile(self, gm, example_inputs):
+        attempts.append(1)
+        raise inductor.BackendCompileError("inductor: cannot compile the graph: RuntimeError: simulated")
+
+    monkeypatch.setattr(inductor.InductorBackend, "compile", failing_compile)
+    c = unique_constant()
+    monkeypatch.setattr(fuser._library, "_LIBRARY_DIGEST", ["an-older-version"])
+    first = run_here(tmp_path, c)
+    assert len(attempts) == 1 and first["compile_failures"] == 1
+    monkeypatch.setattr(fuser._library, "_LIBRARY_DIGEST", [])  # this version's digest, made afresh
+    second = run_here(tmp_path, c)  # a new process of a new version: it compiles again
+    assert len(attempts) == 2, "a failure remembered by another version of the library was believed"
+    assert second["compile_failures"] == 1 and "failed_before" not in second["not_compiled"]
+
+
 # ------------------------------------------------------------------ full and read-only disks
 
 

@@ -140,6 +140,19 @@ def test_a_table_of_another_torch_build_is_not_read(cache):
         assert store.stats()["incompatible_entries"] >= 1
 
 
+def test_a_table_of_another_version_of_the_library_is_not_read(cache, monkeypatch):
+    """The metadata is our code's answer: a table written by another version of the library (a
+    layout bug of ours, since fixed) is not read (``fuser._library.library_digest``)."""
+    import fuser._library
+
+    monkeypatch.setattr(fuser._library, "_LIBRARY_DIGEST", ["an-older-version"])
+    first, _ = record(cache)
+    a_new_process()
+    monkeypatch.setattr(fuser._library, "_LIBRARY_DIGEST", [])
+    second, _ = record(cache)
+    assert ae.cache_info()["meta_disk_hits"] == 0 and second == first
+
+
 def test_meta_on_disk_off_neither_reads_nor_writes(cache):
     record(cache, meta_on_disk=False)
     a_new_process()
