@@ -242,7 +242,8 @@ def test_process_waiting_on_a_claim_compiles_once_its_holder_dies(tmp_path):
 # ------------------------------------------------------------------ remembered failures
 
 
-def test_failed_compile_is_not_paid_again_by_the_next_process(tmp_path, monkeypatch):
+def _failing_inductor(monkeypatch) -> list:
+    """Make every Inductor compile fail; answers the list its attempts are appended to."""
     attempts = []
 
     def failing_compile(self, gm, example_inputs):
@@ -250,6 +251,11 @@ def test_failed_compile_is_not_paid_again_by_the_next_process(tmp_path, monkeypa
         raise inductor.BackendCompileError("inductor: cannot compile the graph: RuntimeError: simulated")
 
     monkeypatch.setattr(inductor.InductorBackend, "compile", failing_compile)
+    return attempts
+
+
+def test_failed_compile_is_not_paid_again_by_the_next_process(tmp_path, monkeypatch):
+    attempts = _failing_inductor(monkeypatch)
     c = unique_constant()
     first = run_here(tmp_path, c)
     assert len(attempts) == 1 and first["compile_failures"] == 1 and first["blacklisted"] == 1
@@ -264,13 +270,7 @@ def test_a_failure_remembered_by_another_version_of_the_library_is_not_believed(
     neff_cache.store): one that a bug of ours caused lapses with the version that fixes it."""
     import fuser._library
 
-    attempts = []
-
-    def failing_compile(self, gm, example_inputs):
-        attempts.append(1)
-        raise inductor.BackendCompileError("inductor: cannot compile the graph: RuntimeError: simulated")
-
-    monkeypatch.setattr(inductor.InductorBackend, "compile", failing_compile)
+    attempts = _failing_inductor(monkeypatch)
     c = unique_constant()
     monkeypatch.setattr(fuser._library, "_LIBRARY_DIGEST", ["an-older-version"])
     first = run_here(tmp_path, c)
