@@ -55,22 +55,23 @@ class _modes_off:
 _CUTS = ("window_cap", "period")
 
 
-def flush(st: TracerState, reason: str) -> None:
+def flush(st: TracerState, reason: str, now: bool = False) -> None:
     """Run the open window (if any) and bind every live result into the program's tensors.
 
-    For the thread that owns ``st``; a read in another thread runs it with ``_flush_for_reader``."""
+    For the thread that owns ``st``; a read in another thread runs it with ``_flush_for_reader``.
+    ``now``: without waiting for another thread (Note [Flush at a fork] in ``_mode``)."""
     if not st.window.nodes and st.claim is None:
         return
     st.busy += 1  # Note [Reads from other threads]
     if st.claim is not None and st.busy == 1:
         _step_back(st)
     try:
-        _run(st, reason)
+        _run(st, reason, now)
     finally:
         st.busy -= 1
 
 
-def _run(st: TracerState, reason: str) -> None:
+def _run(st: TracerState, reason: str, now: bool = False) -> None:
     """``flush``'s work, by whichever thread may touch ``st``'s window now."""
     window = st.window
     if not window.nodes or getattr(_tls, "running", None) is not None:
@@ -84,8 +85,8 @@ def _run(st: TracerState, reason: str) -> None:
     st.window = Window(st)  # first: anything the run triggers must not see the old window
     _tls.running = window
     try:
-        _run_window(st, window, reason)
-        if _meta_disk._NEW[0]:
+        _run_window(st, window, reason, now)
+        if _meta_disk._NEW[0] and not now:
             _meta_disk.after_flush()  # Note [Meta entries on disk]
     finally:
         _tls.running = st.running = None
@@ -96,7 +97,7 @@ def _run(st: TracerState, reason: str) -> None:
         METRICS.flush_seconds += time.perf_counter() - t0
 
 
-def _run_window(st: TracerState, window: Window, reason: str) -> None:
+def _run_window(st: TracerState, window: Window, reason: str, now: bool = False) -> None:
     ran = False
     site = result = None
     try:
@@ -114,7 +115,7 @@ def _run_window(st: TracerState, window: Window, reason: str) -> None:
         METRICS.flush_sites[(reason, site, inside)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
               else contextlib.nullcontext()), _modes_off(), _recorded_dtype(st.dtype):
-            result = fuser.run_window(window, st.options)
+            result = fuser.run_window(window, st.options, now)
         ran = True  # ``Window.live`` is read: Note [Window release]
         if window.hot is not None:  # validated, and run without a key (else it was demoted)
             METRICS.hot_windows += 1

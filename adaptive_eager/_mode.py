@@ -297,10 +297,23 @@ def _install_process_hooks() -> None:
     multiprocessing.util.register_after_fork(_tls, lambda _: _leave_in_child())
 
 
+# Note [Flush at a fork]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# The flush before a fork (Note [Worker processes]) runs inside ``os.fork``'s before-fork hooks,
+# and those of other libraries may already have run: filelock (4.x, which Inductor uses around
+# its C++ builds) closes a gate there that no other thread passes until the fork is over. A flush
+# that compiled here would wait for the compile thread, stopped at that gate: the program hung at
+# its DataLoader's ``iter()`` (seen: a window due for its compile at the fork, async_compile=False).
+# So this flush waits for no other thread (``fuser.run_window(..., now=True)``): the window runs
+# compiled if its region's callable is in memory, else it replays ("fork" in ``replay_reasons``;
+# its next sight compiles as usual); no compile, load, store access or background job starts, and
+# none in flight is waited for. A window another thread is running for this one at that instant
+# (a claim, Note [Reads from other threads]) is not waited for either: the fork goes on, and the
+# child finds that window poisoned (below), the parent its values when the claim ends.
 def _before_fork() -> None:
     st = current_state()
-    if st is not None and st.mode is not None and not st.busy:
-        flush(st, "fork")
+    if st is not None and st.mode is not None and not st.busy and st.claim is None:
+        flush(st, "fork", now=True)  # Note [Flush at a fork]
 
 
 def _after_fork_in_child() -> None:

@@ -24,16 +24,27 @@ fuser -> neff_cache.
 
 from __future__ import annotations
 
+import sys
+
 from .replay import ReplayError, adopt_hot, mark_needed, placeholder_of, read_liveness, replay_window, value_is_dead
 from .window import ALIAS, FRESH, VIEW, FlushResult, Node, Out, Window
 
 
-def run_window(window: Window, options) -> FlushResult:
+def run_window(window: Window, options, now: bool = False) -> FlushResult:
     """Run ``window`` with the backend ``options`` names. Its liveness is read here, once
-    (Note [Liveness during a flush]); every later step uses what was read."""
+    (Note [Liveness during a flush]); every later step uses what was read. ``now``: without
+    waiting for any other thread (``regions.run_now``)."""
     live = read_liveness(window)
-    if options.backend == "replay":
+    if now:
+        regions = sys.modules.get("fuser.regions")
+        if regions is not None:  # else no region was ever run here: nothing to import at a fork
+            return regions.run_now(window, live)
+    if options.backend == "replay" or now:
         # no region key is built on this path (nothing is looked up): no region
+        if now:
+            from .stats import STATS
+
+            STATS.replay_reasons["fork"] += 1
         dead = mark_needed(window)
         launched = replay_window(window)
         return FlushResult(launched, _computed(window), dead, "replayed" if dead < len(window.nodes) else "dead", None)

@@ -128,15 +128,43 @@ def _run_validated(window: Window, live: list[Out]) -> FlushResult | None:
     return None
 
 
-def _run_window(flush: _Flush, backend, options) -> FlushResult:
+def run_now(window: Window, live: list[Out]) -> FlushResult:
+    """``run`` for a flush that must not wait for another thread (Note [Flush at a fork] in
+    adaptive_eager._mode): compiled if its region's callable is in memory, else replayed
+    ("fork"); no compile, load, store access or background job, and no wait for one in flight."""
+    with table.LOCK:
+        if window.hot is not None:
+            done = _run_validated(window, live)
+            if done is not None:
+                return done
+        flush = _Flush(window, live)
+        entry = _entry_of(flush)
+        if entry is None:
+            return FlushResult(0, 0, len(window.nodes), "dead", None)
+        if entry.run is not None:
+            STATS.cache_hits_memory += 1
+            return _run_or_replay(entry, flush, "compiled")
+        return _replay(flush, "fork", entry.region)
+
+
+def _entry_of(flush: _Flush) -> _Entry | None:
+    """The region entry of ``flush``'s window (Note [Region key]); None when nothing of it is
+    observable (every op is dead)."""
     window = flush.window
     if not flush.live and not flush.mutated and not _checks(window):
-        return FlushResult(0, 0, len(window.nodes), "dead", None)  # nothing observable: every op is dead
-    wait = not options.async_compile
+        return None
     structure = (tuple(window.sigs), tuple(o.uid for o in flush.live), flush.mutated)
     group, flush.lifted, baked = _scalar_key(structure, window.scalars)
     entry = CACHE.get((group, flush.lifted, baked))  # the group stands for the structure: Note [Region key]
     entry.group = group
+    return entry
+
+
+def _run_window(flush: _Flush, backend, options) -> FlushResult:
+    entry = _entry_of(flush)
+    if entry is None:
+        return FlushResult(0, 0, len(flush.window.nodes), "dead", None)  # nothing observable: every op is dead
+    wait = not options.async_compile
     if entry.future is not None and (wait or entry.future.done()):
         _collect(entry)
     return _execute(_decide(entry, flush, backend, options), entry, flush, backend, options, wait)

@@ -192,3 +192,61 @@ def test_a_forked_child_that_records_compiles_its_own_regions(tmp_path):
                 child.kill()
     assert enabled and runs == 2
     torch.testing.assert_close(value, ((x * 5).cos() + 3).sum().item())
+
+
+FORK_GATE = textwrap.dedent(
+    """
+    import os, sys, threading
+    import torch
+    import adaptive_eager as ae
+    import fuser.compile
+
+    # A library's before-fork hook that holds other threads back until the fork is over, as
+    # filelock 4.x does for the lock Inductor takes around its C++ builds: the compile waits on it.
+    gate = threading.Event()
+    gate.set()
+    compile_program = fuser.compile._compile_program
+
+    def gated(*args):
+        gate.wait()
+        return compile_program(*args)
+
+    fuser.compile._compile_program = gated
+    x = torch.randn(64)
+    want = (x * 3).sin() + 1
+    with ae.adaptive_eager(backend="inductor", hot_after=1, async_compile=False, cache_dir=sys.argv[1]):
+        (x + 2).cos().sum().item()  # a region compiled before: the compile thread runs
+        y = (x * 3).sin() + 1  # pending at the fork; its first sight is due for its compile
+        # registered after the library's hook, so it runs first (before-fork hooks run in reverse)
+        os.register_at_fork(before=gate.clear, after_in_parent=gate.set, after_in_child=gate.set)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if torch.equal(y, want) else 3)  # replayed: eager's bits
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child read a wrong value"
+        assert torch.equal(y, want)
+        z = (x * 3).sin() + 1  # the same structure: compiled now, after the fork
+        torch.testing.assert_close(z, want)
+        m = ae.metrics()
+    print(m["replay_reasons"].get("fork", 0), m["compiles"], m["compiled_runs"])
+    """
+)
+
+
+def test_a_fork_while_a_compile_is_due_does_not_hang(tmp_path):
+    """Note [Flush at a fork]: the flush before a fork waits for no other thread. Another library's
+    before-fork hook may hold threads back until the fork ends (filelock 4.x); a flush that compiled
+    there waited for the compile thread forever (a DataLoader's ``iter()`` hung)."""
+    script = tmp_path / "gate.py"
+    script.write_text(FORK_GATE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    try:
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=env, capture_output=True,
+                             text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the fork hung: the flush before it waited for the compile thread")
+    assert out.returncode == 0, out.stderr
+    fork_replays, compiles, compiled_runs = map(int, out.stdout.split())
+    assert fork_replays == 1  # the window at the fork replayed ...
+    assert compiles == 2 and compiled_runs == 2  # ... and its next sight compiled and ran
