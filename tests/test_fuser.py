@@ -349,8 +349,8 @@ def test_replay_backend_leaves_an_outcome(monkeypatch):
     seen = []
     real = fuser.run_window
 
-    def spy(window, options):
-        result = real(window, options)
+    def spy(window, options, *rest):
+        result = real(window, options, *rest)
         seen.append(result.outcome)
         return result
 

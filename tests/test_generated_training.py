@@ -428,11 +428,11 @@ class _InterruptedFlush:
     def __init__(self, at: int):
         self.at, self.calls, self.run_window = at, 0, fuser.run_window
 
-    def __call__(self, window, options):
+    def __call__(self, window, options, *rest):
         self.calls += 1
         if self.calls == self.at:
             raise KeyboardInterrupt
-        return self.run_window(window, options)
+        return self.run_window(window, options, *rest)
 
     def __enter__(self):
         fuser.run_window = self
