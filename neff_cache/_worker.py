@@ -80,7 +80,8 @@ def serve(fd: int, parent: int) -> None:
     while True:
         try:
             fn_path, payload, destination = connection.recv()
-        except EOFError:
+        except (EOFError, ConnectionError):
+            # the parent closed its end: an exit with a reply of ours unread resets the connection
             return
         with running.lock:
             running.after_exit_s = destination["after_exit_s"] if destination is not None else 0.0

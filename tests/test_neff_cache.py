@@ -797,6 +797,28 @@ def test_interpreter_exit_does_not_wait_for_a_running_compile(tmp_path):
         assert not store.is_claimed(KEY_A)  # released at exit, not left for the ttl
 
 
+def test_an_exit_with_a_reply_unread_prints_nothing_from_the_worker(tmp_path):
+    """The program exits after a job ended (its artifact stored) but before it read the reply, as a
+    training script ends with a background compile just done: the worker, waiting for its next job,
+    sees a reset connection and leaves quietly, with no traceback on the user's terminal."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path[:0] = [{REPO_ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+        from neff_cache import ArtifactStore, CompileJobs
+        store = ArtifactStore({str(tmp_path)!r})
+        jobs = CompileJobs(store, finish_after_exit_s=60)
+        assert jobs.submit({KEY_A!r}, {FN + "compile_upper"!r}, b"x", fingerprint="fp", backend="b")
+        assert store.wait_for({KEY_A!r}, timeout_s=60) is not None
+        time.sleep(0.5)  # the reply is in this process's end of the pipe, unread
+        """
+    )
+    # the worker shares the program's stderr: run() returns once the worker, too, has closed it
+    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0, finished.stderr
+    assert "Traceback" not in finished.stderr and "Error" not in finished.stderr, finished.stderr
+
+
 def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: float, how: str = "exit") -> None:
     script = textwrap.dedent(
         f"""
