@@ -8,7 +8,9 @@ timed per phase with ``perf_counter`` around each call of the step: ``zero_grad`
 forward and backward only record; the window runs at ``opt.step()`` (its flush, whose time
 ``metrics()["flush_seconds"]`` gives, is split out of the step's), and ``region`` is the compiled
 region's own call inside that flush (``fuser.launch._run_compiled``: the kernels and the binding
-of their outputs). Medians over ``--repeats`` interleaved samples of ``--iters`` steps each.
+of their outputs). Medians over ``--repeats`` interleaved samples of ``--iters`` steps each; the
+minor page faults per step (``getrusage``) say how often the step touched memory the allocator
+had just given back to the system (Note [Placeholder memory at a compiled run] in fuser.replay).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import sys
 import time
@@ -48,6 +51,7 @@ def make_step(model, x, y, times):
     clock = time.perf_counter
 
     def step():
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         a = clock()
         opt.zero_grad(set_to_none=True)
         b = clock()
@@ -60,6 +64,7 @@ def make_step(model, x, y, times):
         e = clock()
         ae.sync()
         f = clock()
+        times["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         flush = ae.metrics()["flush_seconds"] - flushed
         for name, v in (("zero_grad", b - a), ("forward", c - b), ("backward", d - c), ("step", e - d - flush),
                         ("flush", flush), ("region", sum(_REGION[regions:])), ("sync", f - e)):
@@ -80,7 +85,7 @@ def main() -> None:
     base = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
     x, y = torch.randn(64, 1024), torch.randn(64, 1024)
-    times = {name: {p: [] for p in PHASES} for name in ("eager", "adaptive")}
+    times = {name: {p: [] for p in (*PHASES, "faults")} for name in ("eager", "adaptive")}
     eager = make_step(copy.deepcopy(base), x, y, times["eager"])
     adaptive = make_step(copy.deepcopy(base), x, y, times["adaptive"])
     with ae.adaptive_eager(**ADAPTIVE_OPTIONS):
@@ -113,6 +118,8 @@ def main() -> None:
         totals[name] = sum(statistics.median(times[name][p]) for p in PHASES if p != "region") * 1e3
     print(f"| total (the phases but region) | {totals['eager']:.2f} | {totals['adaptive']:.2f} |")
     print(f"adaptive / eager time: {totals['adaptive'] / totals['eager']:.3f}")
+    faults = [statistics.median(times[name]["faults"]) for name in ("eager", "adaptive")]
+    print(f"minor page faults per step (medians): eager {faults[0]:.0f}, adaptive {faults[1]:.0f}")
 
 
 if __name__ == "__main__":

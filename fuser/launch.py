@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .backends._common import restrided
-from .replay import _bind, as_recorded
+from .replay import _bind, as_recorded, release_placeholders, restore_placeholders
 from .scalars import _scalar_tensor
 from .stats import STATS
 from .window import Out, Window
@@ -66,13 +66,18 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out], check: bool = 
     with as_recorded():
         for slot in copies:
             inputs[slot] = inputs[slot].clone()
-        outs = entry.run(inputs)
-        if check:
-            _check_outputs(entry, window, live, outs)
-        real = window.real_inputs
-        for slot in copies:
-            real[slot].copy_(inputs[slot])
-        return _write(entry, window, live, outs) + len(copies)
+        released = release_placeholders(live)  # Note [Placeholder memory at a compiled run]
+        try:
+            outs = entry.run(inputs)
+            if check:
+                _check_outputs(entry, window, live, outs)
+            real = window.real_inputs
+            for slot in copies:
+                real[slot].copy_(inputs[slot])
+            return _write(entry, window, live, outs) + len(copies)
+        except BaseException:  # the replay, or the NaN of a failed flush, writes the placeholders
+            restore_placeholders(released)
+            raise
 
 
 def _inputs(entry: _Entry, window: Window) -> list[torch.Tensor]:

@@ -167,6 +167,55 @@ class ReplayError(Exception):
         self.error = error
 
 
+_resize_storage = torch._C.StorageBase.resize_
+RELEASE_BYTES = 1 << 20  # Note [Placeholder memory at a compiled run]
+
+# Note [Placeholder memory at a compiled run]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A placeholder holds real memory from the op that recorded it (Note [Placeholders]); a compiled
+# region allocates its outputs anew, and binding adopts each output's storage and frees the
+# placeholder's. Left so, every flush holds each live value twice while its region runs and frees
+# one copy after: on CPU, glibc's malloc returns the freed top of its heap to the system (its
+# trim threshold), and the next step's allocations fault those pages in again. The MLP step
+# (3x Linear(1024), batch 64, SGD: its three 4 MiB weight gradients are the window's live values)
+# took ~960 minor page faults per step under adaptive eager against eager's 0.
+# So before the run, the storage of each live placeholder that holds at least ``RELEASE_BYTES``
+# and that nothing but the placeholder uses (no view, no ``.data``, no autograd copy, no stolen
+# gradient: the use count ``_bind``'s adoption reads) is resized to 0: its memory goes back to the
+# allocator, and the region's outputs take it. Nothing reads a placeholder while its window runs
+# (every Python-level read waits for the run: Note [Reads from other threads]); ``_bind`` then
+# adopts the result's storage, or, where it copies or swaps (a result in another layout), gives
+# the placeholder its memory back first; a run, a check or a binding that raises gives back all
+# of it (``restore_placeholders``) before the replay or the NaN of a failed flush writes there.
+# Smaller storages are left: each release is a call, and malloc serves small sizes from its bins.
+# (An ATen op in a thread without the mode reads a pending placeholder's memory unguarded: not
+# covered, Note [Reads from other threads]. During the run it meets an empty storage and may fail
+# or crash, where it read unwritten memory before.)
+
+
+def release_placeholders(live: list[Out]) -> list:
+    """Before a compiled run: give back the memory of each large placeholder that nothing else
+    shares (Note [Placeholder memory at a compiled run]); what ``restore_placeholders`` takes."""
+    released = []
+    for o in live:
+        storage = _from_weak(o.storage)
+        if storage is None:
+            continue
+        n = _nbytes(storage)
+        # this storage object and the placeholder's TensorImpl: no view, no autograd copy
+        if n >= RELEASE_BYTES and _storage_use_count(storage._cdata) <= 2:
+            _resize_storage(storage, 0)
+            released.append((storage, n))
+    return released
+
+
+def restore_placeholders(released: list) -> None:
+    """A compiled run that released placeholders failed: their memory back before a replay."""
+    for storage, n in released:
+        if _nbytes(storage) < n:
+            _resize_storage(storage, n)
+
+
 def _bind(out: Out, result: torch.Tensor) -> int:
     """Make ``result`` the value of ``out``'s placeholder; return the copy launches it took."""
     if not out.live:  # only later ops of this window read it: never written to the placeholder
@@ -176,6 +225,9 @@ def _bind(out: Out, result: torch.Tensor) -> int:
     if storage is None:  # it died during this flush: Note [Liveness during a flush]
         out.value = result
         return 0
+    if not _nbytes(storage) and result.numel():  # released for the run, and not adopted: back first
+        shape, stride = out.meta[0], out.meta[1]
+        _resize_storage(storage, (1 + sum((a - 1) * b for a, b in zip(shape, stride))) * result.element_size())
     placeholder = out.ref()
     if result.dtype is out.meta[2]:
         # the storage object ``storage`` and each TensorImpl over it count one; a result in

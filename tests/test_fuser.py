@@ -697,3 +697,103 @@ def test_a_compile_failure_is_one_warning_line_and_the_whole_error_is_debug(monk
     (entry,) = [e for e in fuser.regions.CACHE.entries.values() if e.blacklisted]
     assert f"region {entry.region}" in message
     assert any("detail" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def _compiled_entry():
+    (entry,) = [e for e in fuser.regions.CACHE.entries.values() if e.run is not None]
+    return entry
+
+
+def test_placeholders_give_their_memory_to_the_compiled_run(monkeypatch, fresh_regions):
+    """Note [Placeholder memory at a compiled run]: during the run, a placeholder only its own
+    tensor uses holds no memory; one the program holds a view of keeps it; both are then bound
+    without a copy and read eager's values."""
+    monkeypatch.setattr(fuser.replay, "RELEASE_BYTES", 1)
+    x = torch.randn(64, 32)
+
+    def program():
+        a = (x * 2).sin()
+        b = (x + 1).cos()
+        return a, b, b.t()  # b has a view the program keeps
+
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        keep = program()
+        ae.sync()
+        entry = _compiled_entry()
+        real, during = entry.run, []
+
+        def run(inputs):
+            during.append([s.nbytes() for s in held])
+            outs = real(inputs)
+            during.append([o.data_ptr() for o in outs[:2]])
+            return outs
+
+        entry.run = run
+        a, b, bt = program()
+        raw = torch._C.TensorBase.untyped_storage  # the patched one flushes
+        held = [raw(a), raw(b)]
+        copies = _count_bind_copies(monkeypatch)
+        ae.sync()
+    assert during[0] == [0, b.numel() * 4], during
+    assert [a.data_ptr(), b.data_ptr()] == during[1] or fuser.replay._swap_data_ptr is None
+    assert sum(copies) == 0, copies
+    torch.testing.assert_close(a, (x * 2).sin())
+    torch.testing.assert_close(bt, (x + 1).cos().t())
+
+
+def test_a_released_placeholder_the_run_does_not_fit_gets_its_memory_back(monkeypatch, fresh_regions):
+    """A result in another layout than eager's is copied into the placeholder, which was released
+    for the run: its memory comes back first."""
+    monkeypatch.setattr(fuser.replay, "RELEASE_BYTES", 1)
+    x = torch.randn(64, 32)
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        keep = (x * 2).sin()
+        ae.sync()
+        entry = _compiled_entry()
+        real = entry.run
+        entry.run = lambda inputs: [o.t().contiguous().t() if o.dim() == 2 else o for o in real(inputs)]
+        a = (x * 2).sin()
+        copies = _count_bind_copies(monkeypatch)
+        ae.sync()
+    assert copies == [1], copies
+    assert a.untyped_storage().nbytes() == a.numel() * 4 and a.stride() == (32, 1)
+    torch.testing.assert_close(a, (x * 2).sin())
+
+
+@pytest.mark.parametrize("where", ["run", "bind"])
+def test_a_failed_compiled_run_gives_released_placeholders_their_memory_back(monkeypatch, fresh_regions, where):
+    """The run raises (its window replays) or Ctrl-C comes while its outputs are bound (the values
+    not bound read NaN): no placeholder is left without its memory."""
+    monkeypatch.setattr(fuser.replay, "RELEASE_BYTES", 1)
+    x = torch.randn(64, 32)
+    with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
+        keep = (x * 2).sin(), (x + 1).cos()
+        ae.sync()
+        entry = _compiled_entry()
+        if where == "run":
+            def broken(inputs):
+                raise RuntimeError("bad kernel")
+            entry.run = broken
+        else:
+            bind, calls = fuser.launch._bind, []
+
+            def interrupted(out, result):
+                calls.append(out)
+                if len(calls) == 2:
+                    raise KeyboardInterrupt
+                return bind(out, result)
+            monkeypatch.setattr(fuser.launch, "_bind", interrupted)
+        a, b = (x * 2).sin(), (x + 1).cos()
+        try:
+            ae.sync()
+        except KeyboardInterrupt:
+            assert where == "bind"
+    for t in (a, b):
+        assert t.untyped_storage().nbytes() == t.numel() * 4
+    if where == "run":
+        torch.testing.assert_close(a, (x * 2).sin())
+        torch.testing.assert_close(b, (x + 1).cos())
+    else:
+        bound, unbound = (a, b) if not torch.isnan(a).any() else (b, a)
+        torch.testing.assert_close(bound, (x * 2).sin() if bound is a else (x + 1).cos())
+        assert torch.isnan(unbound).all()
