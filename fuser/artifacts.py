@@ -47,15 +47,15 @@ def submit_job(entry, backend, store, options) -> bool:
     """Hand the compile of region ``entry`` (its key claimed) to a worker; False if the jobs cannot
     take it (shut down at exit): the caller compiles it here instead. The region is then picked up
     from the store at a later sight (``entry.other_process``)."""
-    from .compile import failure_fingerprint
+    from .compile import cache_fingerprint
 
     store.release(entry.pkey)  # CompileJobs claims the key itself
     payload = json.dumps({"backend": backend.name, "device": options.device, "key": entry.pkey,
                           "program": entry.program.to_bytes().decode()}).encode()
     try:
         submitted = _jobs(store, options).submit(
-            entry.pkey, "fuser.compile:compile_job", payload, fingerprint=backend.fingerprint(), backend=backend.name,
-            failure_fingerprint=failure_fingerprint(backend),
+            entry.pkey, "fuser.compile:compile_job", payload, fingerprint=cache_fingerprint(backend),
+            backend=backend.name, failure_fingerprint=cache_fingerprint(backend),
         )
     except Exception as e:  # noqa: BLE001 - no worker for it: compiled here instead
         log.info("adaptive_eager: compiling in this process: %s", e)

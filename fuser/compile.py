@@ -155,21 +155,26 @@ def _compile_and_store(program: Program, backend, store, pkey: str):
     try:
         artifact, lifted_inputs, how = compile_program(program, backend)
         seconds = time.perf_counter() - t0
-        store.put(pkey, _pack(artifact, lifted_inputs, how, pkey), fingerprint=backend.fingerprint(),
+        store.put(pkey, _pack(artifact, lifted_inputs, how, pkey), fingerprint=cache_fingerprint(backend),
                   backend=backend.name, compile_seconds=seconds)
     except Exception as e:
-        store.put_failure(pkey, _failure_reason(e), fingerprint=failure_fingerprint(backend), backend=backend.name)
+        store.put_failure(pkey, _failure_reason(e), fingerprint=cache_fingerprint(backend), backend=backend.name)
         raise
     finally:
         store.release(pkey)
     return _load_artifact(artifact, how, backend), lifted_inputs, seconds, how
 
 
-def failure_fingerprint(backend) -> str:
-    """What a remembered failure is kept and read under (Note [Remembered failures] in
-    neff_cache.store): the backend's fingerprint and ``library_digest()``, so a failure a bug of
-    ours caused does not outlive the version that fixes it."""
+def cache_fingerprint(backend) -> str:
+    """What a region's persistent key is made with, and its artifact and a remembered failure are
+    kept and read under (Note [Remembered failures] in neff_cache.store): the backend's fingerprint
+    and ``library_digest()``. An artifact is what our lowering made of the program (the graph
+    ``fuser.compiled`` builds, the backend's wrapping of it), so one that a bug of ours made wrong
+    lapses with the version (or the edit) that fixes it, as a failure does, instead of running
+    until someone remembers to bump a format number; the price is one compile per region after
+    each upgrade of the library, as after one of torch."""
     return f"{backend.fingerprint()}|library-{library_digest()}"
+
 
 
 def _failure_reason(error: BaseException) -> str:

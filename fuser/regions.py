@@ -30,7 +30,7 @@ import torch
 
 from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submit_job
 from .compilable import _checks, _not_compilable
-from .compile import _Unverified, _compile_and_store, _failure_reason, _load, failure_fingerprint
+from .compile import _Unverified, _compile_and_store, _failure_reason, _load, cache_fingerprint
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, replay_window
 from .program import Program
@@ -194,7 +194,7 @@ def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
         if entry.program is None and not _describe(entry, flush, backend):
             return _Plan("replay", entry.blacklisted)
         store = _store(options)
-        data = store.get(entry.pkey, fingerprint=backend.fingerprint())
+        data = store.get(entry.pkey, fingerprint=cache_fingerprint(backend))
         if data is not None:
             return _Plan("load", data=data)
         if entry.other_process and abandoned(entry.pkey, store):
@@ -304,7 +304,7 @@ def _describe(entry: _Entry, flush: _Flush, backend) -> bool:
                                   inplace=getattr(backend, "writes_inputs", False),
                                   stores_after_run=getattr(backend, "stores_after_run", False))
     try:
-        pkey = program.digest(backend.fingerprint())
+        pkey = program.digest(cache_fingerprint(backend))
     except TypeError as e:
         STATS.not_compiled["unencodable_argument"] += 1
         entry.blacklisted = "unencodable_argument"
@@ -353,7 +353,7 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
         sym = cls.sym = _Entry()
         sym.dynamic = True
         sym.program = _with_symbols(entry.program, cls)
-        sym.pkey = sym.program.digest(backend.fingerprint())
+        sym.pkey = sym.program.digest(cache_fingerprint(backend))
         sym.region = sym.pkey[:8]
         sym.n_live, sym.mutated, sym.counts = entry.n_live, entry.mutated, entry.counts  # Note [Derived entries]
     outcome = "compiled"
@@ -364,7 +364,7 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
             poll_jobs()
         if not sym.blacklisted:
             store = _store(options)
-            data = store.get(sym.pkey, fingerprint=backend.fingerprint())
+            data = store.get(sym.pkey, fingerprint=cache_fingerprint(backend))
             if data is None and sym.other_process and abandoned(sym.pkey, store):
                 sym.other_process = False  # compiled below, by this process
             if data is not None or not sym.other_process:
@@ -411,7 +411,7 @@ def poll_jobs() -> None:
 def _failed_before(entry: _Entry, store, backend) -> bool:
     """Whether compiling ``entry`` failed in an earlier process (Note [Remembered failures] in
     neff_cache.store); if so it is handled as that failure was, without compiling again."""
-    reason = store.failure(entry.pkey, fingerprint=failure_fingerprint(backend))
+    reason = store.failure(entry.pkey, fingerprint=cache_fingerprint(backend))
     if reason is None:
         return False
     _compile_failed(entry, reason, f"compile failed in an earlier process (remembered in {store.directory})",

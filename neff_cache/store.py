@@ -10,9 +10,10 @@ A compile that raised is remembered as a row ``fail/v{N}/{key}`` beside the arti
 reason and the fingerprint, so that other processes replay the region instead of paying the same
 failing compile. It is small, is evicted with the least-recently-used entries, and lapses after a
 day, so a compiler installed or fixed meanwhile gets its chance (a new fingerprint is a new key).
-The fuser keeps and reads failures under its backend's fingerprint and a digest of the library's
-own source (``fuser.compile.failure_fingerprint``, ``fuser._library``): a failure that a bug of ours caused (a compile
-worker where the emulated device did not come up, once) lapses with the version that fixes it.
+The fuser keeps and reads failures, as it does artifacts, under its backend's fingerprint and a
+digest of the library's own source (``fuser.compile.cache_fingerprint``, ``fuser._library``): a
+failure that a bug of ours caused (a compile worker where the emulated device did not come up,
+once), or an artifact a bug of our lowering made wrong, lapses with the version that fixes it.
 
 Note [Orphaned files]
 diskcache writes a large value's file before the row that names it, and removes a file after the

@@ -281,6 +281,23 @@ def test_a_failure_remembered_by_another_version_of_the_library_is_not_believed(
     assert second["compile_failures"] == 1 and "failed_before" not in second["not_compiled"]
 
 
+def test_an_artifact_stored_by_another_version_of_the_library_is_not_loaded(tmp_path, monkeypatch):
+    """An artifact is what our lowering made of a program, so it is keyed by the library's digest
+    too (``fuser.compile.cache_fingerprint``): one a bug of ours made wrong is not run by the
+    version that fixes it; the same version loads it."""
+    import fuser._library
+
+    c = unique_constant()
+    monkeypatch.setattr(fuser._library, "_LIBRARY_DIGEST", ["an-older-version"])
+    first = run_here(tmp_path, c)
+    assert first["compiles"] == 1
+    monkeypatch.setattr(fuser._library, "_LIBRARY_DIGEST", [])  # this version's digest, made afresh
+    second = run_here(tmp_path, c)
+    assert second["compiles"] == 1 and second["cache_hits_disk"] == 0, "another version's artifact was run"
+    third = run_here(tmp_path, c)
+    assert third["compiles"] == 0 and third["cache_hits_disk"] == 1
+
+
 # ------------------------------------------------------------------ full and read-only disks
 
 
