@@ -169,6 +169,7 @@ class ReplayError(Exception):
 
 _resize_storage = torch._C.StorageBase.resize_
 RELEASE_BYTES = 1 << 20  # Note [Placeholder memory at a compiled run]
+_RELEASING = ("cpu", "cuda")
 
 # Note [Placeholder memory at a compiled run]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -188,6 +189,9 @@ RELEASE_BYTES = 1 << 20  # Note [Placeholder memory at a compiled run]
 # the placeholder its memory back first; a run, a check or a binding that raises gives back all
 # of it (``restore_placeholders``) before the replay or the NaN of a failed flush writes there.
 # Smaller storages are left: each release is a call, and malloc serves small sizes from its bins.
+# Only the CPU and CUDA allocators are asked (``_RELEASING``): the emulated ``neuron`` device's
+# wrapper storage refuses a resize (its region was blacklisted at the first try), and a real
+# device's allocator is not known here.
 # (An ATen op in a thread without the mode reads a pending placeholder's memory unguarded: not
 # covered, Note [Reads from other threads]. During the run it meets an empty storage and may fail
 # or crash, where it read unwritten memory before.)
@@ -202,8 +206,9 @@ def release_placeholders(live: list[Out]) -> list:
         if storage is None:
             continue
         n = _nbytes(storage)
-        # this storage object and the placeholder's TensorImpl: no view, no autograd copy
-        if n >= RELEASE_BYTES and _storage_use_count(storage._cdata) <= 2:
+        # this storage object and the placeholder's TensorImpl: no view, no autograd copy; and an
+        # allocator that takes the memory back (not a wrapper's empty storage: Note [Emulated storage])
+        if n >= RELEASE_BYTES and _storage_use_count(storage._cdata) <= 2 and storage.device.type in _RELEASING:
             _resize_storage(storage, 0)
             released.append((storage, n))
     return released

@@ -507,3 +507,24 @@ def test_opinfo_float32_samples_on_the_emulated_device_agree_with_eager(tmp_path
     out = _pytest_on_neuron(tmp_path, "-s", "tests/test_stablehlo.py", "-k", "opinfo",
                             env={"AE_TEST_STABLEHLO_OPINFO": "1", "AE_TEST_OPINFO_OPS": "50"})
     assert "OpInfo float32 samples on neuron compiled by stablehlo" in out and "1 passed" in out
+
+
+@needs_stablehlo
+def test_a_large_value_of_a_compiled_region_on_the_device_runs_compiled(tmp_path):
+    """A placeholder of >= 1 MiB is released for its compiled run only on an allocator that takes
+    the memory back (Note [Placeholder memory at a compiled run] in fuser.replay): the emulated
+    device's wrapper storage cannot be resized, and its region was blacklisted by the attempt."""
+    out = _child("""
+        import json
+        ae.emulate_neuron()
+        x = torch.randn(1024, 512).to("neuron")  # 2 MiB
+        with ae.adaptive_eager(hot_after=1, async_compile=False):
+            for _ in range(3):
+                y = (x * 2).sin() + 1
+                ae.sync()
+        m = ae.metrics()
+        print(json.dumps({"close": torch.allclose(y.cpu(), (x.cpu() * 2).sin() + 1, atol=1e-6),
+                          "compiled_runs": m["compiled_runs"], "blacklisted": m["blacklisted"]}))
+        """, tmp_path)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"close": True, "compiled_runs": 3, "blacklisted": 0}, out
