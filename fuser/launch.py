@@ -66,8 +66,9 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out], check: bool = 
     with as_recorded():
         for slot in copies:
             inputs[slot] = inputs[slot].clone()
-        released = release_placeholders(live)  # Note [Placeholder memory at a compiled run]
+        released: list = []
         try:
+            release_placeholders(live, released)  # Note [Placeholder memory at a compiled run]
             outs = entry.run(inputs)
             if check:
                 _check_outputs(entry, window, live, outs)

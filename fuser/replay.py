@@ -197,10 +197,10 @@ _RELEASING = ("cpu", "cuda")
 # or crash, where it read unwritten memory before.)
 
 
-def release_placeholders(live: list[Out]) -> list:
+def release_placeholders(live: list[Out], released: list) -> None:
     """Before a compiled run: give back the memory of each large placeholder that nothing else
-    shares (Note [Placeholder memory at a compiled run]); what ``restore_placeholders`` takes."""
-    released = []
+    shares (Note [Placeholder memory at a compiled run]), listed in ``released`` before its resize
+    (a Ctrl-C between the two leaves nothing for ``restore_placeholders`` to miss)."""
     for o in live:
         storage = _from_weak(o.storage)
         if storage is None:
@@ -209,9 +209,8 @@ def release_placeholders(live: list[Out]) -> list:
         # this storage object and the placeholder's TensorImpl: no view, no autograd copy; and an
         # allocator that takes the memory back (not a wrapper's empty storage: Note [Emulated storage])
         if n >= RELEASE_BYTES and _storage_use_count(storage._cdata) <= 2 and storage.device.type in _RELEASING:
-            _resize_storage(storage, 0)
             released.append((storage, n))
-    return released
+            _resize_storage(storage, 0)
 
 
 def restore_placeholders(released: list) -> None:

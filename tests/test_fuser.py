@@ -760,10 +760,11 @@ def test_a_released_placeholder_the_run_does_not_fit_gets_its_memory_back(monkey
     torch.testing.assert_close(a, (x * 2).sin())
 
 
-@pytest.mark.parametrize("where", ["run", "bind"])
+@pytest.mark.parametrize("where", ["run", "bind", "release"])
 def test_a_failed_compiled_run_gives_released_placeholders_their_memory_back(monkeypatch, fresh_regions, where):
-    """The run raises (its window replays) or Ctrl-C comes while its outputs are bound (the values
-    not bound read NaN): no placeholder is left without its memory."""
+    """The run raises (its window replays), or Ctrl-C comes while its outputs are bound or right
+    after a placeholder's release (the values not bound read NaN): no placeholder is left without
+    its memory."""
     monkeypatch.setattr(fuser.replay, "RELEASE_BYTES", 1)
     x = torch.randn(64, 32)
     with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
@@ -774,6 +775,15 @@ def test_a_failed_compiled_run_gives_released_placeholders_their_memory_back(mon
             def broken(inputs):
                 raise RuntimeError("bad kernel")
             entry.run = broken
+        elif where == "release":
+            resize, calls = fuser.replay._resize_storage, []
+
+            def interrupted_after(storage, n):
+                resize(storage, n)
+                if n == 0 and not calls:
+                    calls.append(storage)
+                    raise KeyboardInterrupt
+            monkeypatch.setattr(fuser.replay, "_resize_storage", interrupted_after)
         else:
             bind, calls = fuser.launch._bind, []
 
@@ -787,10 +797,12 @@ def test_a_failed_compiled_run_gives_released_placeholders_their_memory_back(mon
         try:
             ae.sync()
         except KeyboardInterrupt:
-            assert where == "bind"
+            assert where != "run"
     for t in (a, b):
         assert t.untyped_storage().nbytes() == t.numel() * 4
-    if where == "run":
+    if where == "release":
+        assert torch.isnan(a).all() and torch.isnan(b).all()
+    elif where == "run":
         torch.testing.assert_close(a, (x * 2).sin())
         torch.testing.assert_close(b, (x + 1).cos())
     else:
