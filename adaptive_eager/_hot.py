@@ -123,7 +123,7 @@ from __future__ import annotations
 import torch
 from fuser import replay as _replay  # a module, not its names: ``import torch`` in a process that
 # imports fuser first (a compile worker) loads adaptive eager while fuser.replay is half-imported
-from fuser.window import FRESH, Node, Out, Window, finish_hot
+from fuser.window import FRESH, Node, Out, Window, finish_hot, storage_bytes
 
 from . import _ops
 from ._metrics import METRICS
@@ -156,14 +156,6 @@ class _Pos:
         self.nbytes = 0  # what it adds to ``Window.pending_bytes``
         self.source = None  # the user's line of the template's op here
         self.sig_end = 0  # where its entries end in ``Template.sigs``
-
-
-def _storage_bytes(spec) -> int:
-    """What ``_meta`` counts for a fresh output: its ``empty_strided`` storage's bytes."""
-    shape, stride, dtype = spec
-    if any(s == 0 for s in shape):
-        return 0
-    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
 
 
 class Template:
@@ -292,7 +284,7 @@ def template_of(st, window: Window, entry) -> Template | None:
         if not f.fast_inplace:
             p.spec = o.meta
             p.shape, p.stride, p.dtype = o.meta
-            p.nbytes = _storage_bytes(o.meta)
+            p.nbytes = storage_bytes(o.meta)
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         refs = [ref for _, ref in tensors]
         if window.sigs[end + 1: end + 1 + len(refs)] != refs:

@@ -52,10 +52,11 @@ def submit_job(entry, backend, store, options) -> bool:
     store.release(entry.pkey)  # CompileJobs claims the key itself
     payload = json.dumps({"backend": backend.name, "device": options.device, "key": entry.pkey,
                           "program": entry.program.to_bytes().decode()}).encode()
+    fingerprint = cache_fingerprint(backend)  # artifacts and failures alike
     try:
         submitted = _jobs(store, options).submit(
-            entry.pkey, "fuser.compile:compile_job", payload, fingerprint=cache_fingerprint(backend),
-            backend=backend.name, failure_fingerprint=cache_fingerprint(backend),
+            entry.pkey, "fuser.compile:compile_job", payload, fingerprint=fingerprint, backend=backend.name,
+            failure_fingerprint=fingerprint,
         )
     except Exception as e:  # noqa: BLE001 - no worker for it: compiled here instead
         log.info("adaptive_eager: compiling in this process: %s", e)

@@ -176,7 +176,6 @@ def cache_fingerprint(backend) -> str:
     return f"{backend.fingerprint()}|library-{library_digest()}"
 
 
-
 def _failure_reason(error: BaseException) -> str:
     """How a failed compile is remembered: the exception as a traceback ends with it, as a compile worker
     reports it (``JobResult.failure``), so both kinds are handled alike by ``_compile_failed``."""

@@ -13,7 +13,7 @@ from operator import attrgetter, not_
 
 import torch
 
-from .window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot
+from .window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot, storage_bytes
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched: see adaptive_eager._patches
@@ -230,8 +230,7 @@ def _bind(out: Out, result: torch.Tensor) -> int:
         out.value = result
         return 0
     if not _nbytes(storage) and result.numel():  # released for the run, and not adopted: back first
-        shape, stride = out.meta[0], out.meta[1]
-        _resize_storage(storage, (1 + sum((a - 1) * b for a, b in zip(shape, stride))) * result.element_size())
+        _resize_storage(storage, storage_bytes(out.meta))
     placeholder = out.ref()
     if result.dtype is out.meta[2]:
         # the storage object ``storage`` and each TensorImpl over it count one; a result in

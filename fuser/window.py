@@ -69,6 +69,15 @@ FRESH, ALIAS, VIEW = 0, 1, 2
 OUTS_PER_NODE = 1 << 16  # uid = (node index + 1) * OUTS_PER_NODE + output index
 
 
+def storage_bytes(meta) -> int:
+    """The bytes of a FRESH value's placeholder storage (``empty_strided`` of its ``Out.meta``:
+    shape, strides, dtype), as the tracer's meta counts them."""
+    shape, stride, dtype = meta[0], meta[1], meta[2]
+    if any(s == 0 for s in shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
+
+
 # Note [Window signature] (the decoder): the tracer gives each op signature an id and records here how
 # many dataflow refs follow that id in ``Window.sigs``. Not bounded: a window open in any thread may
 # hold any id ever given, and decoding it needs that id's arity (two ints an id).
