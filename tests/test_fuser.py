@@ -73,10 +73,12 @@ def test_a_region_that_fails_to_compile_is_blacklisted_and_replayed(monkeypatch,
 
     backend = get_backend("inductor", "cpu")
 
-    def broken(gm, example_inputs):
+    def broken(self, gm, example_inputs):
         raise {"RuntimeError": RuntimeError, "BackendCompileError": BackendCompileError}[error]("compiler crashed")
 
-    monkeypatch.setattr(backend, "compile", broken)
+    # on the class: an instance attribute stays behind after the undo (monkeypatch sets the bound
+    # method back on the instance), and hides a later test's patch of the class
+    monkeypatch.setattr(type(backend), "compile", broken)
     x = torch.randn(16)
     with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir())):
         for _ in range(3):
@@ -680,10 +682,10 @@ def test_a_compile_failure_is_one_warning_line_and_the_whole_error_is_debug(monk
 
     from fuser.backends import BackendCompileError, get_backend
 
-    def broken(gm, example_inputs):
+    def broken(self, gm, example_inputs):
         raise BackendCompileError("inductor: cannot compile aten.cos.default (node cos): boom\n" + "detail\n" * 20)
 
-    monkeypatch.setattr(get_backend("inductor", "cpu"), "compile", broken)
+    monkeypatch.setattr(type(get_backend("inductor", "cpu")), "compile", broken)  # the class: see above
     x = torch.randn(16)
     with adaptive_eager(**SYNC, cache_dir=str(_fresh_dir()), log="debug"):
         for _ in range(3):

@@ -588,14 +588,14 @@ def test_an_in_place_region_whose_output_the_collector_frees_updates_parameters_
     compiled at first sight, between the flush's liveness read and its outputs' binding."""
     from fuser.backends import get_backend
 
-    backend = get_backend("inductor", "cpu")
-    compile_window = backend.compile
+    backend_class = type(get_backend("inductor", "cpu"))
+    compile_window = backend_class.compile
 
-    def collecting(gm, inputs):
+    def collecting(self, gm, inputs):
         gc.collect()
-        return compile_window(gm, inputs)
+        return compile_window(self, gm, inputs)
 
-    monkeypatch.setattr(backend, "compile", collecting)
+    monkeypatch.setattr(backend_class, "compile", collecting)  # the class: no instance attribute left behind
     torch.manual_seed(0)
     model, reference = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
     reference.load_state_dict(model.state_dict())
