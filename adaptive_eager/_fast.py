@@ -7,8 +7,10 @@ and one for its output metadata (none for a hot record)."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
-from fuser.window import FRESH, OUTS_PER_NODE, HotRef as _HotRef, Node, Out, Window
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, HotRef as _HotRef, Node, Out, Window, finish_hot
 
 from ._metrics import METRICS
 from ._record import _DECLINED, _alias_out, _append, _cut, _decline, _demote, _dtype_changed, _numbers, _placeholder
@@ -20,6 +22,7 @@ _Tensor = torch.Tensor
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _storage_use_count = torch._C._storage_Use_Count
 _new = object.__new__
+_weakref = weakref.ref
 
 
 # Note [Record fast path]
@@ -145,6 +148,79 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:
         _cut(st, window)
     return res
+
+
+def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
+    """Record a view in a hot window against its template's position (Note [Hot views] in
+    ``_hot``): the real view, its VIEW Out and slot as ``_record._record_view`` makes them, without
+    the signature or the Node; ``_DECLINED`` (nothing changed) when it does not match."""
+    nodes = window.nodes
+    i = len(nodes)
+    ops = window.hot.ops
+    real = window.real_inputs
+    n0 = len(real)
+    if i >= len(ops):
+        return _miss(window, n0, "past_end")
+    p = ops[i]
+    if p.f is not f or len(args) != p.n:
+        return _miss(window, n0, "op")
+    a = args[0]
+    ref = p.tensors[0][1]
+    o = getattr(a, "_ae", None)
+    token = window.token
+    if ref > 0:
+        if o is None or o.win is not token or o.uid != ref:
+            return _miss(window, n0, "binding")
+        slot = o.slot
+    else:
+        if not isinstance(a, _Tensor) or (o is not None and (o.win is token or pending_mark(o))):
+            return _miss(window, n0, "binding")
+        slot = -1 - ref
+        if not (slot < n0 and real[slot] is a):
+            if window.slots.get(id(a)) is not None or slot != n0:
+                return _miss(window, n0, "binding")
+            shape, stride, dtype = window.hot.slot_meta[slot]
+            if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
+                return _miss(window, n0, "metadata")
+            window.slots[id(a)] = slot
+            real.append(a)
+        if a.storage_offset() != p.offset:  # part of a view's signature
+            return _miss(window, n0, "metadata")
+    for pos, v in p.consts:
+        x = args[pos]
+        if x.__class__ is not v.__class__ or x != v:
+            return _miss(window, n0, "scalar")
+    if kwargs or p.kw:
+        if len(kwargs or ()) != len(p.kw):
+            return _miss(window, n0, "scalar")
+        for name, v in p.kw:
+            x = kwargs.get(name, _DECLINED)
+            if x.__class__ is not v.__class__ or x != v:
+                return _miss(window, n0, "scalar")
+    res = f.func(*args, **kwargs) if kwargs else f.func(*args)  # views read no data: the real view now
+    if ref > 0:
+        # a view shares its value's storage: that value is live while its storage is, from here on
+        root = o
+        while root.kind == ALIAS and type(root.alias) is Out:
+            root = root.alias
+        if root.kind == FRESH and root.storage is None:
+            _pin(window, root, a)
+    elif p.viewed:
+        window.viewed.add(_untyped_storage(a)._cdata)
+    vo = Out(token, VIEW, p.uid, p.spec, _weakref(res), slot=slot)  # held weakly (Note [Weak window])
+    res._ae = vo
+    window.others.append(vo)
+    nodes.append(vo)  # its hot record; a view adds no bytes and makes no cut, as in a full recording
+    return res
+
+
+def _pin(window: Window, o: Out, t) -> None:
+    """A view of hot FRESH value ``o`` (placeholder ``t``) was made: from now on ``o`` is live while
+    its storage is, as in a full recording (Note [Hot views] in ``_hot``)."""
+    h = _untyped_storage(t)._weak_ref()
+    finish_hot(o, _weakref(t), h)
+    window.fresh.append(o)
+    window.handles.append(h)
 
 
 def _record_fast(st: TracerState, f, args, kwargs):

@@ -41,8 +41,32 @@ position: the same op at the same position of the same structure comes, in a loo
 line; a structure reached from two call sites names the one the template saw.
 
 Hot recording is for a CPU target (one device, the placeholders' ``alloc_cpu``); a template is made
-only of windows whose every op the fast path records (no views, no general-path ops: those windows
-are recorded in full). ``hot_windows=False`` (``NEURON_EAGER_HOT_WINDOWS=0``) turns it off.
+only of windows whose every op is a view (Note [Hot views]) or an op of the fast path's kind
+(``OpFacts.fast``, with or without keywords, or ``fast_inplace``); a window with any other op is
+recorded in full. ``hot_windows=False`` (``NEURON_EAGER_HOT_WINDOWS=0``) turns it off.
+
+Note [Hot views]
+~~~~~~~~~~~~~~~~
+A training step's window is a third views: ``nn.Linear``'s ``W.t()``, autograd's ``detach`` of each
+saved output and of each gradient it stores in ``.grad``, a bias gradient's ``view`` (27 of the
+suite's 48-op MLP step). Until they were validated, no such window was ever hot. A view's position
+(``_view_pos``) holds its viewed value (an earlier Out's uid, or a real input's slot, with that
+input's storage offset: a view's signature holds it) and its other arguments, compared equal;
+``_fast._record_hot_view`` makes the real view (views read no data) and its VIEW Out exactly as
+``_record._record_view`` does, with no signature and no Node, and adds no bytes and makes no cut, as
+a full recording does not. Fast-path ops called with keywords (the backward's
+``ones_like(memory_format=)``, ``add(alpha=)``), which the general path records with the same
+entries, are validated as the fast path's are, their keywords compared.
+
+One rule keeps liveness what a full recording has (Note [Hot liveness] rests on a value's memory
+being reachable only through its tensor): a view shares its value's storage, and may outlive the
+value's tensor (``detach`` has no ``_base`` to keep it), so the moment a view of a hot FRESH value
+(or of an in-place write of one) is made, that value is *pinned* (``_fast._pin``): it gets its
+storage handle and a place in ``Window.fresh`` at once, and from then on it is live while its
+storage is, as in a full recording. ``fuser.replay.adopt_hot`` merges the pinned values with the
+survivors, in window order. tests/test_hot_windows.py keeps values only through a view, a view of a
+view, a ``detach``, views and in-place writes in both orders, and compares windows demoted at a
+view, a keyword and a real input's offset with full recordings.
 
 Note [Hot liveness]
 ~~~~~~~~~~~~~~~~~~~
@@ -123,7 +147,7 @@ from __future__ import annotations
 import torch
 from fuser import replay as _replay  # a module, not its names: ``import torch`` in a process that
 # imports fuser first (a compile worker) loads adaptive eager while fuser.replay is half-imported
-from fuser.window import FRESH, Node, Out, Window, finish_hot, storage_bytes
+from fuser.window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot, storage_bytes
 
 from . import _ops
 from ._metrics import METRICS
@@ -136,7 +160,7 @@ class _Pos:
     """One position of a template: what recording its op produced (Note [Hot windows])."""
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
-                 "nbytes", "source", "sig_end", "pending")
+                 "nbytes", "source", "sig_end", "pending", "view", "offset", "viewed")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -156,6 +180,11 @@ class _Pos:
         self.nbytes = 0  # what it adds to ``Window.pending_bytes``
         self.source = None  # the user's line of the template's op here
         self.sig_end = 0  # where its entries end in ``Template.sigs``
+        # a view (Note [Hot views]): its Out is a VIEW Out; a real input's storage offset, which its
+        # signature holds, and whether it joins ``Window.viewed`` (a real one-element tensor)
+        self.view = False
+        self.offset = 0
+        self.viewed = False
 
 
 class Template:
@@ -217,9 +246,10 @@ class Template:
                     args[pos] = scalars[fbase + j]
                 else:
                     floats[pos] = scalars[fbase + j]
-            kwargs = {name: floats[name] if v is float else v for name, v in p.kw}
+            kwargs = {name: floats[name] if v is float and not p.view else v for name, v in p.kw}
             node = Node(p.f.func, args, kwargs, inputs, p.source, k)
             node.mutates = p.f.fast_inplace
+            node.is_view = p.view
             node.outs.append(out)
             if p.fpos:
                 node.fbase = fbase
@@ -256,37 +286,54 @@ def template_of(st, window: Window, entry) -> Template | None:
     lifted_inputs = {i for i, _ in entry.lifted_inputs}
     for node in window.nodes:
         f = _ops.FACTS.get(node.func)
-        if f is None or node.is_view or len(node.outs) != 1 or not ((f.fast and not node.kwargs) or f.fast_inplace):
+        if f is None or len(node.outs) != 1:
             return None
-        p = _Pos()
-        p.f, p.n, p.source = f, len(node.args), node.source
-        lifted = [x for x in node.fpos if type(x) is int]
-        tensors, pending, consts = [], [], []
-        for j, a in enumerate(node.args):
-            if type(a) is Out:
-                tensors.append((j, a.uid))
-                pending.append(j)
-            elif isinstance(a, _Tensor):
-                if not a.is_cpu or (scalar_fast_path and a.numel() == 1):
-                    return None  # the fast path declines it
-                tensors.append((j, -1 - slots[id(a)]))
-            elif j not in lifted:
-                consts.append((j, a))
-        if not tensors:
-            return None
-        p.tensors, p.pending, p.consts, p.fpos = tuple(tensors), tuple(pending), tuple(consts), list(node.fpos)
-        # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])
-        p.fvals = [None if node.fbase + j in lifted_inputs else window.scalars[node.fbase + j]
-                   for j in range(len(node.fpos))]
-        p.kw = tuple((name, float if name in node.fpos else v) for name, v in node.kwargs.items())
-        o = node.outs[0]
-        p.uid = o.uid
-        if not f.fast_inplace:
-            p.spec = o.meta
-            p.shape, p.stride, p.dtype = o.meta
-            p.nbytes = storage_bytes(o.meta)
+        if node.is_view:
+            p = _view_pos(node, f, window, scalar_fast_path)
+            if p is None:
+                return None
+            refs = [p.tensors[0][1]]
+        else:
+            # the fast path's ops, with or without keywords (``ones_like(memory_format=)``, ``add(alpha=)``:
+            # the general path records those, with the same entries)
+            if not (f.fast or f.fast_inplace) or node.mutates != f.fast_inplace:
+                return None
+            p = _Pos()
+            p.f, p.n, p.source = f, len(node.args), node.source
+            if any(type(x) is not int and type(x) is not str for x in node.fpos):
+                return None  # a float of a list: not a position _record_hot reads
+            lifted = [x for x in node.fpos if type(x) is int]
+            tensors, pending, consts = [], [], []
+            for j, a in enumerate(node.args):
+                if type(a) is Out:
+                    tensors.append((j, a.uid))
+                    pending.append(j)
+                elif isinstance(a, _Tensor):
+                    if not a.is_cpu or (scalar_fast_path and a.numel() == 1):
+                        return None  # the fast path declines it
+                    tensors.append((j, -1 - slots[id(a)]))
+                elif j not in lifted:
+                    consts.append((j, a))
+            if not tensors:
+                return None
+            p.tensors, p.pending, p.consts, p.fpos = tuple(tensors), tuple(pending), tuple(consts), list(node.fpos)
+            # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])
+            p.fvals = [None if node.fbase + j in lifted_inputs else window.scalars[node.fbase + j]
+                       for j in range(len(node.fpos))]
+            for name, v in node.kwargs.items():
+                if isinstance(v, _Tensor) or type(v) is Out:
+                    return None
+            p.kw = tuple((name, float if name in node.fpos else v) for name, v in node.kwargs.items())
+            o = node.outs[0]
+            if o is None or o.kind != (ALIAS if f.fast_inplace else FRESH):
+                return None
+            p.uid = o.uid
+            if not f.fast_inplace:
+                p.spec = o.meta
+                p.shape, p.stride, p.dtype = o.meta
+                p.nbytes = storage_bytes(o.meta)
+            refs = [ref for _, ref in tensors]
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
-        refs = [ref for _, ref in tensors]
         if window.sigs[end + 1: end + 1 + len(refs)] != refs:
             return None  # not what the fast path records: never guess
         end = p.sig_end = end + 1 + len(refs)
@@ -296,6 +343,40 @@ def template_of(st, window: Window, entry) -> Template | None:
     slot_meta = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in window.real_inputs]
     return Template(ops, list(window.sigs), slot_meta, entry, tuple(o.uid for o in window.live), st.dtype,
                     st.options)
+
+
+def _view_pos(node: Node, f, window: Window, scalar_fast_path: bool) -> _Pos | None:
+    """The template position of a recorded view (Note [Hot views]); None for one a hot record does
+    not take (several outputs, a tensor among its other arguments)."""
+    if f.returns_list or f.nrets != 1 or not node.args:
+        return None
+    o = node.outs[0]
+    if o is None or o.kind != VIEW:
+        return None
+    p = _Pos()
+    p.f, p.n, p.source, p.view = f, len(node.args), node.source, True
+    a = node.args[0]
+    if type(a) is Out:
+        p.tensors = p.pending = ((0, a.uid),)
+    elif isinstance(a, _Tensor) and a.is_cpu:
+        p.tensors = ((0, -1 - window.slots[id(a)]),)
+        p.offset = a.storage_offset()
+        p.viewed = scalar_fast_path and a.numel() == 1
+    else:
+        return None
+    for j, v in enumerate(node.args[1:], 1):
+        if isinstance(v, _Tensor) or type(v) is Out:
+            return None
+        if type(v) in (list, tuple) and any(isinstance(x, _Tensor) or type(x) is Out for x in v):
+            return None
+    for v in node.kwargs.values():
+        if isinstance(v, _Tensor) or type(v) is Out:
+            return None
+    p.consts = tuple(enumerate(node.args[1:], 1))
+    p.kw = tuple(node.kwargs.items())
+    p.spec = o.meta
+    p.uid = o.uid
+    return p
 
 
 def expect_hot(st) -> None:

@@ -18,7 +18,7 @@ from ._eager import _eager, _reason_for_unrecordable, _touches_target
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
 from ._ops import ALLOC, BATCH_NORM, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
-from ._fast import _record_fast, _record_hot
+from ._fast import _record_fast, _record_hot, _record_hot_view
 from ._meta import _Resizes
 from ._record import _DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs
 from ._state import TracerState, _default_dtype, _on_target, _register, _step_back, _tls, _unregister, current_state
@@ -175,22 +175,28 @@ class LazyMode(TorchDispatchMode):
                 f = facts_for(func)
             kind = f.kind
             if kind == RECORD:
-                if (f.fast and not kwargs) or f.fast_inplace:
+                if f.fast or f.fast_inplace:
                     window = st.window
                     if window.hot is not None:  # Note [Hot windows] in _hot
                         res = _record_hot(st, window, f, args, kwargs)  # kwargs None or a dict
                         if res is not _DECLINED:
                             return res
-                    if kwargs is None:
-                        kwargs = {}
-                    res = _record_fast(st, f, args, kwargs)
+                    if not kwargs or f.fast_inplace:
+                        if kwargs is None:
+                            kwargs = {}
+                        res = _record_fast(st, f, args, kwargs)
+                        if res is not _DECLINED:
+                            return res
+                return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
+            if kind == VIEW_OP:
+                window = st.window
+                if window.hot is not None:  # Note [Hot views] in _hot
+                    res = _record_hot_view(st, window, f, args, kwargs)  # kwargs None or a dict
                     if res is not _DECLINED:
                         return res
-                return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
+                return _record_view(st, f, args, kwargs if kwargs is not None else {})
             if kwargs is None:
                 kwargs = {}
-            if kind == VIEW_OP:
-                return _record_view(st, f, args, kwargs)
             if kind == ALLOC:
                 return func(*args, **kwargs)
             if kind == RANDOM_FILL:

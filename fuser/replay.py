@@ -84,15 +84,23 @@ def adopt_hot(window: Window) -> None:
     window.alive = window.discard = None
     outs = []
     for r in refs:
+        o = r.out
+        if o.storage is not None:
+            continue  # a viewed value, live by its storage already (Note [Hot views] in adaptive_eager._hot)
         t = r()
         if t is not None:
-            o = r.out
             finish_hot(o, _weakref(t), _untyped_storage(t)._weak_ref())  # Note [Hot Outs] in fuser.window
             outs.append(o)
+    # a hot window was hot from its first op (``expect_hot`` arms only an empty one): its only other
+    # FRESH Outs are the viewed values
+    fresh = window.fresh
+    if fresh:
+        outs.extend(fresh)
+        fresh.clear()
+        window.handles.clear()
     if len(outs) > 1:
         outs.sort(key=_uid)
-    # a hot window was hot from its first op (``expect_hot`` arms only an empty one): it has no other FRESH Out
-    window.fresh.extend(outs)
+    fresh.extend(outs)
     window.handles.extend([o.storage for o in outs])
 
 

@@ -330,7 +330,7 @@ def test_a_hot_intermediate_only_autograd_keeps_is_computed(fresh_regions):
         w.requires_grad_()
         y = step()  # the same ops, validated until autograd's save
         ae.sync()
-        assert ae.metrics()["hot_mismatches"].get("view") == 1, ae.metrics()["hot_mismatches"]
+        assert ae.metrics()["hot_mismatches"].get("op") == 1, ae.metrics()["hot_mismatches"]  # a view where the template has none
     (g,) = torch.autograd.grad(y.sum(), w)  # eagerly, from the saved output
     want = x * 3 * (1 - torch.tanh(x * w.detach()) ** 2)
     torch.testing.assert_close(g, want)
@@ -352,7 +352,7 @@ def test_a_hot_intermediate_kept_through_data_is_computed(fresh_regions):
         _until_hot(step, False)
         y, alias = step(True)
         ae.sync()
-        assert ae.metrics()["hot_mismatches"].get("view") == 1, ae.metrics()["hot_mismatches"]
+        assert ae.metrics()["hot_mismatches"].get("op") == 1, ae.metrics()["hot_mismatches"]  # a view where the template has none
     torch.testing.assert_close(alias, torch.tanh(x * w))
     torch.testing.assert_close(y, torch.sigmoid(x) + 1)
 
@@ -630,3 +630,202 @@ def test_hot_records_are_counted_while_the_window_records_and_after_a_reset(fres
         m = ae.metrics()
         assert m["hot_ops"] == N - 10 + 20 and m["ops_recorded"] == 2 * N - 10, m
     torch.testing.assert_close(y, _step(x, w, "op", 20))
+
+
+# Note [Hot views] in adaptive_eager._hot: views (of pending values, of views, of real inputs,
+# autograd's ``detach``) and fast-path ops called with keywords are validated too. ``_vop`` is one
+# ATen op per position, over 4x4 float tensors.
+R = torch.randn(4, 4)  # a real input the step reads only through a view
+R_OFFSET = torch.randn(32)[16:].view(4, 4)  # R's shape and strides, at another storage offset
+
+
+def _vop(i, s, x, w, diverge=None):
+    k = i % 10
+    y = s["y"]
+    if diverge == "op":  # then the step's layout again, where the next op needs it (a view)
+        z = torch.sigmoid(y)
+        s["y"] = z.view(4, 4) if k == 2 else z.contiguous()
+    elif diverge == "view_args" and k == 1:
+        s["y"] = y.view(2, 8)
+    elif diverge == "view_args" and k == 6:
+        s["r"] = R_OFFSET.t()  # the real input's offset is part of the view's signature
+    elif diverge == "keyword" and k == 5:
+        s["y"] = torch.add(y, x, alpha=0.25)
+    elif diverge == "keyword" and k == 9:
+        s["y"] = torch.clone(y, memory_format=torch.preserve_format).contiguous()
+    elif k == 0:
+        s["y"] = y * w
+    elif k == 1:
+        s["y"] = y.view(16)  # a view of a pending value
+    elif k == 2:
+        s["y"] = y.view(4, 4)  # a view of a view
+    elif k == 3:
+        y.mul_(2)  # in place, through the view
+    elif k == 4:
+        s["y"] = y.t()
+    elif k == 5:
+        s["y"] = torch.add(y, x, alpha=0.5)  # a keyword: the general path records it
+    elif k == 6:
+        s["r"] = R.t()  # a view of a real input
+    elif k == 7:
+        s["y"] = y * s["r"]
+    elif k == 8:
+        s["y"] = y.detach()
+    else:
+        s["y"] = torch.clone(y, memory_format=torch.contiguous_format)
+
+
+def _vstep(x, w, diverge=None, at=-1, n=N):
+    s = {"y": x, "r": w}
+    for i in range(n):
+        _vop(i, s, x, w, diverge if i == at else None)
+    return s["y"]
+
+
+V_DIVERGE = {"op": range(N), "view_args": [i for i in range(N) if i % 10 in (1, 6)],
+             "keyword": [i for i in range(N) if i % 10 in (5, 9)]}
+
+
+def test_a_window_of_views_and_keywords_runs_hot(fresh_regions):
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    want = _vstep(x, w)
+    ys = []
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(5):
+            ys.append(_vstep(x, w))
+            ae.sync()
+    m = ae.metrics()
+    for y in ys:
+        torch.testing.assert_close(y, want)
+    assert m["hot_windows"] == 3 and m["hot_ops"] == 3 * N and m["hot_mismatches"] == {}, m
+
+
+@pytest.mark.parametrize("kind", V_DIVERGE)
+def test_a_window_of_views_that_diverges_at_any_position(fresh_regions, kind):
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    positions = V_DIVERGE[kind]
+    want = {at: _vstep(x, w, kind, at) for at in positions}
+    got, counts = {}, []
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(3):
+            kept = _vstep(x, w)  # kept: a window nothing observes is dead, it never runs
+            ae.sync()
+        for at in positions:
+            before = ae.metrics()
+            got[at] = _vstep(x, w, kind, at)
+            ae.sync()
+            after = ae.metrics()
+            got[at, "next"] = _vstep(x, w)
+            ae.sync()
+            counts.append((sum(after["hot_mismatches"].values()) - sum(before["hot_mismatches"].values()),
+                           after["hot_windows"] - before["hot_windows"], ae.metrics()["hot_windows"] - after["hot_windows"]))
+    assert counts == [(1, 0, 1)] * len(positions), counts
+    for at in positions:
+        torch.testing.assert_close(got[at], want[at], msg=f"diverged at {at}")
+        torch.testing.assert_close(got[at, "next"], _vstep(x, w))
+
+
+@pytest.mark.parametrize("kind,at", [("op", at) for at in (1, 2, 3, 4, 5, 6, 8, 9, 27, 49)]
+                         + [("view_args", 1), ("view_args", 6), ("keyword", 5), ("keyword", 9)])
+def test_a_demoted_window_of_views_is_the_window_a_full_recording_makes(fresh_regions, kind, at):
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(3):
+            kept = _vstep(x, w)  # kept: a window nothing observes is dead, it never runs
+            ae.sync()
+        y = _vstep(x, w, kind, at)
+        assert sum(ae.metrics()["hot_mismatches"].values()) == 1
+        hot = _snapshot(current_state().window)
+        ae.sync()
+    with ae.adaptive_eager(**SYNC, hot_windows=False):
+        y2 = _vstep(x, w, kind, at)
+        full = _snapshot(current_state().window)
+        ae.sync()
+    assert len(hot["nodes"]) >= N  # the divergence may add an op (``_vop``)
+    assert hot == full
+    torch.testing.assert_close(y, y2)
+
+
+# A value the program keeps only through a view of it, where the template kept it that way too
+# (so the window stays hot to its end): the view holds the value's storage, not its tensor, and the
+# value must be computed into that storage (without Note [Hot views]' rule, the value is found dead
+# at the flush and the view reads uninitialized memory).
+KEPT = {
+    "a_view": lambda h: h.view(2, 8),
+    "a_view_of_a_view": lambda h: h.view(16)[2:].view(2, 7),
+    "detach": lambda h: h.detach(),
+    "in_place_then_a_view": lambda h: h.mul_(3).t(),
+    "a_view_then_in_place": lambda h: h.t().add_(1),
+    "two_views": lambda h: (h.t(), h.view(16)),
+}
+
+
+@pytest.mark.parametrize("route", KEPT)
+def test_a_hot_value_kept_only_through_its_view_is_computed(fresh_regions, route):
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+
+    def step():
+        h = torch.tanh(x * w)
+        kept = KEPT[route](h)
+        del h
+        return torch.sigmoid(x) + 1, kept
+
+    want = step()
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        hot = ae.metrics()["hot_windows"]
+        got = step()
+        ae.sync()
+        assert ae.metrics()["hot_windows"] == hot + 1, ae.metrics()["hot_mismatches"]
+    torch.testing.assert_close(got, want)
+
+
+def test_a_view_of_a_value_that_dies_before_the_flush(fresh_regions):
+    # the view and its value both die before the flush: nothing of them is computed or kept
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+
+    def step():
+        h = torch.tanh(x * w)
+        v = h.t()
+        z = v * 2
+        del h, v
+        return z
+
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        z = step()
+        window = current_state().window
+        assert window.hot is not None
+        ae.sync()
+        assert ae.metrics()["hot_mismatches"] == {}
+    torch.testing.assert_close(z, torch.tanh(x * w).t() * 2)
+
+
+def test_a_training_step_runs_hot(fresh_regions):
+    # the views autograd and nn.Linear make (``t``, ``detach``, ``view``) and the backward's
+    # ``ones_like(memory_format=)``: the whole step's window is validated, not recorded
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref = copy_model = __import__("copy").deepcopy(model)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+
+    def train(m, steps):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    want = train(ref, 8)
+    with ae.adaptive_eager(**SYNC):
+        got = train(model, 8)
+        ae.sync()
+        m = ae.metrics()
+    assert m["hot_windows"] >= 4, m["hot_mismatches"]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    for p, q in zip(model.parameters(), copy_model.parameters()):
+        torch.testing.assert_close(p, q)
