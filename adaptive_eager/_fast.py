@@ -92,6 +92,10 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
             return _miss(window, n0, "metadata")
         slots[id(a)] = slot
         real.append(a)
+    if p.lists:
+        cause = _hot_lists(window, p, args, n0)
+        if cause is not None:
+            return _miss(window, n0, cause)
     for pos, v in p.consts:
         a = args[pos]
         if a.__class__ is not v.__class__ or a != v:
@@ -121,6 +125,9 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         window.written.add(written)
         if o.slot >= 0:
             window.mutated.add(o.slot)
+    elif p.multi is not None:
+        res = _hot_outputs(st, window, p)
+        o = None  # its record: its Outs are the window's only while their tensors live
     else:
         # ``_placeholder`` in a hot window (Note [Hot liveness] in ``_hot``): the Out is held by its
         # tensor's mark and by a ``HotRef`` in ``Window.alive``, which the tensor's death removes; no
@@ -148,6 +155,66 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:
         _cut(st, window)
     return res
+
+
+def _hot_lists(window: Window, p, args, n0: int) -> str | None:
+    """Validate the tensor lists of a hot op (``cat``, ``stack``) against its template position as
+    ``_record_hot`` validates its tensors; the cause of a mismatch, or None."""
+    real = window.real_inputs
+    token = window.token
+    for pos, length, elems in p.lists:
+        lst = args[pos] if pos < len(args) else None
+        if type(lst) not in (list, tuple) or len(lst) != length:
+            return "binding"
+        for j, ref in elems:
+            a = lst[j]
+            o = getattr(a, "_ae", None)
+            if ref > 0:
+                if o is None or o.win is not token or o.uid != ref:
+                    return "binding"
+                continue
+            if o is not None and (o.win is token or pending_mark(o)):
+                return "binding"
+            slot = -1 - ref
+            if slot < len(real) and real[slot] is a:
+                continue
+            if not isinstance(a, _Tensor) or window.slots.get(id(a)) is not None or slot != len(real):
+                return "binding"
+            shape, stride, dtype = window.hot.slot_meta[slot]
+            if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
+                return "metadata"
+            window.slots[id(a)] = slot
+            real.append(a)
+    return None
+
+
+def _hot_outputs(st: TracerState, window: Window, p):
+    """The placeholders of a hot op with several outputs, or a list (Note [Hot views] in ``_hot``),
+    each made as ``_record_hot`` makes one; answered as ``_record._record`` answers them."""
+    token = window.token
+    alive, discard = window.alive, window.discard
+    alloc = st.alloc_cpu
+    results = []
+    for uid, spec in p.multi:
+        if spec is None:
+            results.append(None)
+            continue
+        t = alloc(spec[0], spec[1], spec[2])
+        o = _new(Out)
+        o.win = token
+        o.kind = FRESH
+        o.uid = uid
+        o.meta = spec
+        o.slot = -1
+        o.storage = None
+        r = _HotRef(t, discard)
+        r.out = o
+        alive.add(r)
+        t._ae = o
+        results.append(t)
+    if p.single:
+        return results[0]
+    return results if p.returns_list else tuple(results)
 
 
 def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
@@ -198,6 +265,9 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
             if x.__class__ is not v.__class__ or x != v:
                 return _miss(window, n0, "scalar")
     res = f.func(*args, **kwargs) if kwargs else f.func(*args)  # views read no data: the real view now
+    multi = p.multi
+    if multi is not None and (type(res) not in (list, tuple) or len(res) != len(multi)):
+        return _miss(window, n0, "metadata")  # not the views the template has (nothing else was changed)
     if ref > 0:
         # a view shares its value's storage: that value is live while its storage is, from here on
         root = o
@@ -207,10 +277,19 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
             _pin(window, root, a)
     elif p.viewed:
         window.viewed.add(_untyped_storage(a)._cdata)
-    vo = Out(token, VIEW, p.uid, p.spec, _weakref(res), slot=slot)  # held weakly (Note [Weak window])
-    res._ae = vo
-    window.others.append(vo)
-    nodes.append(vo)  # its hot record; a view adds no bytes and makes no cut, as in a full recording
+    if multi is None:
+        vo = Out(token, VIEW, p.uid, p.spec, _weakref(res), slot=slot)  # held weakly (Note [Weak window])
+        res._ae = vo
+        window.others.append(vo)
+        nodes.append(vo)  # its hot record; a view adds no bytes and makes no cut, as in a full recording
+        return res
+    vos = []
+    for v, (uid, spec) in zip(res, multi):
+        vo = Out(token, VIEW, uid, spec, _weakref(v), slot=slot)
+        v._ae = vo
+        window.others.append(vo)
+        vos.append(vo)
+    nodes.append(tuple(vos))  # its hot record: its VIEW Outs
     return res
 
 

@@ -56,7 +56,15 @@ input's storage offset: a view's signature holds it) and its other arguments, co
 ``_record._record_view`` does, with no signature and no Node, and adds no bytes and makes no cut, as
 a full recording does not. Fast-path ops called with keywords (the backward's
 ``ones_like(memory_format=)``, ``add(alpha=)``), which the general path records with the same
-entries, are validated as the fast path's are, their keywords compared.
+entries, are validated as the fast path's are, their keywords compared; so are the general path's
+ops of several fresh outputs (``native_layer_norm`` and its backward, whose output mask leaves
+None outputs) and of tensor lists (``cat``: each element bound as a tensor argument is, in the
+general path's slot order), and views of several outputs (``split``: a VIEW Out each, the hot
+record their tuple), each made exactly as ``_record._record`` and ``_record_view`` make them
+(``_fast._hot_outputs``, ``_fast._hot_lists``). Ops that write, that make tensors from nothing,
+or whose lists hold None or a real one-element tensor (the general path snapshots those) keep
+their windows recorded in full. With these the suite's GPT block step (layer norms, ``split``,
+``cat``) runs hot too.
 
 One rule keeps liveness what a full recording has (Note [Hot liveness] rests on a value's memory
 being reachable only through its tensor): a view shares its value's storage, and may outlive the
@@ -160,7 +168,8 @@ class _Pos:
     """One position of a template: what recording its op produced (Note [Hot windows])."""
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
-                 "nbytes", "source", "sig_end", "pending", "view", "offset", "viewed")
+                 "nbytes", "source", "sig_end", "pending", "view", "offset", "viewed", "lists", "multi",
+                 "returns_list", "single")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -185,6 +194,14 @@ class _Pos:
         self.view = False
         self.offset = 0
         self.viewed = False
+        # an op of tensor lists or several outputs (Note [Hot views]): per list argument (position,
+        # length, (element index, ref) per tensor); per output (uid, its spec or None), for an op
+        # ``_op_pos`` takes that is not of the fast path's kind (or a view of several outputs),
+        # whose result is a list (``returns_list``) or one tensor (``single``)
+        self.lists: tuple = ()
+        self.multi: tuple | None = None
+        self.returns_list = False
+        self.single = False
 
 
 class Template:
@@ -226,7 +243,7 @@ class Template:
         fbase = 0
         for k, out in enumerate(records):
             p = self.ops[k]
-            if out is None:  # a fresh value: its Out if something still holds it, else a dead one
+            if out is None and p.multi is None:  # a fresh value: its Out if something still holds it, else a dead one
                 out = outs.get(p.uid)
                 if out is None:
                     out = outs[p.uid] = Out(token, FRESH, p.uid, p.spec)
@@ -238,6 +255,14 @@ class Template:
                     inputs.append(inp)
                 else:
                     args[pos] = real[-1 - ref]
+            for pos, length, elems in p.lists:
+                lst = args[pos] = [None] * length
+                for j, ref in elems:
+                    if ref > 0:
+                        lst[j] = inp = outs[ref]
+                        inputs.append(inp)
+                    else:
+                        lst[j] = real[-1 - ref]
             for pos, v in p.consts:
                 args[pos] = v  # equal to the program's (validated)
             floats = {}
@@ -250,7 +275,19 @@ class Template:
             node = Node(p.f.func, args, kwargs, inputs, p.source, k)
             node.mutates = p.f.fast_inplace
             node.is_view = p.view
-            node.outs.append(out)
+            if p.multi is None:
+                node.outs.append(out)
+            elif p.view:
+                node.outs.extend(out)  # its record: the VIEW Outs
+            else:
+                for uid, spec in p.multi:
+                    if spec is None:
+                        node.outs.append(None)
+                        continue
+                    o = outs.get(uid)
+                    if o is None:
+                        o = outs[uid] = Out(token, FRESH, uid, spec)
+                    node.outs.append(o)
             if p.fpos:
                 node.fbase = fbase
                 node.fpos = list(p.fpos)
@@ -286,7 +323,7 @@ def template_of(st, window: Window, entry) -> Template | None:
     lifted_inputs = {i for i, _ in entry.lifted_inputs}
     for node in window.nodes:
         f = _ops.FACTS.get(node.func)
-        if f is None or len(node.outs) != 1:
+        if f is None:
             return None
         if node.is_view:
             p = _view_pos(node, f, window, scalar_fast_path)
@@ -294,45 +331,10 @@ def template_of(st, window: Window, entry) -> Template | None:
                 return None
             refs = [p.tensors[0][1]]
         else:
-            # the fast path's ops, with or without keywords (``ones_like(memory_format=)``, ``add(alpha=)``:
-            # the general path records those, with the same entries)
-            if not (f.fast or f.fast_inplace) or node.mutates != f.fast_inplace:
+            p = _op_pos(node, f, window, scalar_fast_path, lifted_inputs)
+            if p is None:
                 return None
-            p = _Pos()
-            p.f, p.n, p.source = f, len(node.args), node.source
-            if any(type(x) is not int and type(x) is not str for x in node.fpos):
-                return None  # a float of a list: not a position _record_hot reads
-            lifted = [x for x in node.fpos if type(x) is int]
-            tensors, pending, consts = [], [], []
-            for j, a in enumerate(node.args):
-                if type(a) is Out:
-                    tensors.append((j, a.uid))
-                    pending.append(j)
-                elif isinstance(a, _Tensor):
-                    if not a.is_cpu or (scalar_fast_path and a.numel() == 1):
-                        return None  # the fast path declines it
-                    tensors.append((j, -1 - slots[id(a)]))
-                elif j not in lifted:
-                    consts.append((j, a))
-            if not tensors:
-                return None
-            p.tensors, p.pending, p.consts, p.fpos = tuple(tensors), tuple(pending), tuple(consts), list(node.fpos)
-            # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])
-            p.fvals = [None if node.fbase + j in lifted_inputs else window.scalars[node.fbase + j]
-                       for j in range(len(node.fpos))]
-            for name, v in node.kwargs.items():
-                if isinstance(v, _Tensor) or type(v) is Out:
-                    return None
-            p.kw = tuple((name, float if name in node.fpos else v) for name, v in node.kwargs.items())
-            o = node.outs[0]
-            if o is None or o.kind != (ALIAS if f.fast_inplace else FRESH):
-                return None
-            p.uid = o.uid
-            if not f.fast_inplace:
-                p.spec = o.meta
-                p.shape, p.stride, p.dtype = o.meta
-                p.nbytes = storage_bytes(o.meta)
-            refs = [ref for _, ref in tensors]
+            refs = [ref for _, ref in p.tensors] + [ref for _, _, elems in p.lists for _, ref in elems]
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         if window.sigs[end + 1: end + 1 + len(refs)] != refs:
             return None  # not what the fast path records: never guess
@@ -345,15 +347,98 @@ def template_of(st, window: Window, entry) -> Template | None:
                     st.options)
 
 
+def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs) -> _Pos | None:
+    """The template position of a recorded op (Note [Hot windows]): the fast path's kind of op, with
+    or without keywords (the general path records ``ones_like(memory_format=)`` and ``add(alpha=)``
+    with the same entries), or an op of several fresh outputs or of tensor lists (Note [Hot
+    views]); None for one a hot record does not take."""
+    fast = f.fast or f.fast_inplace
+    if fast:
+        if node.mutates != f.fast_inplace or len(node.outs) != 1:
+            return None
+    elif node.mutates or f.mutates or f.factory or f.nrets == 0 or f.scalarlist_pos:
+        return None
+    if any(type(x) is not int and type(x) is not str for x in node.fpos):
+        return None  # a float of a list: not a position _record_hot reads
+    slots = window.slots
+    p = _Pos()
+    p.f, p.n, p.source = f, len(node.args), node.source
+    lifted = [x for x in node.fpos if type(x) is int]
+    tensors, pending, consts, lists = [], [], [], []
+    for j, a in enumerate(node.args):
+        if type(a) is Out:
+            tensors.append((j, a.uid))
+            pending.append(j)
+        elif isinstance(a, _Tensor):
+            if not a.is_cpu or (scalar_fast_path and a.numel() == 1):
+                return None  # the fast path declines it
+            tensors.append((j, -1 - slots[id(a)]))
+        elif j in f.list_pos and type(a) is list:
+            elems = []
+            for k, x in enumerate(a):
+                if type(x) is Out:
+                    elems.append((k, x.uid))
+                elif isinstance(x, _Tensor) and x.is_cpu and not (scalar_fast_path and x.numel() == 1):
+                    elems.append((k, -1 - slots[id(x)]))
+                else:
+                    return None  # None, or a real one-element tensor the general path snapshots
+            lists.append((j, len(a), tuple(elems)))
+        elif j not in lifted:
+            if type(a) in (list, tuple) and any(isinstance(x, _Tensor) or type(x) is Out for x in a):
+                return None
+            consts.append((j, a))
+    if not tensors and not lists:
+        return None
+    p.tensors, p.pending, p.consts, p.fpos = tuple(tensors), tuple(pending), tuple(consts), list(node.fpos)
+    p.lists = tuple(lists)
+    # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])
+    p.fvals = [None if node.fbase + j in lifted_inputs else window.scalars[node.fbase + j]
+               for j in range(len(node.fpos))]
+    for v in node.kwargs.values():
+        if isinstance(v, _Tensor) or type(v) is Out:
+            return None
+    p.kw = tuple((name, float if name in node.fpos else v) for name, v in node.kwargs.items())
+    if fast:
+        o = node.outs[0]
+        if o is None or o.kind != (ALIAS if f.fast_inplace else FRESH):
+            return None
+        p.uid = o.uid
+        if not f.fast_inplace:
+            p.spec = o.meta
+            p.shape, p.stride, p.dtype = o.meta
+            p.nbytes = storage_bytes(o.meta)
+        return p
+    # several outputs (``native_layer_norm``), a list (``unbind``), or one output of an op with lists
+    multi = []
+    for o in node.outs:
+        if o is None:
+            multi.append((0, None))  # no output there (a backward's output_mask)
+        elif o.kind != FRESH:
+            return None
+        else:
+            multi.append((o.uid, o.meta))
+            p.nbytes += storage_bytes(o.meta)
+    p.multi = tuple(multi)
+    p.returns_list = f.returns_list
+    p.single = f.nrets == 1 and not f.returns_list
+    return p
+
+
 def _view_pos(node: Node, f, window: Window, scalar_fast_path: bool) -> _Pos | None:
     """The template position of a recorded view (Note [Hot views]); None for one a hot record does
     not take (several outputs, a tensor among its other arguments)."""
-    if f.returns_list or f.nrets != 1 or not node.args:
+    if not node.args or not node.outs or any(o is None or o.kind != VIEW for o in node.outs):
+        return None
+    if f.returns_list or f.nrets != 1:  # ``split``, ``unbind``: a VIEW Out each
+        multi = tuple((o.uid, o.meta) for o in node.outs)
+    elif len(node.outs) == 1:
+        multi = None
+    else:
         return None
     o = node.outs[0]
-    if o is None or o.kind != VIEW:
-        return None
     p = _Pos()
+    p.multi = multi
+    p.returns_list = f.returns_list
     p.f, p.n, p.source, p.view = f, len(node.args), node.source, True
     a = node.args[0]
     if type(a) is Out:

@@ -175,18 +175,17 @@ class LazyMode(TorchDispatchMode):
                 f = facts_for(func)
             kind = f.kind
             if kind == RECORD:
-                if f.fast or f.fast_inplace:
-                    window = st.window
-                    if window.hot is not None:  # Note [Hot windows] in _hot
-                        res = _record_hot(st, window, f, args, kwargs)  # kwargs None or a dict
-                        if res is not _DECLINED:
-                            return res
-                    if not kwargs or f.fast_inplace:
-                        if kwargs is None:
-                            kwargs = {}
-                        res = _record_fast(st, f, args, kwargs)
-                        if res is not _DECLINED:
-                            return res
+                window = st.window
+                if window.hot is not None:  # Note [Hot windows] in _hot
+                    res = _record_hot(st, window, f, args, kwargs)  # kwargs None or a dict
+                    if res is not _DECLINED:
+                        return res
+                if (f.fast and not kwargs) or f.fast_inplace:
+                    if kwargs is None:
+                        kwargs = {}
+                    res = _record_fast(st, f, args, kwargs)
+                    if res is not _DECLINED:
+                        return res
                 return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
             if kind == VIEW_OP:
                 window = st.window

@@ -6,7 +6,8 @@ string. ``OpFacts.kind`` says what the tracer does with the op:
 RECORD          defer it into the window (output metadata from the meta cache)
 VIEW            run it now on the real/placeholder tensors (views read no data); record it only
                 when its input is pending, so the fuser sees the dataflow
-ALLOC           ``empty*``: allocation only, no launch and no data: run now
+ALLOC           ``empty*``: allocation only, no launch and no data: run now (and the profiler's
+                ``record_function`` ops)
 RANDOM_FILL     in-place random fill (``uniform_``, ``normal_``, ``bernoulli_.float``...): draw into a
                 temporary now, in program order, and record a ``copy_`` (Note [RNG])
 RANDOM_NEW      random factory / ``*_like``: run now, in program order (Note [RNG])
@@ -300,6 +301,10 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         f.kind, f.decomposition = INLINE, decomposition_table[func]
     elif f.name in HOST_READERS:  # Note [Composites that read memory]
         f.kind, f.host_read, f.decomposition = HOST_READ, host_read_args(func), composite_kernel(func)
+    elif ns == "profiler":
+        # ``record_function``'s enter and exit (``Optimizer.step`` opens one each step): names and
+        # handles, no tensor of the target's; run at once, as an allocation is
+        f.kind = ALLOC
     elif ns != "aten":
         f.kind, f.reason = FLUSH, "fallback"  # custom ops: no meta we can trust
     elif base in _SYNC_REASONS or torch.Tag.data_dependent_output in tags:

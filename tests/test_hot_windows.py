@@ -802,10 +802,11 @@ def test_a_view_of_a_value_that_dies_before_the_flush(fresh_regions):
 
 
 def test_a_training_step_runs_hot(fresh_regions):
-    # the views autograd and nn.Linear make (``t``, ``detach``, ``view``) and the backward's
-    # ``ones_like(memory_format=)``: the whole step's window is validated, not recorded
+    # the views autograd and nn.Linear make (``t``, ``detach``, ``view``), the backward's
+    # ``ones_like(memory_format=)`` and LayerNorm's three outputs, forward and backward: the whole
+    # step's window is validated, not recorded
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     ref = copy_model = __import__("copy").deepcopy(model)
     x, y = torch.randn(5, 8), torch.randn(5, 4)
 
@@ -829,3 +830,80 @@ def test_a_training_step_runs_hot(fresh_regions):
     torch.testing.assert_close(torch.stack(got), torch.stack(want))
     for p, q in zip(model.parameters(), copy_model.parameters()):
         torch.testing.assert_close(p, q)
+
+
+# Ops of several outputs (``native_layer_norm``: two of its three die at once), of a list of
+# outputs (``split``'s views), and of tensor lists (``cat``), validated in hot windows as well.
+def _mop(i, s, x, w, diverge=False):
+    k = i % 6
+    y = s["y"]
+    if diverge == "list" and k == 2:
+        s["y"] = torch.cat([s["b"], s["a"]])  # the list's elements bound the other way round
+    elif diverge == "list" and k == 3:
+        s["y"] = torch.cat([y, w])  # a real input of another slot
+    elif diverge:  # another op there, and the shape the normal op makes
+        s["y"] = torch.sigmoid(y).repeat(2, 1) if k == 3 else torch.sigmoid(y[:4]) if k == 4 else torch.sigmoid(y)
+    elif k == 0:
+        s["y"] = torch.nn.functional.layer_norm(y, (4,))
+    elif k == 1:
+        s["a"], s["b"] = y.split(2)
+    elif k == 2:
+        s["y"] = torch.cat([s["a"], s["b"]])  # pending values in a list
+    elif k == 3:
+        s["y"] = torch.cat([y, x])  # and a real one
+    elif k == 4:
+        s["y"] = y[2:6]  # a view at an offset
+    else:
+        s["y"] = y * w
+
+
+def _mstep(x, w, at=-1, n=36, kind="op"):
+    s = {"y": x, "a": x[:2], "b": x[2:]}
+    for i in range(n):
+        _mop(i, s, x, w, kind if i == at else None)
+    return s["y"]
+
+
+@pytest.mark.parametrize("kind", ["op", "list"])
+def test_ops_of_several_outputs_and_of_lists_diverge_at_any_position(fresh_regions, kind):
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    positions = range(36) if kind == "op" else [i for i in range(36) if i % 6 in (2, 3)]
+    want = {at: _mstep(x, w, at, kind=kind) for at in positions}
+    got, counts = {}, []
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(3):
+            kept = _mstep(x, w)
+            ae.sync()
+        assert ae.metrics()["hot_windows"] >= 1, ae.metrics()["hot_mismatches"]
+        for at in positions:
+            before = ae.metrics()
+            got[at] = _mstep(x, w, at, kind=kind)
+            ae.sync()
+            after = ae.metrics()
+            got[at, "next"] = _mstep(x, w)
+            ae.sync()
+            counts.append((sum(after["hot_mismatches"].values()) - sum(before["hot_mismatches"].values()),
+                           after["hot_windows"] - before["hot_windows"], ae.metrics()["hot_windows"] - after["hot_windows"]))
+    assert counts == [(1, 0, 1)] * len(positions), counts
+    for at in positions:
+        torch.testing.assert_close(got[at], want[at], msg=f"diverged at {at}")
+        torch.testing.assert_close(got[at, "next"], _mstep(x, w))
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 3, 4, 5, 20])
+def test_a_demoted_window_of_several_outputs_is_the_window_a_full_recording_makes(fresh_regions, at):
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(3):
+            kept = _mstep(x, w)
+            ae.sync()
+        y = _mstep(x, w, at)
+        assert sum(ae.metrics()["hot_mismatches"].values()) == 1
+        hot = _snapshot(current_state().window)
+        ae.sync()
+    with ae.adaptive_eager(**SYNC, hot_windows=False):
+        y2 = _mstep(x, w, at)
+        full = _snapshot(current_state().window)
+        ae.sync()
+    assert hot == full
+    torch.testing.assert_close(y, y2)
