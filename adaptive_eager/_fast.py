@@ -175,16 +175,26 @@ def _hot_lists(window: Window, p, args, n0: int) -> str | None:
                 continue
             if o is not None and (o.win is token or pending_mark(o)):
                 return "binding"
-            slot = -1 - ref
-            if slot < len(real) and real[slot] is a:
-                continue
-            if not isinstance(a, _Tensor) or window.slots.get(id(a)) is not None or slot != len(real):
-                return "binding"
-            shape, stride, dtype = window.hot.slot_meta[slot]
-            if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
-                return "metadata"
-            window.slots[id(a)] = slot
-            real.append(a)
+            cause = _hot_slot(window, a, -1 - ref)
+            if cause is not None:
+                return cause
+    return None
+
+
+def _hot_slot(window: Window, a, slot: int) -> str | None:
+    """A real input of a hot view or list where the template has slot ``slot``: already there, or
+    registered there now if it is the next slot and has that slot's metadata (as ``_record_hot``
+    checks its tensors inline); the cause of a mismatch, or None."""
+    real = window.real_inputs
+    if slot < len(real) and real[slot] is a:
+        return None
+    if not isinstance(a, _Tensor) or window.slots.get(id(a)) is not None or slot != len(real):
+        return "binding"
+    shape, stride, dtype = window.hot.slot_meta[slot]
+    if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
+        return "metadata"
+    window.slots[id(a)] = slot
+    real.append(a)
     return None
 
 
@@ -243,14 +253,9 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
         if not isinstance(a, _Tensor) or (o is not None and (o.win is token or pending_mark(o))):
             return _miss(window, n0, "binding")
         slot = -1 - ref
-        if not (slot < n0 and real[slot] is a):
-            if window.slots.get(id(a)) is not None or slot != n0:
-                return _miss(window, n0, "binding")
-            shape, stride, dtype = window.hot.slot_meta[slot]
-            if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
-                return _miss(window, n0, "metadata")
-            window.slots[id(a)] = slot
-            real.append(a)
+        cause = _hot_slot(window, a, slot)
+        if cause is not None:
+            return _miss(window, n0, cause)
         if a.storage_offset() != p.offset:  # part of a view's signature
             return _miss(window, n0, "metadata")
     for pos, v in p.consts:

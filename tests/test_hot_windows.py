@@ -907,3 +907,21 @@ def test_a_demoted_window_of_several_outputs_is_the_window_a_full_recording_make
         ae.sync()
     assert hot == full
     torch.testing.assert_close(y, y2)
+
+
+def test_a_foreach_op_of_pending_and_real_tensors_runs_hot(fresh_regions):
+    # a list of outputs from lists of inputs (``_foreach_mul``, as a cold optimizer step records it)
+    a, b = torch.randn(8), torch.randn(3)
+
+    def step():
+        x, y = torch._foreach_mul([a * 2, b], 0.5)
+        return x + 1, y
+
+    want = step()
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        hot = ae.metrics()["hot_windows"]
+        got = step()
+        ae.sync()
+        assert ae.metrics()["hot_windows"] == hot + 1, ae.metrics()["hot_mismatches"]
+    torch.testing.assert_close(got, want)
