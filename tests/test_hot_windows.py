@@ -757,6 +757,8 @@ KEPT = {
     "in_place_then_a_view": lambda h: h.mul_(3).t(),
     "a_view_then_in_place": lambda h: h.t().add_(1),
     "two_views": lambda h: (h.t(), h.view(16)),
+    "data": lambda h: h.data,  # a ``detach`` the tensor's ``.data`` makes (Note [Storage sharers])
+    "unbind": lambda h: h.unbind(0)[1:],  # views of several outputs, some dropped
 }
 
 
