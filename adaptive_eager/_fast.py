@@ -96,17 +96,8 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         cause = _hot_lists(window, p, args, n0)
         if cause is not None:
             return _miss(window, n0, cause)
-    for pos, v in p.consts:
-        a = args[pos]
-        if a.__class__ is not v.__class__ or a != v:
-            return _miss(window, n0, "scalar")
-    if kwargs or p.kw:
-        if len(kwargs or ()) != len(p.kw):
-            return _miss(window, n0, "scalar")
-        for name, v in p.kw:
-            a = kwargs.get(name, _DECLINED)
-            if v is not float and (a.__class__ is not v.__class__ or a != v):
-                return _miss(window, n0, "scalar")
+    if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
+        return _miss(window, n0, "scalar")
     fpos = p.fpos
     if fpos:
         for pos, v in zip(fpos, p.fvals):
@@ -155,6 +146,24 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:
         _cut(st, window)
     return res
+
+
+def _other_args_differ(p, args, kwargs) -> bool:
+    """Whether a hot op's arguments other than its tensors and floats (numbers, sizes, dtypes, flags,
+    keywords) differ from its template position's, which are compared equal; a keyword float
+    (``float`` in ``p.kw``) is checked with the floats."""
+    for pos, v in p.consts:
+        a = args[pos]
+        if a.__class__ is not v.__class__ or a != v:
+            return True
+    if kwargs or p.kw:
+        if len(kwargs or ()) != len(p.kw):
+            return True
+        for name, v in p.kw:
+            a = kwargs.get(name, _DECLINED)
+            if v is not float and (a.__class__ is not v.__class__ or a != v):
+                return True
+    return False
 
 
 def _hot_lists(window: Window, p, args, n0: int) -> str | None:
@@ -258,17 +267,8 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
             return _miss(window, n0, cause)
         if a.storage_offset() != p.offset:  # part of a view's signature
             return _miss(window, n0, "metadata")
-    for pos, v in p.consts:
-        x = args[pos]
-        if x.__class__ is not v.__class__ or x != v:
-            return _miss(window, n0, "scalar")
-    if kwargs or p.kw:
-        if len(kwargs or ()) != len(p.kw):
-            return _miss(window, n0, "scalar")
-        for name, v in p.kw:
-            x = kwargs.get(name, _DECLINED)
-            if x.__class__ is not v.__class__ or x != v:
-                return _miss(window, n0, "scalar")
+    if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
+        return _miss(window, n0, "scalar")
     res = f.func(*args, **kwargs) if kwargs else f.func(*args)  # views read no data: the real view now
     multi = p.multi
     if multi is not None and (type(res) not in (list, tuple) or len(res) != len(multi)):

@@ -529,6 +529,18 @@ def test_a_hot_value_kept_only_through_a_route_is_computed(fresh_regions, route)
     torch.testing.assert_close(y, want_y)
 
 
+def _runs_hot(step):
+    """``step()``'s eager value, and its value from a window validated hot to its end."""
+    want = step()
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        hot = ae.metrics()["hot_windows"]
+        got = step()
+        ae.sync()
+        assert ae.metrics()["hot_windows"] == hot + 1, ae.metrics()["hot_mismatches"]
+    return got, want
+
+
 def test_an_in_place_write_to_a_dying_hot_value(fresh_regions):
     # the hot window writes a value in place, reads it, and the program drops it: the write is
     # computed where a later op reads it, and nothing else of it is materialized
@@ -541,13 +553,7 @@ def test_an_in_place_write_to_a_dying_hot_value(fresh_regions):
         del h
         return z + x
 
-    want = step()
-    with ae.adaptive_eager(**SYNC):
-        _until_hot(step)
-        hot = ae.metrics()["hot_windows"]
-        got = step()
-        ae.sync()
-        assert ae.metrics()["hot_windows"] == hot + 1, ae.metrics()["hot_mismatches"]
+    got, want = _runs_hot(step)
     torch.testing.assert_close(got, want)
 
 
@@ -772,13 +778,7 @@ def test_a_hot_value_kept_only_through_its_view_is_computed(fresh_regions, route
         del h
         return torch.sigmoid(x) + 1, kept
 
-    want = step()
-    with ae.adaptive_eager(**SYNC):
-        _until_hot(step)
-        hot = ae.metrics()["hot_windows"]
-        got = step()
-        ae.sync()
-        assert ae.metrics()["hot_windows"] == hot + 1, ae.metrics()["hot_mismatches"]
+    got, want = _runs_hot(step)
     torch.testing.assert_close(got, want)
 
 
@@ -919,11 +919,5 @@ def test_a_foreach_op_of_pending_and_real_tensors_runs_hot(fresh_regions):
         x, y = torch._foreach_mul([a * 2, b], 0.5)
         return x + 1, y
 
-    want = step()
-    with ae.adaptive_eager(**SYNC):
-        _until_hot(step)
-        hot = ae.metrics()["hot_windows"]
-        got = step()
-        ae.sync()
-        assert ae.metrics()["hot_windows"] == hot + 1, ae.metrics()["hot_mismatches"]
+    got, want = _runs_hot(step)
     torch.testing.assert_close(got, want)
