@@ -70,13 +70,15 @@ def _hot_loop(x, w, steps=3):
     return y
 
 
-def test_a_hot_window_runs_its_region_without_recording(fresh_regions):
-    x, w = torch.randn(16), torch.randn(16)
-    want = _step(x, w)
+@pytest.mark.parametrize("shape", [(16,), (4, 4)], ids=["ops", "views_and_keywords"])
+def test_a_hot_window_runs_its_region_without_recording(fresh_regions, shape):
+    step = _step if shape == (16,) else _vstep  # (``_vstep``: views and ops with keywords, below)
+    x, w = torch.randn(shape), torch.randn(shape)
+    want = step(x, w)
     ys = []
     with ae.adaptive_eager(**SYNC):
         for _ in range(5):
-            ys.append(_step(x, w))
+            ys.append(step(x, w))
             ae.sync()
     m = ae.metrics()
     for y in ys:
@@ -85,27 +87,36 @@ def test_a_hot_window_runs_its_region_without_recording(fresh_regions):
     assert m["compiled_runs"] == 4  # replayed, compiled, then three hot windows
 
 
-@pytest.mark.parametrize("kind", DIVERGE)
-def test_a_window_that_diverges_at_any_position(fresh_regions, kind):
-    x, w = torch.randn(16), torch.randn(16)
-    want = {at: _step(x, w, kind, at) for at in range(N)}
+def _diverge_at_each(step, x, w, kind, positions):
+    """Run ``step`` until hot, then once diverging (``kind``) at each of ``positions``, each
+    followed by the step itself: each divergence is one mismatch and no hot window, and the window
+    after it is hot again; every value is eager's."""
+    want = {at: step(x, w, kind, at) for at in positions}
     got, counts = {}, []
     with ae.adaptive_eager(**SYNC):
-        _hot_loop(x, w)
-        for at in range(N):
+        for _ in range(3):
+            kept = step(x, w)  # kept: a window nothing observes is dead, it never runs
+            ae.sync()
+        assert ae.metrics()["hot_windows"] >= 1, ae.metrics()["hot_mismatches"]
+        for at in positions:
             before = ae.metrics()
-            got[at] = _step(x, w, kind, at)
+            got[at] = step(x, w, kind, at)
             ae.sync()
             after = ae.metrics()
             # the window after it is the compiled one again: hot
-            got[at, "next"] = _step(x, w)
+            got[at, "next"] = step(x, w)
             ae.sync()
             counts.append((sum(after["hot_mismatches"].values()) - sum(before["hot_mismatches"].values()),
                            after["hot_windows"] - before["hot_windows"], ae.metrics()["hot_windows"] - after["hot_windows"]))
-    assert counts == [(1, 0, 1)] * N  # each demoted once, not run hot; the next one hot
-    for at in range(N):
+    assert counts == [(1, 0, 1)] * len(positions), counts  # each demoted once, not run hot; the next one hot
+    for at in positions:
         torch.testing.assert_close(got[at], want[at], msg=f"diverged at {at}")
-        torch.testing.assert_close(got[at, "next"], _step(x, w))
+        torch.testing.assert_close(got[at, "next"], step(x, w))
+
+
+@pytest.mark.parametrize("kind", DIVERGE)
+def test_a_window_that_diverges_at_any_position(fresh_regions, kind):
+    _diverge_at_each(_step, torch.randn(16), torch.randn(16), kind, range(N))
 
 
 def test_a_window_that_ends_early_or_runs_past_the_end(fresh_regions):
@@ -692,43 +703,9 @@ V_DIVERGE = {"op": range(N), "view_args": [i for i in range(N) if i % 10 in (1, 
              "keyword": [i for i in range(N) if i % 10 in (5, 9)]}
 
 
-def test_a_window_of_views_and_keywords_runs_hot(fresh_regions):
-    x, w = torch.randn(4, 4), torch.randn(4, 4)
-    want = _vstep(x, w)
-    ys = []
-    with ae.adaptive_eager(**SYNC):
-        for _ in range(5):
-            ys.append(_vstep(x, w))
-            ae.sync()
-    m = ae.metrics()
-    for y in ys:
-        torch.testing.assert_close(y, want)
-    assert m["hot_windows"] == 3 and m["hot_ops"] == 3 * N and m["hot_mismatches"] == {}, m
-
-
 @pytest.mark.parametrize("kind", V_DIVERGE)
 def test_a_window_of_views_that_diverges_at_any_position(fresh_regions, kind):
-    x, w = torch.randn(4, 4), torch.randn(4, 4)
-    positions = V_DIVERGE[kind]
-    want = {at: _vstep(x, w, kind, at) for at in positions}
-    got, counts = {}, []
-    with ae.adaptive_eager(**SYNC):
-        for _ in range(3):
-            kept = _vstep(x, w)  # kept: a window nothing observes is dead, it never runs
-            ae.sync()
-        for at in positions:
-            before = ae.metrics()
-            got[at] = _vstep(x, w, kind, at)
-            ae.sync()
-            after = ae.metrics()
-            got[at, "next"] = _vstep(x, w)
-            ae.sync()
-            counts.append((sum(after["hot_mismatches"].values()) - sum(before["hot_mismatches"].values()),
-                           after["hot_windows"] - before["hot_windows"], ae.metrics()["hot_windows"] - after["hot_windows"]))
-    assert counts == [(1, 0, 1)] * len(positions), counts
-    for at in positions:
-        torch.testing.assert_close(got[at], want[at], msg=f"diverged at {at}")
-        torch.testing.assert_close(got[at, "next"], _vstep(x, w))
+    _diverge_at_each(_vstep, torch.randn(4, 4), torch.randn(4, 4), kind, V_DIVERGE[kind])
 
 
 @pytest.mark.parametrize("kind,at", [("op", at) for at in (1, 2, 3, 4, 5, 6, 8, 9, 27, 49)]
@@ -859,37 +836,17 @@ def _mop(i, s, x, w, diverge=False):
         s["y"] = y * w
 
 
-def _mstep(x, w, at=-1, n=36, kind="op"):
+def _mstep(x, w, diverge=None, at=-1, n=36):
     s = {"y": x, "a": x[:2], "b": x[2:]}
     for i in range(n):
-        _mop(i, s, x, w, kind if i == at else None)
+        _mop(i, s, x, w, diverge if i == at else None)
     return s["y"]
 
 
 @pytest.mark.parametrize("kind", ["op", "list"])
 def test_ops_of_several_outputs_and_of_lists_diverge_at_any_position(fresh_regions, kind):
-    x, w = torch.randn(4, 4), torch.randn(4, 4)
     positions = range(36) if kind == "op" else [i for i in range(36) if i % 6 in (2, 3)]
-    want = {at: _mstep(x, w, at, kind=kind) for at in positions}
-    got, counts = {}, []
-    with ae.adaptive_eager(**SYNC):
-        for _ in range(3):
-            kept = _mstep(x, w)
-            ae.sync()
-        assert ae.metrics()["hot_windows"] >= 1, ae.metrics()["hot_mismatches"]
-        for at in positions:
-            before = ae.metrics()
-            got[at] = _mstep(x, w, at, kind=kind)
-            ae.sync()
-            after = ae.metrics()
-            got[at, "next"] = _mstep(x, w)
-            ae.sync()
-            counts.append((sum(after["hot_mismatches"].values()) - sum(before["hot_mismatches"].values()),
-                           after["hot_windows"] - before["hot_windows"], ae.metrics()["hot_windows"] - after["hot_windows"]))
-    assert counts == [(1, 0, 1)] * len(positions), counts
-    for at in positions:
-        torch.testing.assert_close(got[at], want[at], msg=f"diverged at {at}")
-        torch.testing.assert_close(got[at, "next"], _mstep(x, w))
+    _diverge_at_each(_mstep, torch.randn(4, 4), torch.randn(4, 4), kind, positions)
 
 
 @pytest.mark.parametrize("at", [0, 1, 2, 3, 4, 5, 20])
@@ -899,12 +856,12 @@ def test_a_demoted_window_of_several_outputs_is_the_window_a_full_recording_make
         for _ in range(3):
             kept = _mstep(x, w)
             ae.sync()
-        y = _mstep(x, w, at)
+        y = _mstep(x, w, "op", at)
         assert sum(ae.metrics()["hot_mismatches"].values()) == 1
         hot = _snapshot(current_state().window)
         ae.sync()
     with ae.adaptive_eager(**SYNC, hot_windows=False):
-        y2 = _mstep(x, w, at)
+        y2 = _mstep(x, w, "op", at)
         full = _snapshot(current_state().window)
         ae.sync()
     assert hot == full
