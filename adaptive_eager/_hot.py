@@ -63,7 +63,9 @@ general path's slot order), and views of several outputs (``split``: a VIEW Out 
 record their tuple), each made exactly as ``_record._record`` and ``_record_view`` make them
 (``_fast._hot_outputs``, ``_fast._hot_lists``). Ops that write, that make tensors from nothing,
 or whose lists hold None or a real one-element tensor (the general path snapshots those) keep
-their windows recorded in full. With these the suite's GPT block step (layer norms, ``split``,
+their windows recorded in full. The ops the mode makes itself (a dropout's multiplies by the mask
+it drew at record time, a random fill's copy from its drawn temporary: ``_mode._record_made``) are
+validated too; the drawn tensor is a new real input each step, in the slot the template has. With these the suite's GPT block step (layer norms, ``split``,
 ``cat``) runs hot too.
 
 One rule keeps liveness what a full recording has (Note [Hot liveness] rests on a value's memory

@@ -71,7 +71,7 @@ def _random_fill(st: TracerState, f, args, kwargs):
     f.func(tmp, *args[1:], **kwargs)
     METRICS.ops_eager += 1
     METRICS.launches += 1
-    _record_or_run(st, facts_for(_copy_), (self, tmp), {})
+    _record_made(st, facts_for(_copy_), (self, tmp))
     return self
 
 
@@ -98,8 +98,21 @@ def _dropout_now(st: TracerState, args, kwargs):
     _bernoulli_(mask, p1m)
     METRICS.ops_eager += 1
     METRICS.launches += 1
-    out = _record_or_run(st, facts_for(_mul), (x, mask), {})
-    return _record_or_run(st, facts_for(_mul_scalar_), (out, 0.0 if p1m == 0 else 1.0 / p1m), {}), mask
+    out = _record_made(st, facts_for(_mul), (x, mask))
+    return _record_made(st, facts_for(_mul_scalar_), (out, 0.0 if p1m == 0 else 1.0 / p1m)), mask
+
+
+def _record_made(st: TracerState, f, args):
+    """``_record_or_run`` for an op the mode makes itself (a random fill's copy from its drawn
+    temporary, a dropout's multiplies by its drawn mask): in a hot window it is validated first, as
+    a dispatched op is (Note [Hot windows] in _hot), so a step with dropout runs hot; the drawn
+    tensor is a new real input each step, in the slot the template has for it."""
+    window = st.window
+    if window.hot is not None:
+        res = _record_hot(st, window, f, args, None)
+        if res is not _DECLINED:
+            return res
+    return _record_or_run(st, f, args, {})
 
 
 def _record_or_run(st: TracerState, f, args, kwargs):

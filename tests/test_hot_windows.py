@@ -878,3 +878,31 @@ def test_a_foreach_op_of_pending_and_real_tensors_runs_hot(fresh_regions):
 
     got, want = _runs_hot(step)
     torch.testing.assert_close(got, want)
+
+
+def test_a_step_with_dropout_and_a_random_fill_runs_hot_with_eagers_numbers(fresh_regions):
+    # the mode's own ops (a dropout's multiplies by the mask it drew, a random fill's copy from its
+    # drawn temporary) are validated like dispatched ones: the drawn tensors fill their slots anew
+    x, w = torch.randn(64), torch.randn(64)
+    noise = torch.empty(64)
+
+    def step():
+        h = torch.nn.functional.dropout(torch.tanh(x * w), 0.25, training=True)
+        noise.uniform_()  # in place, on a real tensor
+        return h * 2 + noise
+
+    def run(adaptive):
+        torch.manual_seed(0)
+        if not adaptive:
+            return [step() for _ in range(6)]
+        with ae.adaptive_eager(**SYNC):
+            out = []
+            for _ in range(6):
+                out.append(step())
+                ae.sync()
+            assert ae.metrics()["hot_windows"] >= 3, ae.metrics()["hot_mismatches"]
+        return out
+
+    want = run(False)
+    for got, ref in zip(run(True), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
