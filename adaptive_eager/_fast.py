@@ -22,6 +22,7 @@ _Tensor = torch.Tensor
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _storage_use_count = torch._C._storage_Use_Count
 _new = object.__new__
+_get_default_device = torch.get_default_device
 _weakref = weakref.ref
 
 
@@ -96,6 +97,8 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         cause = _hot_lists(window, p, args, n0)
         if cause is not None:
             return _miss(window, n0, cause)
+    if p.factory and _get_default_device().type != st.target:
+        return _miss(window, n0, "metadata")  # the general path declines it: not ours
     if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
         return _miss(window, n0, "scalar")
     fpos = p.fpos

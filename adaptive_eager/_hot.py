@@ -61,8 +61,10 @@ ops of several fresh outputs (``native_layer_norm`` and its backward, whose outp
 None outputs) and of tensor lists (``cat``: each element bound as a tensor argument is, in the
 general path's slot order), and views of several outputs (``split``: a VIEW Out each, the hot
 record their tuple), each made exactly as ``_record._record`` and ``_record_view`` make them
-(``_fast._hot_outputs``, ``_fast._hot_lists``). Ops that write, that make tensors from nothing,
-or whose lists hold None or a real one-element tensor (the general path snapshots those) keep
+(``_fast._hot_outputs``, ``_fast._hot_lists``); so are factories (``zeros``, ``arange``,
+``scalar_tensor``: the masks and positions a Hugging Face model makes each step), their sizes and
+keywords compared, the default dtype as for every op and the default device checked as the general
+path checks it. Ops that write, or whose lists hold None or a real one-element tensor (the general path snapshots those) keep
 their windows recorded in full. The ops the mode makes itself (a dropout's multiplies by the mask
 it drew at record time, a random fill's copy from its drawn temporary: ``_mode._record_made``) are
 validated too; the drawn tensor is a new real input each step, in the slot the template has. With these the suite's GPT block step (layer norms, ``split``,
@@ -171,7 +173,7 @@ class _Pos:
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
                  "nbytes", "source", "sig_end", "pending", "view", "offset", "viewed", "lists", "multi",
-                 "returns_list", "single")
+                 "returns_list", "single", "factory")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -204,6 +206,7 @@ class _Pos:
         self.multi: tuple | None = None
         self.returns_list = False
         self.single = False
+        self.factory = False  # an op of no tensor (``zeros``): the default device must still be the target
 
 
 class Template:
@@ -358,7 +361,7 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
     if fast:
         if node.mutates != f.fast_inplace or len(node.outs) != 1:
             return None
-    elif node.mutates or f.mutates or f.factory or f.nrets == 0 or f.scalarlist_pos:
+    elif node.mutates or f.mutates or f.nrets == 0 or f.scalarlist_pos:
         return None
     if any(type(x) is not int and type(x) is not str for x in node.fpos):
         return None  # a float of a list: not a position _record_hot reads
@@ -390,7 +393,9 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
                 return None
             consts.append((j, a))
     if not tensors and not lists:
-        return None
+        if not f.factory:
+            return None
+        p.factory = True  # ``zeros``, ``arange``, ``scalar_tensor``: made on the default device
     p.tensors, p.pending, p.consts, p.fpos = tuple(tensors), tuple(pending), tuple(consts), list(node.fpos)
     p.lists = tuple(lists)
     # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])

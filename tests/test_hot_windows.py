@@ -906,3 +906,30 @@ def test_a_step_with_dropout_and_a_random_fill_runs_hot_with_eagers_numbers(fres
     want = run(False)
     for got, ref in zip(run(True), want):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_factories_run_hot_on_the_default_device_only(fresh_regions):
+    # ``zeros``, ``arange``, ``scalar_tensor`` (the masks and positions a Hugging Face model makes
+    # each step) are validated: sizes, keywords, the default dtype and the default device
+    x = torch.randn(4)
+
+    def step():
+        z = torch.zeros(4) + torch.arange(4.0, dtype=torch.float32) * torch.scalar_tensor(0.5)
+        return x * 2 + z, torch.ones(2, 2)
+
+    got, want = _runs_hot(step)
+    torch.testing.assert_close(got, want)
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        torch.set_default_device("meta")
+        try:
+            # where the template has a CPU factory: eager's device, not ours (``set_default_device``
+            # passes ``device=`` as a keyword the template's op has not; ``_record_hot`` also checks
+            # the default device itself)
+            made = torch.zeros(4)
+        finally:
+            torch.set_default_device(None)
+        y = x * 2
+        ae.sync()
+    assert made.device.type == "meta"
+    torch.testing.assert_close(y, x * 2)
