@@ -64,7 +64,8 @@ record their tuple), each made exactly as ``_record._record`` and ``_record_view
 (``_fast._hot_outputs``, ``_fast._hot_lists``); so are factories (``zeros``, ``arange``,
 ``scalar_tensor``: the masks and positions a Hugging Face model makes each step), their sizes and
 keywords compared, the default dtype as for every op and the default device checked as the general
-path checks it. Ops that write, or whose lists hold None or a real one-element tensor (the general path snapshots those) keep
+path checks it; and attention with ``dropout_p=0`` (its kernel's unseeded facts, validated only
+once ``_ops.unseeded_facts`` has found the call draws nothing). Ops that write, or whose lists hold None or a real one-element tensor (the general path snapshots those) keep
 their windows recorded in full. The ops the mode makes itself (a dropout's multiplies by the mask
 it drew at record time, a random fill's copy from its drawn temporary: ``_mode._record_made``) are
 validated too; the drawn tensor is a new real input each step, in the slot the template has. With these the suite's GPT block step (layer norms, ``split``,
@@ -330,6 +331,8 @@ def template_of(st, window: Window, entry) -> Template | None:
         f = _ops.FACTS.get(node.func)
         if f is None:
             return None
+        if f.unseeded is not None:
+            f = f.unseeded  # attention without dropout: recorded with these facts (Note [Dropout probability] in _ops)
         if node.is_view:
             p = _view_pos(node, f, window, scalar_fast_path)
             if p is None:

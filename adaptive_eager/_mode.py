@@ -235,6 +235,11 @@ class LazyMode(TorchDispatchMode):
             if func is _native_dropout and (res := _dropout_now(st, args, kwargs)) is not None:
                 return res
             if f.unseeded is not None and (unseeded := unseeded_facts(f, args, kwargs)) is not None:
+                window = st.window
+                if window.hot is not None:  # it draws nothing: validated as any op (Note [Hot views] in _hot)
+                    res = _record_hot(st, window, unseeded, args, kwargs)
+                    if res is not _DECLINED:
+                        return res
                 return _record_or_run(st, unseeded, args, kwargs)  # attention without dropout
             if _touches_target(st, f, args, kwargs):
                 return _eager(st, f, args, kwargs, f.reason)

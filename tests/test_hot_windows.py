@@ -933,3 +933,28 @@ def test_factories_run_hot_on_the_default_device_only(fresh_regions):
         ae.sync()
     assert made.device.type == "meta"
     torch.testing.assert_close(y, x * 2)
+
+
+def test_attention_without_dropout_runs_hot_and_with_dropout_does_not(fresh_regions):
+    # ``scaled_dot_product_attention``'s kernel is tagged random; with ``dropout_p=0`` it draws
+    # nothing and is validated as any op, forward and backward; with dropout it is never hot
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, requires_grad=True) for _ in range(3))
+
+    def step(p=0.0):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        (g,) = torch.autograd.grad(out.sum(), q)
+        return out.detach(), g
+
+    got, want = _runs_hot(step)
+    torch.testing.assert_close(got, want)
+    torch.manual_seed(1)
+    want = step(0.5)
+    with ae.adaptive_eager(**SYNC):
+        _until_hot(step)
+        hot = ae.metrics()["hot_windows"]
+        torch.manual_seed(1)
+        got = step(0.5)
+        ae.sync()
+        assert ae.metrics()["hot_windows"] == hot
+    torch.testing.assert_close(got, want)
