@@ -47,8 +47,9 @@ def _miss(window: Window, n0: int, cause: str):
 
 
 def _record_hot(st: TracerState, window: Window, f, args, kwargs):
-    """Record a fast-path op of a hot window against its template's position (Note [Hot windows]
-    in ``_hot``): the same placeholder or ALIAS Out, slots and marks as ``_record_fast``, without
+    """Record an op of a hot window against its template's position (Note [Hot windows] and Note
+    [Hot views] in ``_hot``): the same placeholders or ALIAS Out, slots and marks as
+    ``_record_fast`` (or, for the general path's ops a template holds, ``_record._record``), without
     its signature, meta lookup or Node. ``_DECLINED`` (nothing changed) when it does not match.
     ``kwargs`` may be None (none given). Note [Hot record cost] says what each line costs."""
     nodes = window.nodes

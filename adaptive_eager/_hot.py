@@ -319,7 +319,7 @@ def count_hot(window: Window) -> None:
 
 def template_of(st, window: Window, entry) -> Template | None:
     """The template of ``window``, which just ran compiled with region ``entry``; None if an op of
-    it is not one the record fast path takes (Note [Hot windows])."""
+    it is not one a hot record takes (Note [Hot windows], Note [Hot views])."""
     if not st.options.hot_windows or st.alloc_cpu is None or st.device_varies:
         return None
     slots = window.slots
