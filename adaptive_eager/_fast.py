@@ -81,19 +81,9 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         slot = -1 - ref
         if slot < n0 and real[slot] is a:  # the tensor in its slot already: a tensor, slotted there
             continue
-        if not isinstance(a, _Tensor):
-            return _miss(window, n0, "binding")
-        slots = window.slots
-        known = slots.get(id(a))
-        if known is not None:
-            return _miss(window, n0, "binding")  # slotted, in another slot
-        if slot != len(real):
-            return _miss(window, n0, "binding")
-        shape, stride, dtype = hot.slot_meta[slot]
-        if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
-            return _miss(window, n0, "metadata")
-        slots[id(a)] = slot
-        real.append(a)
+        cause = _hot_slot(window, a, slot, n0)  # its first use in this window: registered there
+        if cause is not None:
+            return _miss(window, n0, cause)
     if p.lists:
         cause = _hot_lists(window, p, args, n0)
         if cause is not None:
@@ -188,18 +178,18 @@ def _hot_lists(window: Window, p, args, n0: int) -> str | None:
                 continue
             if o is not None and (o.win is token or pending_mark(o)):
                 return "binding"
-            cause = _hot_slot(window, a, -1 - ref)
+            cause = _hot_slot(window, a, -1 - ref, len(real))
             if cause is not None:
                 return cause
     return None
 
 
-def _hot_slot(window: Window, a, slot: int) -> str | None:
-    """A real input of a hot view or list where the template has slot ``slot``: already there, or
-    registered there now if it is the next slot and has that slot's metadata (as ``_record_hot``
-    checks its tensors inline); the cause of a mismatch, or None."""
+def _hot_slot(window: Window, a, slot: int, n0: int) -> str | None:
+    """A real input of a hot op where the template has slot ``slot``: already there (among the
+    first ``n0`` slots), or registered there now if it is the next slot and has that slot's
+    metadata; the cause of a mismatch, or None."""
     real = window.real_inputs
-    if slot < len(real) and real[slot] is a:
+    if slot < n0 and real[slot] is a:
         return None
     if not isinstance(a, _Tensor) or window.slots.get(id(a)) is not None or slot != len(real):
         return "binding"
@@ -235,9 +225,10 @@ def _hot_outputs(st: TracerState, window: Window, p):
         alive.add(r)
         t._ae = o
         results.append(t)
-    if p.single:
-        return results[0]
-    return results if p.returns_list else tuple(results)
+    f = p.f
+    if f.returns_list:
+        return results
+    return results[0] if f.nrets == 1 else tuple(results)
 
 
 def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
@@ -266,7 +257,7 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
         if not isinstance(a, _Tensor) or (o is not None and (o.win is token or pending_mark(o))):
             return _miss(window, n0, "binding")
         slot = -1 - ref
-        cause = _hot_slot(window, a, slot)
+        cause = _hot_slot(window, a, slot, n0)
         if cause is not None:
             return _miss(window, n0, cause)
         if a.storage_offset() != p.offset:  # part of a view's signature

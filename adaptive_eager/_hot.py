@@ -174,7 +174,7 @@ class _Pos:
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
                  "nbytes", "source", "sig_end", "pending", "view", "offset", "viewed", "lists", "multi",
-                 "returns_list", "single", "factory")
+                 "factory")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -201,12 +201,9 @@ class _Pos:
         self.viewed = False
         # an op of tensor lists or several outputs (Note [Hot views]): per list argument (position,
         # length, (element index, ref) per tensor); per output (uid, its spec or None), for an op
-        # ``_op_pos`` takes that is not of the fast path's kind (or a view of several outputs),
-        # whose result is a list (``returns_list``) or one tensor (``single``)
+        # ``_op_pos`` takes that is not of the fast path's kind (or a view of several outputs)
         self.lists: tuple = ()
         self.multi: tuple | None = None
-        self.returns_list = False
-        self.single = False
         self.factory = False  # an op of no tensor (``zeros``): the default device must still be the target
 
 
@@ -277,7 +274,7 @@ class Template:
                     args[pos] = scalars[fbase + j]
                 else:
                     floats[pos] = scalars[fbase + j]
-            kwargs = {name: floats[name] if v is float and not p.view else v for name, v in p.kw}
+            kwargs = {name: floats[name] if v is float else v for name, v in p.kw}
             node = Node(p.f.func, args, kwargs, inputs, p.source, k)
             node.mutates = p.f.fast_inplace
             node.is_view = p.view
@@ -429,8 +426,6 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
             multi.append((o.uid, o.meta))
             p.nbytes += storage_bytes(o.meta)
     p.multi = tuple(multi)
-    p.returns_list = f.returns_list
-    p.single = f.nrets == 1 and not f.returns_list
     return p
 
 
@@ -448,7 +443,6 @@ def _view_pos(node: Node, f, window: Window, scalar_fast_path: bool) -> _Pos | N
     o = node.outs[0]
     p = _Pos()
     p.multi = multi
-    p.returns_list = f.returns_list
     p.f, p.n, p.source, p.view = f, len(node.args), node.source, True
     a = node.args[0]
     if type(a) is Out:

@@ -102,17 +102,18 @@ def _dropout_now(st: TracerState, args, kwargs):
     return _record_made(st, facts_for(_mul_scalar_), (out, 0.0 if p1m == 0 else 1.0 / p1m)), mask
 
 
-def _record_made(st: TracerState, f, args):
-    """``_record_or_run`` for an op the mode makes itself (a random fill's copy from its drawn
-    temporary, a dropout's multiplies by its drawn mask): in a hot window it is validated first, as
-    a dispatched op is (Note [Hot windows] in _hot), so a step with dropout runs hot; the drawn
-    tensor is a new real input each step, in the slot the template has for it."""
+def _record_made(st: TracerState, f, args, kwargs=None):
+    """``_record_or_run`` for an op the mode makes itself or records with facts of its own (a random
+    fill's copy from its drawn temporary, a dropout's multiplies by its drawn mask, attention
+    without dropout): in a hot window it is validated first, as a dispatched op is (Note [Hot
+    windows] in _hot), so a step with dropout or attention runs hot; a drawn tensor is a new real
+    input each step, in the slot the template has for it."""
     window = st.window
     if window.hot is not None:
-        res = _record_hot(st, window, f, args, None)
+        res = _record_hot(st, window, f, args, kwargs)
         if res is not _DECLINED:
             return res
-    return _record_or_run(st, f, args, {})
+    return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
 
 
 def _record_or_run(st: TracerState, f, args, kwargs):
@@ -235,12 +236,7 @@ class LazyMode(TorchDispatchMode):
             if func is _native_dropout and (res := _dropout_now(st, args, kwargs)) is not None:
                 return res
             if f.unseeded is not None and (unseeded := unseeded_facts(f, args, kwargs)) is not None:
-                window = st.window
-                if window.hot is not None:  # it draws nothing: validated as any op (Note [Hot views] in _hot)
-                    res = _record_hot(st, window, unseeded, args, kwargs)
-                    if res is not _DECLINED:
-                        return res
-                return _record_or_run(st, unseeded, args, kwargs)  # attention without dropout
+                return _record_made(st, unseeded, args, kwargs)  # attention without dropout: it draws nothing
             if _touches_target(st, f, args, kwargs):
                 return _eager(st, f, args, kwargs, f.reason)
             return func(*args, **kwargs)
