@@ -34,9 +34,6 @@ class Metrics:
         self.optimizer_cold_steps = 0
         self.optimizer_captures = 0
         self.optimizer_hot_steps = 0
-        # hot steps that ran the captured graph uncompiled: its compile pending, or failed
-        # (Note [Compile off the step])
-        self.optimizer_uncompiled_steps = 0
         self.optimizer_misses: Counter[str] = Counter()
         # for explain(): (reason, user, inside) and (op, reason, user, inside), each a (code, line) of
         # the user's line and of the library's it called or None (Note [Whose line] in _source)
@@ -65,7 +62,6 @@ class Metrics:
             "optimizer_cold_steps": self.optimizer_cold_steps,
             "optimizer_captures": self.optimizer_captures,
             "optimizer_hot_steps": self.optimizer_hot_steps,
-            "optimizer_uncompiled_steps": self.optimizer_uncompiled_steps,
             "optimizer_misses": dict(self.optimizer_misses),
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
@@ -81,7 +77,7 @@ def format_report(m: dict) -> str:
     for k in ("ops_recorded", "ops_eager", "host_scalar_ops", "windows", "ops_materialized", "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
-              "optimizer_hot_steps", "optimizer_uncompiled_steps"):
+              "optimizer_hot_steps"):
         if k in m:
             lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]

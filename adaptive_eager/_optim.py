@@ -3,28 +3,21 @@
 While adaptive eager is on, the ``step`` of the optimizers in ``_CAPTURED`` is the function below:
 cold, it runs the step as before (every op recorded); once the optimizer has taken ``hot_after``
 steps, the step is handed to TorchDynamo (``fullgraph``, the backend the options name) and later
-steps run as a single call of what it compiled, with the dispatch mode suspended (with
-``optimizer_capture="background"``, the backend compiles on the compile thread while the steps run
-the traced graph uncompiled: Note [Compile off the step]). The step pre/post hooks, the LR scheduler's wrapper and
-``_optimizer_step_code`` stay outside that call, in ``Optimizer.profile_hook_step``, and run
+steps run as a single call of what it compiled, with the dispatch mode suspended. The capture
+compiles inside its step, on the program's thread (Note [No compile off the step]). The step
+pre/post hooks, the LR scheduler's wrapper and ``_optimizer_step_code`` stay outside that call, in ``Optimizer.profile_hook_step``, and run
 eagerly every step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-import threading
 import types
 import warnings
 import weakref
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-
-from fuser.artifacts import _submit
-from fuser.backends._common import trace_lock
 
 from ._flush import _modes_off, flush
 from ._log import log
@@ -75,48 +68,24 @@ from ._state import current_state, pending_hot_ops
 #   incremented in place; params and state tensors are marked static (``mark_static_address``,
 #   as ``torch.compile`` of an optimizer does);
 # - by default the compile runs inside the step the program called, as ``torch.compile``'s does
-#   (the benchmarks warm up past it); with ``optimizer_capture="background"`` (and
-#   ``async_compile``) it runs off the step (Note [Compile off the step]), an option, not the
-#   default, by measurement (below).
+#   (the benchmarks warm up past it), never in another thread (below).
 
-# Note [Compile off the step]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [No compile off the step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # On a cold machine the capture's first call took 169-174 s (Inductor's vector-ISA probes 56 s, its
-# C++ builds 49 s, its import 30 s; Dynamo's trace a small part): the program stalled ~3 minutes
-# at its third step. So with ``optimizer_capture="background"`` Dynamo still traces on the program's thread (it
-# must: it builds the frame's guards), but its backend is ``_Deferred``'s: it keeps the graph and
-# returns at once a callable that runs it uncompiled (``gm.forward``: the same ATen ops, with the
-# mode suspended, so the values are those of Dynamo's ``eager`` backend, within compiled
-# tolerances of eager, and the step's Python is still skipped) until the real backend's compile
-# of that graph lands; the step after it lands runs the compiled kernels. Counted: steps run
-# uncompiled (``optimizer_uncompiled_steps``), a compile that fails (``optimizer_misses
-# ["compile_failed"]``, logged once; the graph keeps running uncompiled, never a wrong value).
-# - the compile starts at the graph's second call, not at its capture: a group float that changes
-#   (a scheduled lr) misses the first graph at once, and its compile would be wasted minutes;
-# - it runs on the compile thread (Note [Compile thread] in fuser.artifacts: it holds nothing of
-#   the program's, and is stopped at exit), holding ``trace_lock()`` (Note [One trace at a
-#   time]), inside the tracing and compile context Dynamo traced it in (its fake mode and shape
-#   env: a float made a graph input is a symbol there). Whatever guard the compile adds to them
-#   after Dynamo built the frame's guards would not be checked: a compile that adds one is
-#   dropped, counted as failed;
-# - Inductor and AOTAutograd save the global RNG state before a compile and restore it after
-#   (``preserve_rng_state``): from another thread, that rewinds the numbers the program drew
-#   meanwhile (why regions compile in worker processes: Note [Background compiles]). They draw
-#   none themselves, so in the compile thread, during this compile, that save and restore is a
-#   no-op (``_rng_kept``; other threads, and any other time, get the original);
-# - a (re)capture never waits for the lock: while another trace holds it (this compile, or a
-#   region's) the step runs recorded, counted ``traced_elsewhere``, and the next one captures.
-#   Guard checks and compiled calls take no lock; while FX traces in the compile thread,
-#   Dynamo refuses the compiled call (``_NESTED_TRACE`` below), and that step runs recorded.
-# Measured (AdamW foreach=False over a 64-256-10 MLP, 300 steps, a fresh process, cold Inductor
-# and region caches, 2 shared cores at load 2-7, so only the order holds): step 3 took 11.3 s
-# (load 2) and 26.2 s (load 5) before, 2.2-5.5 s after. The cost moved, it did not vanish: the
-# compile thread shares the GIL with the program. In one run (load 5-7) the compile ended at step
-# 265 (84 s; before, step 4 at 27.5 s) and the steps meanwhile took 0.26 s (median; 0.013 s
-# compiled); in another (load 4) the steps took 0.009 s and 300 of them ended (7.7 s) before it.
-# A compile in a worker process, as regions do, would not share the GIL, but needs the compiled
-# graph to be loadable in this one: not built. Until then the stall is cut but the time to
-# compiled steps grows (there, 300 steps took 89 s against 56 s), so the default stays in the step.
+# C++ builds 49 s, its import 30 s; Dynamo's trace a small part): the program stalls at its third
+# step, as it would at a ``torch.compile``d step's first call. An earlier version offered
+# ``optimizer_capture="background"``: Dynamo traced in the step, and AOTAutograd and Inductor
+# compiled that graph on the compile thread while the program's thread ran it uncompiled. It was
+# removed: the PT2 stack is not thread-safe (pytorch/pytorch#105943, #118260: fake-tensor caches,
+# make_fx's process-wide patches, config patches), and in this project's CI that test failed once
+# with a FakeTensor made of a CPU tensor in the compile thread and, on another run, crashed the
+# process with a segmentation fault. Regions are safe from this because they compile in worker
+# processes (Note [Background compiles] in fuser.artifacts) and the compile thread here only loads
+# what a worker built or compiles while the program's thread waits for it (Note [Compile thread]
+# in fuser.artifacts). Moving the capture's compile to a worker process needs Dynamo's graph in a
+# form a worker can compile and this process load (as a region's Program is): not built. The
+# setting still accepts ``background`` and warns that the compile runs in the step.
 
 # The optimizers whose step is captured: torch.optim's, with the flags the tests cover.
 _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad)
@@ -125,10 +94,6 @@ _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.R
 # stablehlo and neuron compile windows only.
 _DYNAMO_BACKENDS = {"inductor": "inductor"}
 _MAX_CAPTURES = 4
-# the modules whose ``preserve_rng_state`` a compile calls (Note [Compile off the step]): Dynamo's
-# (``compile_fx`` looks it up there at each call), and those that import the name
-_RNG_SAVERS = ("torch._dynamo.utils", "torch._functorch.aot_autograd", "torch._inductor.cudagraph_trees",
-               "torch._inductor.codegen.triton", "torch._inductor.select_algorithm")
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 # Dynamo refuses to run a compiled function while FX traces (``is_fx_symbolic_tracing()``, which
 # it asks): up to torch 2.13 the flag is process-wide (``_is_fx_tracing_flag``), so a region
@@ -223,17 +188,8 @@ def _step(st, opt, raw):
         if _traced_elsewhere():
             return raw(opt)
         if st.window.nodes:
-            flush(st, "optimizer_step")  # before the lock below: a flush may wait for the compile thread
-        if st.options.optimizer_capture != "background" or not st.options.async_compile:
-            return _capture(opt, raw, cap, backend)
-        lock = trace_lock()
-        if not lock.acquire(blocking=False):  # Note [Compile off the step]: never wait for a compile
-            METRICS.optimizer_misses["traced_elsewhere"] += 1
-            return raw(opt)
-        try:
-            return _capture(opt, raw, cap, _Deferred.backend(backend))
-        finally:
-            lock.release()
+            flush(st, "optimizer_step")
+        return _capture(opt, raw, cap, backend)
     if _traced_elsewhere():
         return raw(opt)
     if st.window.nodes:
@@ -241,7 +197,6 @@ def _step(st, opt, raw):
     from torch._dynamo.eval_frame import _set_stance
 
     prior = _set_stance(_fail_on_recompile())
-    uncompiled = METRICS.optimizer_uncompiled_steps
     try:
         with _modes_off(), _grad_mode(opt):  # the flush's: torch's costs ~5-40 us a call
             out = cap.fn()
@@ -254,7 +209,7 @@ def _step(st, opt, raw):
         miss = _cause(str(e))
     else:
         METRICS.optimizer_hot_steps += 1
-        _count_launches(cap, METRICS.optimizer_uncompiled_steps != uncompiled)
+        _count_launches(cap)
         return out
     finally:
         _set_stance(prior)
@@ -265,7 +220,6 @@ def _step(st, opt, raw):
 
 def _capture(opt, raw, cap, backend):
     """Hand the step to Dynamo; the step it runs is this one (Note [Optimizer capture])."""
-    uncompiled = METRICS.optimizer_uncompiled_steps
     try:
         with _disable_current_modes(), _grad_mode(opt), warnings.catch_warnings():
             # what Dynamo's tracing imports deprecates is not the program's (``-W error``)
@@ -284,101 +238,8 @@ def _capture(opt, raw, cap, backend):
         return raw(opt)
     cap.fn, cap.captures = fn, cap.captures + 1
     METRICS.optimizer_captures += 1
-    _count_launches(cap, METRICS.optimizer_uncompiled_steps != uncompiled)
+    _count_launches(cap)
     return out
-
-
-class _Deferred:
-    """A captured graph that runs uncompiled until its compile lands (Note [Compile off the step]):
-    what Dynamo's backend ``_Deferred.backend(name)`` returns for it."""
-
-    __slots__ = ("run", "name", "gm", "inputs", "contexts", "state", "future", "__weakref__")
-
-    def __init__(self, name, gm, inputs):
-        # the graph run uncompiled is a module of its own: the compile replaces ``gm``'s tensors
-        # while it traces (AOTAutograd's functional parameters), the code generated here stays
-        self.run, self.name, self.gm = torch.fx.GraphModule(gm, gm.graph).forward, name, gm
-        # what the compile takes: the inputs and contexts Dynamo gives its backend (a float graph
-        # input is a symbol of their shape env; with the fake inputs of the graph's nodes instead,
-        # a float input made AOTAutograd ask Dynamo to restart its analysis). The inputs (the
-        # capturing step's grads) are kept until the compile ends
-        self.inputs = inputs
-        self.contexts = (torch._guards.TracingContext.get(), torch._guards.CompileContext.try_get())
-        self.state, self.future = "traced", None
-
-    @staticmethod
-    def backend(name):
-        def deferred(gm, inputs):
-            return _Deferred(name, gm, inputs)
-
-        return deferred
-
-    def __call__(self, *args):
-        if self.future is not None and self.future.done():
-            self._land()
-        if self.state != "compiled":
-            METRICS.optimizer_uncompiled_steps += 1
-            if self.state == "traced":
-                self.state = "called"
-            elif self.state == "called":  # its second call: Note [Compile off the step]
-                self.state, self.future = "compiling", _submit(self._compile)
-        return self.run(*args)
-
-    def _compile(self):
-        tracing, compiling = self.contexts
-        env = tracing.fake_mode.shape_env
-        guards = (len(env.guards) if env is not None else 0, len(tracing.guards_context.aotautograd_guards))
-        with trace_lock(), _rng_kept(), torch._guards.tracing(tracing), torch._guards.compile_context(compiling):
-            compiled = torch._dynamo.lookup_backend(self.name)(self.gm, self.inputs)
-        if (len(env.guards) if env is not None else 0, len(tracing.guards_context.aotautograd_guards)) != guards:
-            raise RuntimeError("its compile added guards that the frame's guards do not check")
-        return compiled
-
-    def _land(self):
-        """The step after the compile ended: its kernels from now on, or the graph, uncompiled, for good."""
-        future, self.future, self.gm, self.inputs, self.contexts = self.future, None, None, None, None
-        try:
-            self.run, self.state = future.result(), "compiled"
-        except Exception as e:  # noqa: BLE001 - counted, logged; the graph keeps running uncompiled
-            self.state = "failed"
-            METRICS.optimizer_misses["compile_failed"] += 1
-            log.warning("adaptive_eager: the compile of a captured optimizer step failed (%s: %s); it runs "
-                        "uncompiled, as Dynamo's eager backend runs it", type(e).__name__, _first_line(e))
-        except BaseException:  # the compile thread stopped at exit (Note [Compile thread])
-            self.state = "failed"
-
-
-@contextlib.contextmanager
-def _rng_kept():
-    """This thread's compile does not save and restore the global RNG state (Note [Compile off the
-    step]): ``preserve_rng_state``, where the compile finds it, is a no-op in this thread meanwhile.
-    Other threads get the original; so does a module that imports the name meanwhile, afterwards."""
-    _RNG_THREAD.kept = True
-    patched = []
-    for name in _RNG_SAVERS:
-        module = sys.modules.get(name)
-        original = getattr(module, "preserve_rng_state", None)
-        if original is not None and not hasattr(original, "original"):
-            module.preserve_rng_state = _unsaved(original)
-            patched.append((module, original))
-    try:
-        yield
-    finally:
-        _RNG_THREAD.kept = False
-        for module, original in patched:
-            module.preserve_rng_state = original
-
-
-_RNG_THREAD = threading.local()
-
-
-def _unsaved(original):
-    @functools.wraps(original)
-    def preserve_rng_state():
-        return contextlib.nullcontext() if getattr(_RNG_THREAD, "kept", False) else original()
-
-    preserve_rng_state.original = original
-    return preserve_rng_state
 
 
 def _traced_elsewhere() -> bool:
@@ -392,10 +253,9 @@ def _traced_elsewhere() -> bool:
     return False
 
 
-def _count_launches(cap: _Capture, uncompiled: bool) -> None:
-    """A compiled step is one launch where eager launches what the recorded step did (``metrics()``);
-    one run uncompiled (Note [Compile off the step]) launches what eager does."""
-    METRICS.launches += cap.launches if uncompiled else 1
+def _count_launches(cap: _Capture) -> None:
+    """A compiled step is one launch where eager launches what the recorded step did (``metrics()``)."""
+    METRICS.launches += 1
     METRICS.eager_equivalent_launches += cap.launches
 
 

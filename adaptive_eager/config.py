@@ -50,9 +50,8 @@ class Options:
     tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
-    # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture]); "background": its
-    # compile runs off the step (Note [Compile off the step] in _optim)
-    optimizer_capture: bool | str = True
+    # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture] in _optim)
+    optimizer_capture: bool = True
     hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
     meta_on_disk: bool = True  # first-sight metadata kept in the cache: Note [Meta entries on disk] in _meta_disk
 
@@ -100,13 +99,23 @@ def _parse_seconds(name: str, raw: str) -> float:
     return _parse_float(name, raw, minimum=0)
 
 
-def _parse_capture(name: str, raw: str) -> bool | str:
-    if raw.strip().lower() == "background":
-        return "background"
-    try:
+def _parse_capture(name: str, raw: str) -> bool:
+    """A boolean; ``background``, no longer offered (Note [No compile off the step] in _optim),
+    means 1, said once a process: the capture compiles inside its step."""
+    global _warned_background
+    if raw.strip().lower() != "background":
         return _parse_bool(name, raw)
-    except _Invalid:
-        raise _Invalid("1/0 (or true/false) or background") from None
+    if not _warned_background:
+        _warned_background = True
+        from ._source import warn  # not at import: torch imports this module (_autoload)
+
+        warn("optimizer_capture='background' (NEURON_EAGER_OPTIMIZER_CAPTURE=background) is no longer offered: "
+             "PyTorch's compiler is not safe to run in another thread of the program; the optimizer step's "
+             "capture compiles inside its step, as with 1 (set 0 to turn the capture off)")
+    return True
+
+
+_warned_background = False
 
 
 def _parse_choice(choices: tuple[str, ...]):
@@ -162,9 +171,7 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                 "`adaptive_eager.emulate_neuron()`; needs the [neuron] extra for the stablehlo backend)"),
     "optimizer_capture": (_parse_capture, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
                           "call compiled by TorchDynamo with the step's guards (default 1: compiled inside the step "
-                          "that captures it, as `torch.compile` does; `background`: that step returns at once and "
-                          "steps run the captured graph uncompiled until the compile lands, which takes longer in all "
-                          "since it shares the GIL; 0: off)"),
+                          "that captures it, as `torch.compile` does; 0: off)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, `multiprocessing` children, forked processes) "
                 "record too (default 0: they run eagerly; a spawned child reads it from the environment)"),
 }
@@ -345,8 +352,8 @@ def _check_types(values: dict[str, Any]) -> None:
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     capture = values.get("optimizer_capture")
-    if capture is not None and type(capture) is not bool and capture != "background":
-        raise ConfigError(f"option optimizer_capture={capture!r}: expected True, False or 'background'")
+    if capture is not None and type(capture) is not bool:
+        raise ConfigError(f"option optimizer_capture={capture!r}: expected True or False")
 
 
 def entry_options(base: Options | None, **overrides: Any) -> Options:

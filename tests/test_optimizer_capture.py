@@ -40,15 +40,14 @@ def _backward(params, i):
     loss.backward()
 
 
-def _train(make_opt, steps, lazy, edit=None, sched=None, set_to_none=True, backend="replay", background=False):
+def _train(make_opt, steps, lazy, edit=None, sched=None, set_to_none=True, backend="replay", **options):
     """``steps`` steps of ``make_opt(params)``; ``edit(i, params, opt)`` runs before step ``i``.
-    The capture compiles inside its step unless ``background`` (Note [Compile off the step]):
-    the counts are the same in every run."""
+    The capture compiles inside its step (Note [No compile off the step]): the counts are the same
+    in every run."""
     params = _params()
     opt = make_opt(params)
     scheduler = sched(opt) if sched else None
-    capture = {"optimizer_capture": "background"} if background else {}
-    ctx = ae.adaptive_eager(backend=backend, async_compile=background, **capture) if lazy else _nothing()
+    ctx = ae.adaptive_eager(backend=backend, async_compile=False, **options) if lazy else _nothing()
     with ctx:
         for i in range(steps):
             opt.zero_grad(set_to_none=set_to_none)
@@ -338,134 +337,48 @@ def test_a_step_while_another_thread_traces_runs_recorded(monkeypatch, checked):
     assert m["optimizer_captures"] == 1 and m["optimizer_hot_steps"] == 7 - HOT_AFTER - 1 - 2, m
 
 
-# Note [Compile off the step] in adaptive_eager._optim: with optimizer_capture='background' the capture's backend
-# compiles on the compile thread; the tests below hold that compile until they release it.
-WAIT_S = 5  # a compile held longer than this was waited for on the program's thread: it fails
+def test_the_capture_compiles_on_the_programs_thread(monkeypatch):
+    """Note [No compile off the step]: PyTorch's compiler is not thread-safe, so the capture's backend
+    runs in the step, on the program's thread; ``background``, once an option, says so once and
+    means the same."""
+    import threading
 
+    from adaptive_eager import config
 
-def _compile_thread_idle():
-    """Wait until what the compile thread was given so far has ended (it runs one thing at a time)."""
-    from fuser.artifacts import _submit
+    threads = []
 
-    _submit(lambda: None).result(WAIT_S)
-
-
-def _held(release, calls, compile=lambda gm: gm.forward):
-    """A Dynamo backend whose compile waits for ``release``; what it returns appends to ``calls``."""
     def backend(gm, inputs):
-        assert release.wait(WAIT_S), "the compile was held on the program's thread"
-        run = compile(gm)
+        threads.append(threading.current_thread())
+        return gm.forward
 
-        def compiled(*args):
-            calls.append(len(calls))
-            return run(*args)
-
-        return compiled
-
-    return backend
-
-
-def test_the_capturing_step_does_not_wait_for_its_compile(monkeypatch):
-    """The capturing step and the next ones run the captured graph uncompiled while its compile is
-    held (the program goes on, counted), the step after it ends runs what it compiled, and the
-    values are eager's throughout, with an lr that changes every step."""
-    import threading
-
-    release, calls, seen = threading.Event(), [], {}
-    monkeypatch.setitem(_optim._DYNAMO_BACKENDS, "replay", _held(release, calls))
-
-    def edit(i, params, opt):
-        if i == 8:
-            seen["held"], seen["calls"] = ae.metrics(), list(calls)
-            release.set()
-            _compile_thread_idle()
-
-    def make(p):
-        return torch.optim.Adam(p, lr=0.01, weight_decay=0.1)
-
-    def sched(opt):
-        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-
-    eager = _train(make, 12, False, sched=sched)
-    ae.reset_metrics()
-    lazy = _train(make, 12, True, sched=sched, edit=edit, background=True)
-    _assert_same(eager, lazy)
-    m = ae.metrics()
-    # step 2 captures lr as a constant, step 3 misses (lr changed: never compiled), step 4
-    # recaptures lr as an input, and its compile starts at step 5, the graph's second call
-    assert m["optimizer_misses"] == {"param_group": 1}, m  # no capture failed waiting for the compile
-    assert seen["calls"] == [] and seen["held"]["optimizer_uncompiled_steps"] == 5, seen
-    assert m["optimizer_captures"] == 2 and m["optimizer_hot_steps"] == 12 - ONE_MISS
-    assert m["optimizer_uncompiled_steps"] == 5 and len(calls) == 12 - 8  # compiled from step 8 on
-
-
-def test_a_compile_that_fails_in_the_background_leaves_the_step_uncompiled(monkeypatch, caplog):
-    """Counted once, logged once; the captured graph keeps running uncompiled, with eager's values."""
-    def failing(gm, inputs):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setitem(_optim._DYNAMO_BACKENDS, "replay", failing)
-
-    def edit(i, params, opt):
-        if i == 4:
-            _compile_thread_idle()  # the compile began at step 3 and has ended (failed)
-
+    monkeypatch.setitem(_optim._DYNAMO_BACKENDS, "replay", backend)
+    monkeypatch.setattr(config, "_warned_background", False)
     make = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
-    eager = _train(make, 8, False)
+    eager = _train(make, 6, False)
     ae.reset_metrics()
-    with caplog.at_level("WARNING", logger="adaptive_eager"):
-        lazy = _train(make, 8, True, edit=edit, background=True)
+    with pytest.warns(UserWarning, match="background.*no longer offered.*inside its step") as said:
+        lazy = _train(make, 6, True, optimizer_capture="background")
+        _train(make, 3, True, optimizer_capture="background")  # said once a process
+    assert len([w for w in said if "background" in str(w.message)]) == 1
     _assert_same(eager, lazy)
+    assert threads and all(t is threading.main_thread() for t in threads), threads
     m = ae.metrics()
-    assert m["optimizer_misses"] == {"compile_failed": 1}, m
-    assert m["optimizer_captures"] == 1 and m["optimizer_hot_steps"] == 8 - HOT_AFTER - 1
-    assert m["optimizer_uncompiled_steps"] == 8 - HOT_AFTER  # the capturing step and every hot one
-    failed = [r for r in caplog.records if "no compiler here" in r.getMessage()]
-    assert len(failed) == 1 and failed[0].levelname == "WARNING"
+    assert m["optimizer_captures"] == 2 and m["optimizer_hot_steps"] == 6 - HOT_AFTER - 1, m
+    assert "optimizer_uncompiled_steps" not in m
 
 
-def test_a_background_compile_does_not_rewind_the_programs_random_numbers(monkeypatch):
-    """AOTAutograd saves the global RNG state before it compiles and restores it after: from the
-    compile thread, that would replay to the program the numbers it drew meanwhile."""
-    import threading
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    release, calls = threading.Event(), []
-
-    def forward_compiler(gm, inputs):  # inside AOTAutograd's saved RNG state
-        assert release.wait(WAIT_S), "the compile was held on the program's thread"
-        calls.append(0)
-        return make_boxed_func(gm.forward)
-
-    monkeypatch.setitem(_optim._DYNAMO_BACKENDS, "replay", aot_autograd(fw_compiler=forward_compiler))
-
-    def noise(i, params, opt):
-        params[0].grad.add_(torch.rand_like(params[0].grad))  # drawn while the compile is held
-
-    def edit(i, params, opt):
-        noise(i, params, opt)
-        if i == 6:
-            release.set()
-            _compile_thread_idle()
-
-    make = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
-    torch.manual_seed(1)
-    eager = _train(make, 9, False, edit=noise)
-    ae.reset_metrics()
-    torch.manual_seed(1)
-    lazy = _train(make, 9, True, edit=edit, background=True)
-    _assert_same(eager, lazy)
-    assert calls == [0] and ae.metrics()["optimizer_uncompiled_steps"] < 9 - HOT_AFTER  # it landed
-
-
-def test_the_background_capture_is_an_option_the_environment_can_set():
+def test_the_capture_is_an_option_the_environment_can_set(monkeypatch):
+    from adaptive_eager import config
     from adaptive_eager.config import ConfigError, load_options
 
+    monkeypatch.setattr(config, "_warned_background", False)
     assert load_options({}).optimizer_capture is True  # by default the capture compiles in its step
-    assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "background"}).optimizer_capture == "background"
     assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "0"}).optimizer_capture is False
-    with pytest.raises(ConfigError, match="NEURON_EAGER_OPTIMIZER_CAPTURE.*background"):
+    with pytest.warns(UserWarning, match=r"NEURON_EAGER_OPTIMIZER_CAPTURE=background\) is no longer offered"):
+        assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "background"}).optimizer_capture is True
+    with pytest.raises(ConfigError, match="NEURON_EAGER_OPTIMIZER_CAPTURE='later': expected 1/0"):
         load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "later"})
-    with pytest.raises(ConfigError, match="optimizer_capture='later'.*background"):
+    with pytest.raises(ConfigError, match="optimizer_capture='later': expected 1/0"):
         load_options({}, optimizer_capture="later")
+    with pytest.raises(ConfigError, match="optimizer_capture=2: expected True or False"):
+        load_options({}, optimizer_capture=2)
