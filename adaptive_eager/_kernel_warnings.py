@@ -35,52 +35,90 @@ no binding around it).
 ``warnings.catch_warnings`` bumps the filters' version on entry and exit, which empties every
 module's warning registry: a program's ``"default"`` filter then shows again a warning it had
 shown. So ``caught_warnings`` puts an ``"always"`` filter in front of ``warnings.filters`` in
-place and points ``warnings.showwarning`` (documented as replaceable) at a list for the call: no
-version bump. Like ``catch_warnings`` it is process-wide for its duration: a warning another
-thread raises then is caught with the probe's (and dropped).
+place and points ``warnings.showwarning`` (documented as replaceable) at ``_show``: no version
+bump. Unlike ``catch_warnings`` (before Python 3.14's context-aware warnings) it is not
+process-wide: the filter's message pattern (``_Capturing``) matches only in a thread that is
+capturing, and ``_show`` appends to that thread's innermost capture and hands any other thread's
+warning to the program's ``showwarning``. So a warning a program's thread raises meanwhile (a
+logging thread, a DataLoader's) meets the program's filters and is shown where it was raised: it
+was caught with the probe's and dropped before (570 of 17,000 in a test with one meta-cache miss
+per step). ``_show`` stays installed while any thread captures (two threads' captures end in any
+order), and the program's ``showwarning`` comes back when the last one ends, unless the program
+replaced ``_show`` meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import warnings
 
 import torch
 
 
-_ALWAYS = ("always", None, Warning, None, 0)  # a ``warnings.filters`` entry
+class _Capturing:
+    """The message pattern of ``_ALWAYS``: it matches in a thread that is capturing (Note [Kernel
+    warnings]); ``warnings`` calls its ``match`` as it would a compiled pattern's."""
+
+    __slots__ = ()
+
+    def match(self, text) -> bool:
+        return bool(getattr(_local, "captures", None))
 
 
-class _Caught(list):
-    """What ``warnings.showwarning`` was handed: ``warnings.WarningMessage``s."""
+_ALWAYS = ("always", _Capturing(), Warning, None, 0)  # a ``warnings.filters`` entry, found by identity
+_local = threading.local()  # .captures: this thread's open captures, innermost last
+_lock = threading.Lock()
+_open = 0  # captures open in all threads
+_program_show = None  # the program's ``warnings.showwarning`` while ``_show`` stands in for it
 
-    def __call__(self, message, category, filename, lineno, file=None, line=None):
-        self.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+def _show(message, category, filename, lineno, file=None, line=None):
+    captures = getattr(_local, "captures", None)
+    if captures:
+        captures[-1].append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+    else:  # another thread's warning, past the program's filters: the program's to show
+        (_program_show or warnings._showwarning_orig)(message, category, filename, lineno, file, line)
 
 
 @contextlib.contextmanager
 def caught_warnings():
-    """``warnings.catch_warnings(record=True)`` with ``simplefilter("always")``, without its cost to
-    the program's own ``"default"`` and ``"module"`` filters (Note [Kernel warnings])."""
+    """This thread's warnings (``warnings.WarningMessage``s) while it runs the block, with an
+    ``"always"`` filter, without its cost to the program's own ``"default"`` and ``"module"``
+    filters or to other threads' warnings (Note [Kernel warnings])."""
     if getattr(sys.flags, "context_aware_warnings", False):  # Python 3.14's per-context filters
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield caught
         return
-    caught = _Caught()
-    filters, shown = warnings.filters, warnings.showwarning
-    entry = (*_ALWAYS,)  # its own object, found again by identity
-    filters.insert(0, entry)
-    warnings.showwarning = caught
+    global _open, _program_show
+    caught: list = []
+    captures = getattr(_local, "captures", None)
+    if captures is None:
+        captures = _local.captures = []
+    with _lock:
+        if _open == 0:
+            if warnings.showwarning is not _show:
+                _program_show = warnings.showwarning
+            warnings.showwarning = _show
+            warnings.filters.insert(0, _ALWAYS)
+        _open += 1
+    captures.append(caught)
     try:
         yield caught
     finally:
-        warnings.showwarning = shown
-        for i, f in enumerate(filters):
-            if f is entry:
-                del filters[i]
-                break
+        captures.pop()
+        with _lock:
+            _open -= 1
+            if _open == 0:
+                if warnings.showwarning is _show:
+                    warnings.showwarning = _program_show
+                filters = warnings.filters
+                for i, f in enumerate(filters):
+                    if f is _ALWAYS:
+                        del filters[i]
+                        break
 
 
 class _Binding(torch.autograd.Function):

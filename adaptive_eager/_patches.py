@@ -110,8 +110,8 @@ def _reader(reason: str, original, other_threads_only: bool = False):
 # ("Converting a tensor with requires_grad=True to a scalar...", ``float(loss)`` in many loops).
 # So for those, and only when ``t.requires_grad``, the call's warnings are caught and issued again
 # at the caller's frame, where the program's own filters (``-W error``, ``once``) apply to them as
-# in eager. ``catch_warnings`` swaps the process's warning state for the call's duration: a warning
-# another thread raises within those microseconds is issued at this caller's line too (never lost).
+# in eager. The capture is this thread's: a warning another thread raises meanwhile is shown where
+# it was raised, under the program's filters (Note [Kernel warnings] in ``_kernel_warnings``).
 _WARNING_READERS = ("__float__", "__complex__")
 
 

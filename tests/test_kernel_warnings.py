@@ -173,3 +173,94 @@ def test_a_once_a_process_warning_comes_once(tmp_path, backend):
         assert out.returncode == 0, out.stderr
         lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING") and "searchsorted" in line]
         assert len(lines) == 1 and lines[0].startswith(f"WARNING {script} 8 "), out.stdout + out.stderr
+
+
+# Note [Kernel warnings]: the capture around the library's own probes is the capturing thread's
+def _warn_in_a_thread(*messages):
+    import threading
+
+    def run():
+        for m in messages:
+            warnings.warn(m)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+
+
+def test_another_threads_warning_meets_the_programs_filters_and_is_shown():
+    from adaptive_eager._kernel_warnings import caught_warnings
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        warnings.filterwarnings("ignore", message="ignored by the program")
+        with caught_warnings() as caught:
+            warnings.warn("the probe's")  # this thread's: caught, whatever the program's filters
+            _warn_in_a_thread("from a logging thread", "ignored by the program")
+            warnings.warn("ignored by the program")  # this thread's, caught too
+        warnings.warn("after")
+    assert [str(w.message) for w in caught] == ["the probe's", "ignored by the program"]
+    assert [str(w.message) for w in shown] == ["from a logging thread", "after"]
+    assert shown[0].filename == __file__
+
+
+def test_captures_in_two_threads_end_in_any_order():
+    import threading
+
+    from adaptive_eager._kernel_warnings import _ALWAYS, caught_warnings
+
+    program = warnings.showwarning
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        with caught_warnings() as caught:
+            entered.set()
+            release.wait(10)
+            warnings.warn("the other thread's probe")
+        seen["other"] = [str(w.message) for w in caught]
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        program = warnings.showwarning
+        t = threading.Thread(target=other)
+        with caught_warnings() as caught:
+            t.start()
+            entered.wait(10)
+            warnings.warn("this thread's probe")
+        # this capture ended first: the other's still catches, and this thread's warnings show
+        warnings.warn("between")
+        release.set()
+        t.join()
+        assert warnings.showwarning is program and _ALWAYS not in warnings.filters
+        warnings.warn("after")
+    assert [str(w.message) for w in caught] == ["this thread's probe"]
+    assert seen["other"] == ["the other thread's probe"]
+    assert [str(w.message) for w in shown] == ["between", "after"]
+
+
+def test_a_logging_threads_warnings_all_reach_the_program():
+    """A thread warns while the program records ops that miss the meta cache (each runs its meta
+    kernel and layout probe under a capture): every warning is shown, as in eager."""
+    import threading
+    import time
+
+    stop, said = threading.Event(), []
+
+    def logger():
+        while not stop.is_set() or not said:
+            said.append(f"log line {len(said)}")
+            warnings.warn(said[-1])
+            time.sleep(0)  # lets the program's thread run
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        t = threading.Thread(target=logger)
+        t.start()
+        with ae.adaptive_eager(backend="replay", meta_on_disk=False):
+            for i in range(1, 150):
+                y = torch.ones(i).cumsum(0) * 2  # a new shape each step: meta-cache misses
+            ae.sync()
+        stop.set()
+        t.join()
+    assert sorted(str(w.message) for w in shown if "log line" in str(w.message)) == sorted(said)
+    assert torch.equal(y, torch.ones(149).cumsum(0) * 2)
