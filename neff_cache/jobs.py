@@ -372,6 +372,9 @@ class CompileJobs:
             if job is not None and job.destination is not None and self.finish_after_exit_s > 0 and \
                     self.store.hand_over(job.key, worker.process.pid, ttl_s=self.claim_ttl_s):
                 left.append(job.key)  # Note [Compiles that outlive the program]
+                # handed over, not forgotten: when the interpreter collects its Popen, no
+                # "ResourceWarning: subprocess ... is still running" (shown under -X dev, -W)
+                worker.process._child_created = False
                 continue
             if job is not None:
                 self.store.release(job.key)

@@ -833,9 +833,12 @@ def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: 
         """
     )
     start = time.monotonic()
-    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    # ResourceWarning shown: a worker left running is handed over, not a subprocess forgotten
+    finished = subprocess.run([sys.executable, "-W", "always::ResourceWarning", "-c", script], capture_output=True,
+                              text=True, timeout=30)
     assert finished.returncode == (-signal.SIGKILL if how == "sigkill" else 0), finished.stderr
     assert time.monotonic() - start < 10  # exit does not wait for the compile
+    assert "ResourceWarning" not in finished.stderr, finished.stderr
 
 
 def test_compile_running_at_exit_finishes_and_lands_in_the_cache(tmp_path):
