@@ -535,13 +535,12 @@ def test_two_clones_of_one_value_are_two_tensors_compiled(fresh_regions):
     torch.testing.assert_close(b, x * 2)
 
 
-@pytest.mark.xfail(strict=True, reason="a symbolic region cannot hold mse_loss's backward (its 2 / numel is a "
-                   "SymFloat of a symbol no graph node binds): compile failure, per-shape compiles")
 def test_mse_loss_backward_compiles_for_varying_batch_sizes(fresh_regions):
-    """Found by the compiled loops (not a wrong value: the failed region is replayed, and every new
-    batch size then compiles on its own). AOTAutograd's tensorify_python_scalars pass rewrites
+    """Found by the compiled loops (not a wrong value: the failed region was replayed, and every new
+    batch size then compiled on its own). AOTAutograd's tensorify_python_scalars pass rewrites
     SymFloat arithmetic into tensor ops from the graph nodes that carry each symbol; the fuser's
-    symbolic graph has none for its input dimensions, so the pass fails with KeyError: s<k>."""
+    symbolic graph had none for its input dimensions, so the pass failed with KeyError: s<k>
+    (Note [Symbols as inputs] in fuser.backends.inductor)."""
     w = torch.randn(3, 6, requires_grad=True)
     grads = {}
     with adaptive_eager(**COMPILED):
@@ -553,6 +552,25 @@ def test_mse_loss_backward_compiles_for_varying_batch_sizes(fresh_regions):
         torch.testing.assert_close(g, torch.autograd.grad(F.mse_loss(x @ w.t(), y), w)[0])
     m = ae.metrics()
     assert m["recompiles"].get("dynamic") == 1 and m["compile_failures"] == 0, m
+
+
+def test_a_classifier_with_a_smaller_last_batch_compiles_one_symbolic_region(fresh_regions):
+    """cross_entropy's mean divides by the batch size: its backward's region is symbolic in the
+    batch (Note [Symbols as inputs] in fuser.backends.inductor), compiled once for the batch sizes
+    after the first, with eager's gradients."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 8, requires_grad=True)
+    data = [(torch.randn(b, 8), torch.randint(0, 5, (b,))) for b in (8, 8, 3, 8, 5)]
+    grads = []
+    with adaptive_eager(**COMPILED):
+        for x, y in data:
+            grads.append(torch.autograd.grad(F.cross_entropy(x @ w.t(), y), w)[0])
+            ae.sync()  # a window a step
+    for (x, y), g in zip(data, grads):
+        torch.testing.assert_close(g, torch.autograd.grad(F.cross_entropy(x @ w.t(), y), w)[0])
+    m = ae.metrics()
+    assert m["compile_failures"] == 0 and m["blacklisted"] == 0, m
+    assert m["recompiles"].get("dynamic") == 1 and "new_shape" not in m["recompiles"], m
 
 
 class _Cycle:

@@ -50,7 +50,8 @@ from ._common import BackendCompileError
 log = logging.getLogger("fuser.backends.inductor")  # the backend's logger: its warnings are the backend's
 
 # 2: repeated outputs are copied (Note [Repeated outputs] in fuser.backends.inductor); format-1 artifacts may share them
-_FORMAT = 2
+# 3: a symbolic artifact's wrapper takes its symbols' sizes after the tensors (Note [Symbols as inputs])
+_FORMAT = 3
 _ASYNC_COMPILE_IMPORT = "from torch._inductor.async_compile import AsyncCompile\n"
 _TRITON_DIR_PLACEHOLDER = b"@ADAPTIVE_EAGER_TRITON_KERNEL_DIR@"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so one compile result always packs to the same bytes

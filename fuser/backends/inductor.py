@@ -59,6 +59,17 @@ and the callable from ``load`` carries it, compiled, as ``guards`` (None for sta
 caller must evaluate it (``eval(run.guards, SYMPY_INTERP, {"L": {...}})``) before using the
 artifact for inputs of other sizes. The calling-convention check compares output metadata at the
 example (hint) sizes; the caller verifies it for other sizes.
+
+Note [Symbols as inputs]
+~~~~~~~~~~~~~~~~~~~~~~~~
+AOTAutograd's ``tensorify_python_scalars`` pass rewrites float arithmetic on sizes (``2 / numel``
+in ``mse_loss``'s backward, the mean of ``cross_entropy``'s) into tensor ops, and finds each
+symbol through a graph node whose value is that symbol: in Dynamo's graphs, a SymInt placeholder.
+The fuser's symbolic graph had none (its symbols are only its tensors' sizes), so such a region
+failed to compile (``KeyError: s53``) and every batch size compiled on its own. So the graph
+Inductor gets has one more placeholder per symbol, after the tensors, valued by the first size
+that is that symbol; the manifest lists those sizes (``sym_inputs``: input index and dim), and
+the callable from ``load`` passes them, read off its inputs, after its inputs.
 """
 
 from __future__ import annotations
@@ -140,7 +151,7 @@ class InductorBackend:
         # A compile patches Inductor's process-wide config and cache-dir environment variables for
         # its duration: one at a time in a process (Note [One trace at a time] in ._common).
         with trace_lock():
-            source, cpp_kernels, triton_files, inputs_to_check, relayout = _run_inductor(
+            source, cpp_kernels, triton_files, inputs_to_check, relayout, sym_inputs = _run_inductor(
                 gm, example_inputs, expected, self.device_type, symbolic
             )
         guards = None
@@ -164,6 +175,7 @@ class InductorBackend:
             "guards": guards,
             "written": written_inputs(gm),
             "relayout": relayout,
+            "sym_inputs": sym_inputs,
         }
         artifact = _pack(manifest, members)
         log.debug(
@@ -191,6 +203,8 @@ class InductorBackend:
             if manifest["triton_files"]:
                 _restore_triton(manifest["triton_device"], {name: members[name] for name in manifest["triton_files"]})
             call = _instantiate(members["wrapper.py"].decode(), bundled_kernel)
+            if manifest.get("sym_inputs"):
+                call = _with_sizes(call, manifest["sym_inputs"])
             run = _boxed(call, manifest["inputs_to_check"], frozenset(manifest.get("written", ())))
             if manifest.get("relayout"):
                 run = restrided(run, manifest["relayout"])
@@ -236,6 +250,7 @@ def _run_inductor(
     # Detached, so AOTAutograd traces an inference graph (outputs 1:1 with ours, no backward), and
     # distinct objects, so a tensor passed for two placeholders is not deduplicated into one input.
     inputs = [t.detach() for t in example_inputs]
+    sym_inputs = _symbols_as_inputs(gm) if symbolic else []
     if symbolic:
         # The graph's own fake inputs: from real examples, AOTAutograd would make its own symbols
         # (duck-sized by value, so a batch of 4 beside 4 classes would be specialized to 4).
@@ -287,7 +302,39 @@ def _run_inductor(
         except Exception as e:
             raise BackendCompileError(f"inductor: the generated wrapper does not load: {type(e).__name__}: {e}") from e
         triton_files = _collect_triton(_device_index(example_inputs)) if device_type == "cuda" else {}
-    return source, cpp_kernels, triton_files, list(compiled.inputs_to_check), relayout
+    return source, cpp_kernels, triton_files, list(compiled.inputs_to_check), relayout, sym_inputs
+
+
+def _symbols_as_inputs(gm: torch.fx.GraphModule) -> list[list[int]]:
+    """Note [Symbols as inputs]: a placeholder per symbol of ``gm``'s input sizes, after the
+    others (rewrites ``gm`` in place); the (input, dim) whose size each one takes."""
+    import sympy
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first: dict = {}
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    first.setdefault(size.node.expr, (i, d, size))
+    last = placeholders[-1] if placeholders else None
+    for k, (_, _, size) in enumerate(first.values()):
+        with gm.graph.inserting_after(last) if last is not None else gm.graph.inserting_before(None):
+            last = gm.graph.placeholder(f"sym_size_{k}")
+        last.meta["val"] = size
+    gm.recompile()
+    return [[i, d] for i, d, _ in first.values()]
+
+
+def _with_sizes(call: Callable, sym_inputs: list) -> Callable:
+    """The wrapper of a graph with ``_symbols_as_inputs``: the sizes after the inputs."""
+    where = [(int(i), int(d)) for i, d in sym_inputs]
+
+    def with_sizes(args: list) -> tuple:
+        return call(args + [args[i].shape[d] for i, d in where])
+
+    return with_sizes
 
 
 # Note [Views as reshapes]
