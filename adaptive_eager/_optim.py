@@ -5,8 +5,8 @@ cold, it runs the step as before (every op recorded); once the optimizer has tak
 steps, the step is handed to TorchDynamo (``fullgraph``, the backend the options name) and later
 steps run as a single call of what it compiled, with the dispatch mode suspended. The capture
 compiles inside its step, on the program's thread (Note [No compile off the step]). The step
-pre/post hooks, the LR scheduler's wrapper and ``_optimizer_step_code`` stay outside that call, in ``Optimizer.profile_hook_step``, and run
-eagerly every step.
+pre/post hooks, the LR scheduler's wrapper and ``_optimizer_step_code`` stay outside that call,
+in ``Optimizer.profile_hook_step``, and run eagerly every step.
 """
 
 from __future__ import annotations
@@ -80,10 +80,9 @@ from ._state import current_state, pending_hot_ops
 # removed: the PT2 stack is not thread-safe (pytorch/pytorch#105943, #118260: fake-tensor caches,
 # make_fx's process-wide patches, config patches), and in this project's CI that test failed once
 # with a FakeTensor made of a CPU tensor in the compile thread and, on another run, crashed the
-# process with a segmentation fault. Regions are safe from this because they compile in worker
-# processes (Note [Background compiles] in fuser.artifacts) and the compile thread here only loads
-# what a worker built or compiles while the program's thread waits for it (Note [Compile thread]
-# in fuser.artifacts). Moving the capture's compile to a worker process needs Dynamo's graph in a
+# process with a segmentation fault. Regions are safe from this: they compile in worker processes
+# (Note [Background compiles] in fuser.artifacts), and the compile thread only loads what a
+# worker built, or compiles while the program's thread waits for it (Note [Compile thread]). Moving the capture's compile to a worker process needs Dynamo's graph in a
 # form a worker can compile and this process load (as a region's Program is): not built. The
 # setting still accepts ``background`` and warns that the compile runs in the step.
 

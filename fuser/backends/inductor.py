@@ -51,7 +51,7 @@ A graph whose placeholders carry only concrete sizes is compiled statically
 ``assert_size_stride`` rejects others). A graph traced symbolically (the fuser's ``Program`` with
 dynamic dims: placeholders' ``meta["val"]`` are fake tensors with SymInt sizes, outputs carry
 ``meta["example_value"]``) is compiled with ``dynamic_shapes="from_graph"``: Inductor uses that
-graph's ``ShapeEnv``, the wrapper reads the sizes off its input tensors (no SymInt inputs), and
+graph's ``ShapeEnv``, the wrapper reads the sizes off its inputs (Note [Symbols as inputs]), and
 every assumption Inductor made about the symbols (sizes >= 2, ``s0 <= 4096`` for an accumulator
 choice, ...) lands in that ``ShapeEnv`` as a guard. The manifest keeps those guards as one Python
 expression over ``L['t0']``, ``L['t1']``, ... (the inputs in order, ``ShapeEnv.produce_guards_expression``)
