@@ -769,7 +769,10 @@ def test_a_flushed_window_is_freed_by_reference_counting(backend):
                     y = y * 1.01  # dead intermediates
                 v = y.t()[0]
                 y.sum().backward()
-                assert count() > before + 40
+                # recorded in full, the window holds its objects; a hot one makes few (Note [Hot Outs])
+                from adaptive_eager._state import current_state
+
+                assert current_state().window.hot is not None or count() > before + 40
                 opt.step()  # flushes, then records the updates
                 ae.sync()
                 assert count() <= before
