@@ -554,6 +554,23 @@ def test_mse_loss_backward_compiles_for_varying_batch_sizes(fresh_regions):
     assert m["recompiles"].get("dynamic") == 1 and m["compile_failures"] == 0, m
 
 
+@pytest.mark.parametrize("loss", [F.smooth_l1_loss, F.huber_loss, F.l1_loss], ids=lambda f: f.__name__)
+def test_a_loss_of_the_mean_compiles_one_symbolic_region(fresh_regions, loss):
+    """smooth_l1 and huber's backwards, like mse's, scale by a float of the batch size (Note [Symbols
+    as inputs] in fuser.backends.inductor); l1's by an int, for comparison."""
+    w = torch.randn(3, 6, requires_grad=True)
+    grads = []
+    with adaptive_eager(**COMPILED):
+        for b in (2, 3, 5):
+            x, y = torch.randn(b, 6), torch.randn(b, 3)
+            grads.append((x, y, torch.autograd.grad(loss(x @ w.t(), y), w)[0]))
+            ae.sync()
+    for x, y, g in grads:
+        torch.testing.assert_close(g, torch.autograd.grad(loss(x @ w.t(), y), w)[0])
+    m = ae.metrics()
+    assert m["recompiles"].get("dynamic") == 1 and m["compile_failures"] == 0, m
+
+
 def test_a_regression_loop_over_varying_batch_sizes_compiles_one_symbolic_region(fresh_regions):
     """An MSE regression trained with SGD on batches of several sizes (a bucketing sampler, a smaller
     last batch): the backward's region is compiled once, symbolic in the batch (Note [Symbols as
