@@ -3,6 +3,8 @@ kernel run on a miss, and eager's layouts (Note [Eager layouts])."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from fuser.window import ARITY
 
@@ -133,7 +135,11 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
 # If that run raises (an integer division by zero, a kernel that checks its floats), every input is
 # ones of its geometry for a second try; if that raises too, the meta kernel's layout stands.
 # Factories have no input layout to follow and skip the run. Recorded ops draw no random numbers
-# (Note [RNG] in _ops), so the run consumes no generator.
+# (Note [RNG] in _ops), so the run consumes no generator. So do ops that take a kernel's opaque
+# state (an argument named ``workspace`` or ``reserve``: ``mkldnn_rnn_layer_backward``,
+# cuDNN's RNN and batch-norm backward): the kernel reads what it wrote there in the forward as
+# its own layout, not as numbers, and a placeholder's uninitialized memory there crashed the
+# process (a segmentation fault training ``nn.LSTM``); their meta kernel's layout stands.
 
 
 # Note [Out resizing]
@@ -195,11 +201,20 @@ def _out_resizes(f, args, kwargs):
     return _Resizes(changes, tuple((w.category, str(w.message)) for w in caught if "resized" in str(w.message)))
 
 
+_OPAQUE_STATE = ("workspace", "reserve")
+
+
+@functools.cache
+def _takes_opaque_state(func) -> bool:
+    """Whether ``func`` reads a kernel's own state from a tensor argument (Note [Eager layouts])."""
+    return any(a.name in _OPAQUE_STATE for a in func._schema.arguments)
+
+
 def _eager_layouts(f, args, kwargs, specs: list):
     """``(specs, probe)``: ``specs`` with each fresh output's strides taken from a real run of the
     op (Note [Eager layouts]), and ``(the warnings it gave, the run)``, or None where there was no
     such run (Note [Kernel warnings])."""
-    if f.factory or all(s is None for s in specs):
+    if f.factory or all(s is None for s in specs) or _takes_opaque_state(f.func):
         return specs, None
     written = f.write_pos
 
