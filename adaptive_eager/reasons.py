@@ -124,6 +124,9 @@ NOT_COMPILED: dict[str, str] = {
                             "it): pass tensors, numbers, dtypes or devices",
     "unliftable_scalars": "floats that change between steps could not become runtime inputs, so each value compiles "
                           "once it repeats: pass a value that changes every step as a 0-dim tensor",
+    "grad_mode_op": "an op whose results depend on grad mode (`nn.LSTM`'s CPU kernel, `mkldnn_rnn_layer`) runs in "
+                    "the window: a compiled region runs with grad mode off, so the window replays (correct, not "
+                    "fused); nothing to change in your code",
     "failed_before": "compiling it failed in an earlier process (remembered in the cache directory; the warning said "
                      "why): it is tried again after a day, or after `python -m neff_cache clear`",
 }

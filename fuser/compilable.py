@@ -33,11 +33,21 @@ def _checks(window: Window) -> bool:
     return any(is_check(n.func) for n in window.nodes if not n.is_view)
 
 
+# Ops whose results depend on grad mode: ``mkldnn_rnn_layer`` (``nn.LSTM``'s CPU kernel) returns
+# the workspace its backward needs only while grad mode is on. A compiled region runs with it off
+# (``below_autograd``): compiled, its workspace came back undefined and every LSTM region failed
+# its first run, with a warning each. The replay runs ops below autograd's dispatch keys with grad
+# mode as it is (``fuser.replay.as_recorded``), as eager's kernel runs, so such windows replay.
+GRAD_MODE_OPS = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
+
+
 def _not_compilable(window: Window) -> str | None:
     if _inputs_alias(window):
         return "aliased_inputs"
     if _writes_overlapping(window):
         return "overlapping_write"
+    if any(n.func in GRAD_MODE_OPS for n in window.nodes):
+        return "grad_mode_op"
     return None
 
 
