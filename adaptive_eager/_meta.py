@@ -135,11 +135,11 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
 # If that run raises (an integer division by zero, a kernel that checks its floats), every input is
 # ones of its geometry for a second try; if that raises too, the meta kernel's layout stands.
 # Factories have no input layout to follow and skip the run. Recorded ops draw no random numbers
-# (Note [RNG] in _ops), so the run consumes no generator. So do ops that take a kernel's opaque
-# state (an argument named ``workspace`` or ``reserve``: ``mkldnn_rnn_layer_backward``,
-# cuDNN's RNN and batch-norm backward): the kernel reads what it wrote there in the forward as
-# its own layout, not as numbers, and a placeholder's uninitialized memory there crashed the
-# process (a segmentation fault training ``nn.LSTM``); their meta kernel's layout stands.
+# (Note [RNG] in _ops), so the run consumes no generator. Ops that take a kernel's opaque state
+# skip the run too (an argument named ``workspace`` or ``reserve``: ``mkldnn_rnn_layer_backward``,
+# cuDNN's RNN and batch-norm backward): the kernel reads what its forward wrote there as its own
+# bookkeeping, not as numbers, and a placeholder's uninitialized memory there crashed the process
+# (a segmentation fault training ``nn.LSTM``); their meta kernel's layout stands.
 
 
 # Note [Out resizing]
