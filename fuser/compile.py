@@ -68,8 +68,41 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
     ``backend.load``'s, else ``partition.load``'s), and ``inplace``, whether it writes the mutated
     inputs itself (a split region only with a backend that stores after its run: Note [A split
     region's stores] in fuser.partition)."""
-    with trace_lock():  # Note [One trace at a time] in fuser.backends._common
+    with trace_lock(), _meta_failures_unlogged():  # Note [One trace at a time] in fuser.backends._common
         return _compile_program(program, backend)
+
+
+# Note [Failed meta runs]
+# A compile that traces an op whose meta kernel raises (the symbolic compile of
+# ``upsample_bilinear2d_backward``: "isIntList() INTERNAL ASSERT FAILED") fails, and the fuser says
+# so once, at the level the user chose, and compiles per shape. Before raising, FakeTensorMode
+# logs each such failure at ERROR with its traceback (``failed while attempting to run meta
+# for``): 9 lines in the middle of the program's output, from our compile (in a worker process,
+# whose stderr is the program's, too). While a compile of ours runs (one at a time in a process:
+# the trace lock) those records are dropped, unless adaptive eager logs at debug.
+_META_FAILURE = "failed while attempting to run meta for"
+
+
+class _DropMetaFailures(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(_META_FAILURE))
+
+
+_DROP_META_FAILURES = _DropMetaFailures()
+
+
+class _meta_failures_unlogged:
+    """Note [Failed meta runs]."""
+
+    def __enter__(self):
+        self.logger = None
+        if not logging.getLogger("adaptive_eager").isEnabledFor(logging.DEBUG):
+            self.logger = logging.getLogger("torch._subclasses.fake_tensor")
+            self.logger.addFilter(_DROP_META_FAILURES)
+
+    def __exit__(self, *exc):
+        if self.logger is not None:
+            self.logger.removeFilter(_DROP_META_FAILURES)
 
 
 def _compile_program(program: Program, backend) -> tuple[bytes, list, dict]:

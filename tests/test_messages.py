@@ -169,3 +169,42 @@ def test_torchs_own_warning_in_float_points_at_the_users_line(tmp_path):
     lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING")]
     assert len(lines) == 1 and lines[0].startswith(f"WARNING {script} 8 "), out.stdout + out.stderr
     assert "requires_grad=True to a scalar" in lines[0], lines
+
+
+class _Records(list):
+    def __init__(self):
+        super().__init__()
+        import logging
+
+        self.handler = logging.Handler()
+        self.handler.emit = self.append
+
+
+def test_a_failed_meta_run_inside_our_compile_is_not_logged_by_torch():
+    """Note [Failed meta runs] in fuser.compile: FakeTensorMode's ERROR record (with its
+    traceback) of a meta kernel that raised is dropped while a compile of ours runs, unless
+    adaptive eager logs at debug; the fuser's own one-line warning says what happened."""
+    import logging
+
+    from fuser.compile import _meta_failures_unlogged
+
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    records = _Records()
+    torch_log.addHandler(records.handler)
+    ours = logging.getLogger("adaptive_eager")
+    level = ours.level
+    try:
+        with _meta_failures_unlogged():
+            torch_log.error("failed while attempting to run meta for %s", "aten.some_op.default")
+            torch_log.error("something else")
+        torch_log.error("failed while attempting to run meta for %s", "aten.outside.default")
+        ours.setLevel(logging.DEBUG)
+        with _meta_failures_unlogged():
+            torch_log.error("failed while attempting to run meta for %s", "aten.at_debug.default")
+    finally:
+        ours.setLevel(level)
+        torch_log.removeHandler(records.handler)
+    assert [r.getMessage() for r in records] == [
+        "something else", "failed while attempting to run meta for aten.outside.default",
+        "failed while attempting to run meta for aten.at_debug.default"]
+    assert not torch_log.filters
