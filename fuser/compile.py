@@ -3,6 +3,7 @@ key, the lifted inputs, how it runs) and the backend's bytes, packed without pic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -83,26 +84,22 @@ def compile_program(program: Program, backend) -> tuple[bytes, list, dict]:
 _META_FAILURE = "failed while attempting to run meta for"
 
 
-class _DropMetaFailures(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith(_META_FAILURE))
+def _not_a_meta_failure(record: logging.LogRecord) -> bool:
+    return not (isinstance(record.msg, str) and record.msg.startswith(_META_FAILURE))
 
 
-_DROP_META_FAILURES = _DropMetaFailures()
-
-
-class _meta_failures_unlogged:
+@contextlib.contextmanager
+def _meta_failures_unlogged():
     """Note [Failed meta runs]."""
-
-    def __enter__(self):
-        self.logger = None
-        if not logging.getLogger("adaptive_eager").isEnabledFor(logging.DEBUG):
-            self.logger = logging.getLogger("torch._subclasses.fake_tensor")
-            self.logger.addFilter(_DROP_META_FAILURES)
-
-    def __exit__(self, *exc):
-        if self.logger is not None:
-            self.logger.removeFilter(_DROP_META_FAILURES)
+    if logging.getLogger("adaptive_eager").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addFilter(_not_a_meta_failure)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_a_meta_failure)
 
 
 def _compile_program(program: Program, backend) -> tuple[bytes, list, dict]:

@@ -63,8 +63,8 @@ example (hint) sizes; the caller verifies it for other sizes.
 Note [Symbols as inputs]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 AOTAutograd's ``tensorify_python_scalars`` pass rewrites float arithmetic on sizes (``2 / numel``
-in ``mse_loss``'s backward, the mean of ``cross_entropy``'s) into tensor ops, and finds each
-symbol through a graph node whose value is that symbol: in Dynamo's graphs, a SymInt placeholder.
+in the backward of ``mse_loss``, ``smooth_l1_loss`` and ``huber_loss``) into tensor ops, and finds
+each symbol through a graph node whose value is that symbol: in Dynamo's graphs, a SymInt placeholder.
 The fuser's symbolic graph had none (its symbols are only its tensors' sizes), so such a region
 failed to compile (``KeyError: s53``) and every batch size compiled on its own. So the graph
 Inductor gets has one more placeholder per symbol, after the tensors, valued by the first size
@@ -318,9 +318,9 @@ def _symbols_as_inputs(gm: torch.fx.GraphModule) -> list[list[int]]:
             for d, size in enumerate(val.shape):
                 if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                     first.setdefault(size.node.expr, (i, d, size))
-    last = placeholders[-1] if placeholders else None
+    last = placeholders[-1] if first else None  # a symbol is a placeholder's size
     for k, (_, _, size) in enumerate(first.values()):
-        with gm.graph.inserting_after(last) if last is not None else gm.graph.inserting_before(None):
+        with gm.graph.inserting_after(last):
             last = gm.graph.placeholder(f"sym_size_{k}")
         last.meta["val"] = size
     gm.recompile()
