@@ -21,7 +21,7 @@ from ._hot import count_hot, expect_hot, template_of
 from ._log import log
 from ._metrics import METRICS
 from ._source import _flush_site
-from ._state import TracerState, _default_dtype, _step_back, _tls
+from ._state import EAGER_START as _EAGER_START, TracerState, _default_dtype, _step_back, _tls, end_eager_start
 
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
@@ -60,6 +60,8 @@ def flush(st: TracerState, reason: str, now: bool = False) -> None:
 
     For the thread that owns ``st``; a read in another thread runs it with ``_flush_for_reader``.
     ``now``: without waiting for another thread (Note [Flush at a fork] in ``_mode``)."""
+    if _EAGER_START[0]:
+        end_eager_start()  # a sync point ends the process's first window: Note [Eager start] in _mode
     if not st.window.nodes and st.claim is None:
         return
     st.busy += 1  # Note [Reads from other threads]

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fuser.window import FRESH
 
-from . import _optim, _source
+from . import _optim, _source, _state
 from ._flush import flush
 from ._ops import HOST_READERS, composite_kernel, host_read_args, read_on_host
 from ._state import current_state
@@ -79,6 +79,8 @@ _saved: dict = {}
 
 
 def _flush_current(reason: str) -> None:
+    if _state.EAGER_START[0]:
+        _state.end_eager_start()  # print, breakpoint, optimizer.step(): Note [Eager start] in _mode
     st = current_state()
     if st is not None and st.window.nodes:
         flush(st, reason)

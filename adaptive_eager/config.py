@@ -54,6 +54,7 @@ class Options:
     optimizer_capture: bool = True
     hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
     meta_on_disk: bool = True  # first-sight metadata kept in the cache: Note [Meta entries on disk] in _meta_disk
+    eager_start: bool = True  # the process's first window runs eagerly: Note [Eager start] in _mode
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -161,6 +162,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "meta_on_disk": (_parse_bool, "keep each op signature's output metadata (shapes, strides, dtypes) in the cache "
                      "directory, so that a new process records a known op without running it on meta tensors and "
                      "for its layout (default 1; cpu only; 0: every process computes them)"),
+    "eager_start": (_parse_bool, "the process's first window (up to its first sync point, or `window` ops) runs "
+                    "eagerly, op by op, while the cache is opened at the mode's entry; recording starts after it "
+                    "(default 1; 0: the first window is recorded like every other)"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile still running when the program exits "
                              "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
@@ -348,7 +352,7 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "tune_gc", "workers", "emulate", "meta_on_disk"):
+    for name in ("async_compile", "tune_gc", "workers", "emulate", "meta_on_disk", "eager_start"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     capture = values.get("optimizer_capture")

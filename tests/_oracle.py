@@ -15,6 +15,10 @@ from torch.utils._pytree import tree_map
 # compiles every window at first sight, in this thread, so every run is a compiled one.
 REPLAY = {"backend": "replay"}
 COMPILED = {"backend": "inductor", "hot_after": 1, "async_compile": False}
+# For the environment of a program a test runs in a fresh process: its first window is recorded
+# like the others (what the test counts), not run eagerly (Note [Eager start] in
+# adaptive_eager/_mode.py, whose own tests are in test_eager_start.py).
+FIRST_WINDOW_RECORDED = {"NEURON_EAGER_EAGER_START": "0"}
 
 
 def clone_exact(tree):

