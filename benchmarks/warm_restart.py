@@ -96,14 +96,14 @@ def summarize(result: dict) -> dict:
     # smaller spikes are this machine's noise)
     reach = max((i + 1 for i, t in enumerate(times) if t > 3 * steady), default=0)
     return {"first_ms": times[0] * 1e3, "second_ms": times[1] * 1e3 if len(times) > 1 else float("nan"),
-            "to_steady_s": sum(times[:reach]), "steady_ms": steady * 1e3,
+            "to_steady_s": sum(times[:reach]), "steady_ms": steady * 1e3, "longest_ms": max(times) * 1e3,
             **{k: v for k, v in result.items() if k != "times"}}
 
 
 def medians(results: list) -> dict:
     """Each figure's median over the runs of one variant (the counters: the first run's)."""
     out = dict(results[0])
-    for k in ("first_ms", "second_ms", "to_steady_s", "steady_ms", "entry_ms"):
+    for k in ("first_ms", "second_ms", "to_steady_s", "steady_ms", "longest_ms", "entry_ms"):
         if k in out:
             out[k] = statistics.median(r[k] for r in results)
     out["runs"] = len(results)
@@ -139,15 +139,16 @@ def main() -> None:
         rows.append(("torch.compile, warm Inductor cache", medians(warm["compile"])))
     lines = [
         "| variant | runs | mode entry ms | first step ms | first step / eager's | (entry + first step) / eager's | "
-        "second step ms | time to steady state s | steady step ms | compiles | disk hits | replayed while loading |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "second step ms | longest step ms | time to steady state s | steady step ms | compiles | disk hits | "
+        "replayed while loading |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in rows:
         entry = r.get("entry_ms")
         both = "—" if entry is None else f"{(entry + r['first_ms']) / eager['first_ms']:.2f}"
         lines.append(f"| {name} | {r.get('runs', 1)} | {'—' if entry is None else f'{entry:.1f}'} | {r['first_ms']:.1f} | "
                      f"{r['first_ms'] / eager['first_ms']:.2f} | {both} | "
-                     f"{r['second_ms']:.1f} | {r['to_steady_s']:.2f} | {r['steady_ms']:.2f} | "
+                     f"{r['second_ms']:.1f} | {r['longest_ms']:.0f} | {r['to_steady_s']:.2f} | {r['steady_ms']:.2f} | "
                      f"{r.get('compiles', '—')} | {r.get('cache_hits_disk', '—')} | {r.get('loading', '—')} |")
     table = "\n".join(lines)
     print(table)
