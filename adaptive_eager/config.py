@@ -163,8 +163,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                      "directory, so that a new process records a known op without running it on meta tensors and "
                      "for its layout (default 1; cpu only; 0: every process computes them)"),
     "eager_start": (_parse_bool, "the process's first window (up to its first sync point, or `window` ops) runs "
-                    "eagerly, op by op, while the cache is opened at the mode's entry; recording starts after it "
-                    "(default 1; 0: the first window is recorded like every other)"),
+                    "eagerly, op by op, and recording starts after it; the cache it would have opened is opened at the "
+                    "mode's entry instead (default 1; 0: the first window is recorded like every other)"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile still running when the program exits "
                              "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
