@@ -1,6 +1,6 @@
 """A process's first window runs eagerly, and the cache opens at the mode's entry (Note [Eager start]
-in adaptive_eager/_mode.py). Each test is a fresh process: in this one the first window is over
-before any test runs (conftest)."""
+in adaptive_eager/_mode.py). Most tests run a fresh process: in this one the first window is over
+before any test runs (conftest), and the others set its count by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -85,6 +86,30 @@ def test_a_later_block_with_eager_start_off_ends_it():
         with ae.adaptive_eager(backend="replay", eager_start=False):
             assert ae.is_lazy(torch.ones(2) + 1)
         assert _state.EAGER_START[0] == 0
+    finally:
+        _state.EAGER_START[0] = 0
+
+
+def test_a_sync_point_in_another_thread_ends_it_for_every_thread():
+    import adaptive_eager as ae
+
+    _state.EAGER_START[0] = 100  # this process: as if its first window had 100 ops left
+    x = torch.ones(3)
+    try:
+        with ae.adaptive_eager(backend="replay", eager_start=True):
+            a = x + 1
+            assert not ae.is_lazy(a) and _state.EAGER_START[0] == 99
+
+            def other():
+                with ae.adaptive_eager(backend="replay", eager_start=True):
+                    ae.sync()
+
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+            b = a * 2
+            assert ae.is_lazy(b)  # recorded from here on
+            assert b.tolist() == [4.0, 4.0, 4.0]
     finally:
         _state.EAGER_START[0] = 0
 
