@@ -76,7 +76,8 @@ METRICS = Metrics()
 
 def format_report(m: dict) -> str:
     lines = ["adaptive_eager report", "=" * 40]
-    for k in ("ops_recorded", "ops_eager", "ops_eager_start", "host_scalar_ops", "windows", "ops_materialized", "ops_eliminated", "launches",
+    for k in ("ops_recorded", "ops_eager", "ops_eager_start", "host_scalar_ops", "windows", "ops_materialized",
+              "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
               "optimizer_hot_steps"):

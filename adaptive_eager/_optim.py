@@ -82,7 +82,8 @@ from ._state import current_state, pending_hot_ops
 # with a FakeTensor made of a CPU tensor in the compile thread and, on another run, crashed the
 # process with a segmentation fault. Regions are safe from this: they compile in worker processes
 # (Note [Background compiles] in fuser.artifacts), and the compile thread only loads what a
-# worker built, or compiles while the program's thread waits for it (Note [Compile thread]). Moving the capture's compile to a worker process needs Dynamo's graph in a
+# worker built, or compiles while the program's thread waits for it (Note [Compile thread]).
+# Moving the capture's compile to a worker process needs Dynamo's graph in a
 # form a worker can compile and this process load (as a region's Program is): not built. The
 # setting still accepts ``background`` and warns that the compile runs in the step.
 

@@ -6,6 +6,7 @@ Shared by the differential tests; this module holds no tests.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch.utils._pytree import tree_map
@@ -15,10 +16,17 @@ from torch.utils._pytree import tree_map
 # compiles every window at first sight, in this thread, so every run is a compiled one.
 REPLAY = {"backend": "replay"}
 COMPILED = {"backend": "inductor", "hot_after": 1, "async_compile": False}
-# For the environment of a program a test runs in a fresh process: its first window is recorded
-# like the others (what the test counts), not run eagerly (Note [Eager start] in
-# adaptive_eager/_mode.py, whose own tests are in test_eager_start.py).
-FIRST_WINDOW_RECORDED = {"NEURON_EAGER_EAGER_START": "0"}
+
+
+def program_env(drop: tuple[str, ...] = ("NEURON_EAGER",), first_window_recorded: bool = True) -> dict:
+    """The environment of a program a test runs in a fresh process: this one's without the
+    variables that start with ``drop`` (the settings the test gives it are its own), and with its
+    first window recorded like the others (what the test counts), not run eagerly (Note [Eager
+    start] in adaptive_eager/_mode.py, whose own tests, in test_eager_start.py, keep the default)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    if first_window_recorded:
+        env["NEURON_EAGER_EAGER_START"] = "0"
+    return env
 
 
 def clone_exact(tree):

@@ -1,12 +1,11 @@
 """NEURON_EAGER=adaptive turns the library on at ``import torch`` for an unmodified script."""
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 
 import adaptive_eager as ae
 from adaptive_eager.config import ConfigError, load_options, switch_value
@@ -25,7 +24,7 @@ UNMODIFIED_SCRIPT = textwrap.dedent(
 
 
 def _run(env_value):
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     if env_value is not None:
         env["NEURON_EAGER"] = env_value
     return subprocess.run([sys.executable, "-c", UNMODIFIED_SCRIPT], env=env, capture_output=True, text=True, timeout=120)

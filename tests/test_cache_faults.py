@@ -24,7 +24,7 @@ import time
 
 import pytest
 import torch
-from _oracle import FIRST_WINDOW_RECORDED, artifacts
+from _oracle import artifacts, program_env
 
 import adaptive_eager as ae
 import fuser
@@ -33,7 +33,7 @@ from fuser.backends import _inductor_artifacts, inductor
 from neff_cache import ArtifactStore
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**{**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}, "PYTHONPATH": REPO_ROOT}
+ENV = {**program_env(), "PYTHONPATH": REPO_ROOT}
 
 
 def unique_constant() -> float:

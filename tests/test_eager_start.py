@@ -5,7 +5,6 @@ before any test runs (conftest), and the others set its count by hand."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from _oracle import program_env
 
 from adaptive_eager import _mode, _state
 
@@ -20,7 +20,7 @@ from adaptive_eager import _mode, _state
 def run(script: str, tmp_path, stderr: list | None = None, **env) -> dict:
     """``script`` in a fresh interpreter with a private cache; the JSON it prints last (and what it
     wrote to stderr, appended to ``stderr``)."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    full = program_env(first_window_recorded=False)  # the default: the first window runs eagerly
     full.update({"NEURON_EAGER_CACHE_DIR": str(tmp_path / "cache"), **env})
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=full, capture_output=True, text=True,
                          timeout=300)

@@ -1,14 +1,13 @@
 """Compiled regions: where compilation changes the picture (DESIGN.md, the fuser issue)."""
 
 import math
-import os
 import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 import torch
 
 import adaptive_eager as ae
@@ -212,7 +211,7 @@ WARM_RESTART = textwrap.dedent(
 def test_warm_restart_compiles_nothing(tmp_path):
     import json
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
 
     def run(mode):
         out = subprocess.run([sys.executable, "-c", WARM_RESTART, str(tmp_path), mode], env=env, capture_output=True,
@@ -247,7 +246,7 @@ CONCURRENT = textwrap.dedent(
 def test_four_processes_on_a_cold_cache_compile_each_region_once(tmp_path):
     import json
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, str(tmp_path)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     results = []

@@ -10,7 +10,7 @@ import textwrap
 import warnings
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 import torch
 
 import adaptive_eager as ae
@@ -165,7 +165,7 @@ ONCE = textwrap.dedent("""
 def test_a_once_a_process_warning_comes_once(tmp_path, backend):
     script = tmp_path / "prog.py"
     script.write_text(ONCE.replace("BACKEND", repr(backend)))
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     env.update(NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
     # a second process on the same cache directory too: its first sight is not skipped by the
     # metadata kept on disk (Note [Meta entries on disk]), so it issues the warning again, once

@@ -10,7 +10,7 @@ import textwrap
 import warnings
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 import torch
 
 import adaptive_eager as ae
@@ -83,7 +83,7 @@ SCRIPT = textwrap.dedent("""
 def test_warnings_at_import_torch_point_at_the_users_import(tmp_path, env):
     script = tmp_path / "prog.py"
     script.write_text(SCRIPT)
-    full = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    full = program_env()
     full.update(env, NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, str(script)], env=full, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -163,7 +163,7 @@ def test_torchs_own_warning_in_float_points_at_the_users_line(tmp_path):
     not the user's line (Note [Warnings of wrapped readers])."""
     script = tmp_path / "prog.py"
     script.write_text(FLOAT_SCRIPT)
-    full = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    full = program_env()
     full.update(NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, str(script)], env=full, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -5,13 +5,12 @@ from the cache directory, with the layouts a first sight gives, and ignores what
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 import torch
 
 import adaptive_eager as ae
@@ -194,7 +193,7 @@ CHILD = textwrap.dedent(
 
 @pytest.mark.slow  # two child processes importing torch: ~10-20 s
 def test_entries_written_by_one_process_are_read_by_the_next(tmp_path):
-    env = {**{**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED},
+    env = {**program_env(),
            "NEURON_EAGER_CACHE_DIR": str(tmp_path)}
     runs = []
     for _ in range(2):

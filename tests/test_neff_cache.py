@@ -19,7 +19,7 @@ import time
 import diskcache
 import diskcache.core
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -991,7 +991,7 @@ def test_cli_default_directory_is_under_home(tmp_path):
     home_cache = tmp_path / ".cache" / "adaptive_eager"
     with ArtifactStore(home_cache) as store:
         put(store, KEY_A, b"found by default")
-    env = {**{name: value for name, value in os.environ.items() if not name.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     env.update(HOME=str(tmp_path), NEURON_EAGER_DEVICE="cpu")
     result = run_cli("stats", env=env)
     assert result.returncode == 0, result.stderr

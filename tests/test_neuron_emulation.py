@@ -8,14 +8,13 @@ child interpreter, which prints what the test asserts on.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 
 from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
 
@@ -55,7 +54,7 @@ PRELUDE = textwrap.dedent(
 
 
 def _child(code: str, tmp_path, env: dict | None = None, script: str | None = None, args=()) -> str:
-    environ = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    environ = program_env()
     environ.update({"PYTHONPATH": str(ROOT), "NEURON_EAGER_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
     if script is None:
         script = tmp_path / "child.py"
@@ -319,7 +318,7 @@ def test_a_process_that_imports_the_fuser_first_emulates_the_device(tmp_path):
     """A compile worker imports ``fuser.compile`` before torch; ``import torch`` then loads adaptive
     eager (NEURON_EAGER_EMULATE=1), whose ``_hot`` imported a name of the half-imported
     ``fuser.replay``: "adaptive_eager stays off: cannot import name 'adopt_hot'", no device."""
-    environ = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    environ = program_env()
     environ.update(PYTHONPATH=str(ROOT), NEURON_EAGER="eager", NEURON_EAGER_EMULATE="1",
                    NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"))
     code = ("import fuser.compile\nfrom fuser.backends.stablehlo import _HOST_DEVICES\n"
@@ -409,7 +408,7 @@ def test_warm_restart_on_the_emulated_device_compiles_nothing(tmp_path):
     script.write_text(PRELUDE + textwrap.dedent(code))
 
     def run(mode):
-        environ = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+        environ = program_env()
         environ.update({"PYTHONPATH": str(ROOT), "NEURON_EAGER_CACHE_DIR": str(tmp_path / "cache")})
         out = subprocess.run([sys.executable, str(script), mode], env=environ, capture_output=True, text=True,
                              timeout=900, cwd=tmp_path)
@@ -480,7 +479,7 @@ def test_generated_programs_on_the_emulated_device_match_eager_there(tmp_path, b
 def _pytest_on_neuron(tmp_path, *args: str, env: dict | None = None) -> str:
     """``pytest args`` in a child process whose test device is the emulated ``neuron`` device
     (Note [Test device] in tests/_device.py); its summary is printed for the test log."""
-    environ = {**{k: v for k, v in os.environ.items() if not k.startswith(("NEURON_EAGER", "AE_TEST_"))}, **FIRST_WINDOW_RECORDED}
+    environ = program_env(("NEURON_EAGER", "AE_TEST_"))
     environ.update({"PYTHONPATH": str(ROOT), "AE_TEST_DEVICE": "neuron", **(env or {})})
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rxs", *args], env=environ,
                          capture_output=True, text=True, timeout=3000, cwd=ROOT)

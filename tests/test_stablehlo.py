@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 import torch
 from hypothesis import Phase, given, settings
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -111,7 +111,7 @@ _WARM = textwrap.dedent(
 @pytest.mark.slow  # 53 s; test_neuron_emulation's warm restart (28 s) checks the same on stablehlo
 @needs_stablehlo
 def test_warm_restart_compiles_nothing_and_loads_every_region_from_disk(tmp_path):
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
 
     def run(mode):
         out = subprocess.run([sys.executable, "-c", _WARM, REPO, str(tmp_path), mode], env=env,
@@ -369,7 +369,7 @@ def test_reductions_over_a_0_dim_tensor_lower_over_one_element_instead_of_crashi
     """torch-mlir's passes crash the process (SIGSEGV) on these (Note [Lowerings that crash]); they
     are traced over a 1-element vector (Note [Reductions over a 0-dim tensor]) and lower in one
     region. A child process, so that a regression fails this test instead of killing the test run."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     out = subprocess.run([sys.executable, "-c", _ZERO_DIM, REPO, str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stderr[-3000:])

@@ -8,7 +8,7 @@ import textwrap
 import threading
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 import torch
 
 import adaptive_eager as ae
@@ -842,7 +842,7 @@ def test_replay_frees_each_intermediate_after_its_last_read():
             ae.sync()
             print(round(peak_mib() - before), abs(float(y[0]) - 1.0001 ** 8) < 1e-5)
     """)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     grew, right = out.stdout.split()

@@ -4,7 +4,6 @@ background, and runs compiled once it is loaded (Note [Tiers] in fuser.regions).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ import time
 
 import pytest
 import torch
-from _oracle import FIRST_WINDOW_RECORDED, artifacts
+from _oracle import artifacts, program_env
 
 import adaptive_eager as ae
 import fuser
@@ -116,7 +115,7 @@ def test_a_new_process_replays_its_first_step_while_inductor_imports(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(4096)
     want = ((x * 3).sin() + 1).sum().item()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     out = subprocess.run([sys.executable, "-c", WARM_CHILD, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from _oracle import FIRST_WINDOW_RECORDED
+from _oracle import program_env
 import torch
 import torch.multiprocessing as mp
 from torch.utils.data import default_collate
@@ -77,7 +77,7 @@ def _expected():
 def _load(tmp_path, contexts, **env_settings):
     script = tmp_path / "load.py"
     script.write_text(SCRIPT)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     env.update(NEURON_EAGER="adaptive", NEURON_EAGER_BACKEND="replay", NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join(sys.path), **env_settings)
     out = subprocess.run([sys.executable, str(script), *contexts], env=env, capture_output=True, text=True,
@@ -240,7 +240,7 @@ def test_a_fork_while_a_compile_is_due_does_not_hang(tmp_path):
     there waited for the compile thread forever (a DataLoader's ``iter()`` hung)."""
     script = tmp_path / "gate.py"
     script.write_text(FORK_GATE)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}, **FIRST_WINDOW_RECORDED}
+    env = program_env()
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     try:
         out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=env, capture_output=True,
