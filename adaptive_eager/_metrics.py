@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from . import _heap
+
 
 class Metrics:
     """Plain attributes, bumped on the hot path without locks (the GIL keeps them coherent enough
@@ -68,6 +70,7 @@ class Metrics:
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
             "hot_mismatches": dict(self.hot_mismatches),
+            "malloc_tuned": _heap.tuned(),  # Note [Heap thresholds] in _heap
         }
 
 

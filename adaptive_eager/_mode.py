@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fuser.window import Window
 
-from . import _gc, _ops, _patches, _state
+from . import _gc, _heap, _ops, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
@@ -336,6 +336,8 @@ def activate(options: Options) -> TracerState:
                 _EAGER_START[0] = options.window if options.eager_start else 0
             elif not options.eager_start:
                 _EAGER_START[0] = 0
+        if options.tune_malloc and options.device == "cpu" and _heap.outcome() is None:
+            _heap.tune()  # once per process: Note [Heap thresholds] in _heap
         _open_caches(options)
         st.periodicity = None  # a new program phase: find its period afresh
         st.set_options(options)

@@ -48,6 +48,7 @@ class Options:
     compile_after_exit_s: float = 300.0  # Note [Compiles that outlive the program] in neff_cache.jobs
     log: str = "warning"
     tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
+    tune_malloc: bool = True  # glibc malloc's thresholds at their ceilings (cpu): Note [Heap thresholds] in _heap
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
     # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture] in _optim)
@@ -169,6 +170,10 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                              "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
     "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
                 "instead of triggering full collections (default 1; the program's thresholds come back at exit)"),
+    "tune_malloc": (_parse_bool, "on a cpu target, fix glibc malloc's mmap and trim thresholds at the ceilings it "
+                    "raises them to itself (32 and 64 MiB) at the first activation, so freed tensor memory is not "
+                    "given back to the system and faulted in again every step (default 1; process-wide and kept "
+                    "after exit; never where MALLOC_*_ or GLIBC_TUNABLES set malloc, or LD_PRELOAD has another malloc)"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` or `debug`"),
     "emulate": (_parse_bool, "give a machine without Trainium a `neuron` device backed by CPU memory, on which plain "
                 "eager counts one NEFF launch per op, to size the win before renting one (default 0; "
@@ -352,7 +357,7 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "tune_gc", "workers", "emulate", "meta_on_disk", "eager_start"):
+    for name in ("async_compile", "tune_gc", "tune_malloc", "workers", "emulate", "meta_on_disk", "eager_start"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     capture = values.get("optimizer_capture")

@@ -1,6 +1,6 @@
 """Where a training step's time goes, phase by phase: eager against adaptive eager, interleaved.
 
-    python benchmarks/step_parts.py [--threads 2] [--repeats 10] [--iters 10]
+    python benchmarks/step_parts.py [--threads 2] [--repeats 10] [--iters 10] [--option NAME=VALUE ...]
 
 The suite's MLP train step (``workloads.build_mlp_train``: 3x Linear(1024, 1024), batch 64, SGD),
 timed per phase with ``perf_counter`` around each call of the step: ``zero_grad``, the forward
@@ -16,6 +16,7 @@ had just given back to the system (Note [Placeholder memory at a compiled run] i
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import os
 import resource
@@ -78,7 +79,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an adaptive_eager() option over the suite's, e.g. tune_malloc=False")
     args = parser.parse_args()
+    options = dict(ADAPTIVE_OPTIONS)
+    for item in args.option:
+        name, _, value = item.partition("=")
+        options[name] = ast.literal_eval(value)
     torch.set_num_threads(args.threads)
     fuser.launch._run_compiled = _timed_region(fuser.launch._run_compiled)
     torch.manual_seed(0)
@@ -88,7 +95,7 @@ def main() -> None:
     times = {name: {p: [] for p in (*PHASES, "faults")} for name in ("eager", "adaptive")}
     eager = make_step(copy.deepcopy(base), x, y, times["eager"])
     adaptive = make_step(copy.deepcopy(base), x, y, times["adaptive"])
-    with ae.adaptive_eager(**ADAPTIVE_OPTIONS):
+    with ae.adaptive_eager(**options):
         for _ in range(8):  # to the compiled steady state
             adaptive()
     for _ in range(3):
@@ -99,7 +106,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for _ in range(args.iters):
             eager()
-        with ae.adaptive_eager(**ADAPTIVE_OPTIONS):
+        with ae.adaptive_eager(**options):
             for _ in range(args.iters):
                 adaptive()
     load = os.getloadavg()[0]
