@@ -306,7 +306,8 @@ def count_hot(window: Window) -> None:
     """Count ``window``'s hot records in ``METRICS`` (``ops_recorded``, ``hot_ops``): once, when its
     hot recording ends (a demotion, the flush). ``_record_hot`` does not count per op (Note [Hot
     record cost]); ``metrics()`` adds the records of the hot windows still recording
-    (``_state.pending_hot_ops``)."""
+    (``_state.pending_hot_ops``). A hot view takes itself out of ``ops_recorded`` when it is made
+    (``_fast._record_hot_view``): it launches nothing, and a full recording does not count views."""
     n = len(window.nodes) - window.hot_counted
     if n > 0:
         METRICS.ops_recorded += n

@@ -958,3 +958,32 @@ def test_attention_without_dropout_runs_hot_and_with_dropout_does_not(fresh_regi
         ae.sync()
         assert ae.metrics()["hot_windows"] == hot
     torch.testing.assert_close(got, want)
+
+
+def test_a_hot_step_counts_the_launches_a_full_recording_counts(fresh_regions):
+    # a view launches nothing: a full recording does not count it in ops_recorded (nor in
+    # eager_equivalent_launches), so a hot window must not either (it counted this step's 17 views,
+    # nn.Linear's and autograd's ``t``, ``view`` and ``detach``: 29 ops recorded against 12)
+    def counts(hot: bool) -> tuple[int, int, int]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        x, y = torch.randn(5, 8), torch.randn(5, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            ae.sync()
+
+        with ae.adaptive_eager(**SYNC, hot_windows=hot):
+            for _ in range(6):
+                step()
+            ae.reset_metrics()
+            step()
+            m = ae.metrics()
+        return m["ops_recorded"], m["eager_equivalent_launches"], m["hot_windows"]
+
+    recorded, launches, hot_windows = counts(True)
+    assert hot_windows >= 1  # the check can fail: the step ran hot
+    assert (recorded, launches, 0) == counts(False)
