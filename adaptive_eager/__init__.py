@@ -147,11 +147,10 @@ def metrics() -> dict:
     from ._state import pending_hot_ops
 
     m = METRICS.as_dict()
-    pending = pending_hot_ops()  # Note [Hot record cost] in _hot: counted when each window ends
-    if pending:
-        m["ops_recorded"] += pending
-        m["hot_ops"] += pending
-        m["eager_equivalent_launches"] += pending
+    records, launches = pending_hot_ops()  # Note [Hot record cost] in _hot: counted when each window ends
+    m["hot_ops"] += records
+    m["ops_recorded"] += launches
+    m["eager_equivalent_launches"] += launches
     return {**m, **fuser.metrics()}
 
 

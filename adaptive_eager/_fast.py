@@ -282,7 +282,6 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
         res._ae = vo
         window.others.append(vo)
         nodes.append(vo)  # its hot record; a view adds no bytes and makes no cut, as in a full recording
-        METRICS.ops_recorded -= 1  # nor a launch: counted in hot_ops only, as a full recording counts it
         return res
     vos = []
     for v, (uid, spec) in zip(res, multi):
@@ -291,7 +290,6 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
         window.others.append(vo)
         vos.append(vo)
     nodes.append(tuple(vos))  # its hot record: its VIEW Outs
-    METRICS.ops_recorded -= 1  # not a launch (above)
     return res
 
 

@@ -82,7 +82,7 @@ def _run(st: TracerState, reason: str, now: bool = False) -> None:
         return
     t0 = time.perf_counter()
     if window.hot is not None:
-        count_hot(window)  # its hot records: it records no more (Note [Hot record cost] in _hot)
+        count_hot(window, window.hot)  # its hot records: it records no more (Note [Hot record cost] in _hot)
     st.running = window  # before the swap: a reader in another thread always finds the window
     st.window = Window(st)  # first: anything the run triggers must not see the old window
     _tls.running = window

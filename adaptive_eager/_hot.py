@@ -157,6 +157,8 @@ comparison itself, one bytecode at a time: fewer lines would need code specializ
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from fuser import replay as _replay  # a module, not its names: ``import torch`` in a process that
 # imports fuser first (a compile worker) loads adaptive eager while fuser.replay is half-imported
@@ -210,10 +212,13 @@ class _Pos:
 class Template:
     """The expected content of the next window of one compiled region (Note [Hot windows])."""
 
-    __slots__ = ("ops", "sigs", "slot_meta", "entry", "live", "dtype", "options", "after")
+    __slots__ = ("ops", "views", "sigs", "slot_meta", "entry", "live", "dtype", "options", "after")
 
     def __init__(self, ops, sigs, slot_meta, entry, live, dtype, options):
         self.ops: list[_Pos] = ops
+        # views[i]: how many of ops[:i] are views, which launch nothing and a recording does not
+        # count in ``ops_recorded`` (``launches``)
+        self.views: list[int] = list(accumulate((p.view for p in ops), initial=0))
         self.sigs: list[int] = sigs  # the region key's signature (Note [Window signature])
         self.slot_meta: list[tuple] = slot_meta  # per real-input slot: (shape, stride, dtype)
         self.entry = entry  # the region entry (``fuser.table._Entry``)
@@ -222,11 +227,15 @@ class Template:
         self.options = options  # the options its window ran under (they decide the region)
         self.after: Template | None = None  # the template of the window that followed it last time
 
+    def launches(self, start: int, end: int) -> int:
+        """How many of the hot records ``start:end`` a recording would count as launches."""
+        return end - start - (self.views[end] - self.views[start])
+
     def demote(self, window: Window, cause: str) -> None:
         """Turn ``window``'s hot records into the Nodes and signature recording would have made,
         and end its hot recording (Note [Hot windows]); ``cause`` is counted."""
         window.hot = None
-        count_hot(window)
+        count_hot(window, self)
         _replay.adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
         records = window.nodes
         nodes = window.nodes = []
@@ -302,17 +311,18 @@ class Template:
         METRICS.hot_break_sites[(cause, expected, _user_source(2))] += 1
 
 
-def count_hot(window: Window) -> None:
-    """Count ``window``'s hot records in ``METRICS`` (``ops_recorded``, ``hot_ops``): once, when its
-    hot recording ends (a demotion, the flush). ``_record_hot`` does not count per op (Note [Hot
-    record cost]); ``metrics()`` adds the records of the hot windows still recording
-    (``_state.pending_hot_ops``). A hot view takes itself out of ``ops_recorded`` when it is made
-    (``_fast._record_hot_view``): it launches nothing, and a full recording does not count views."""
-    n = len(window.nodes) - window.hot_counted
-    if n > 0:
-        METRICS.ops_recorded += n
-        METRICS.hot_ops += n
-        window.hot_counted += n
+def count_hot(window: Window, template: Template) -> None:
+    """Count ``window``'s hot records, made against ``template``, in ``METRICS``: once, when its hot
+    recording ends (a demotion, the flush). ``_record_hot`` does not count per op (Note [Hot record
+    cost]); ``metrics()`` adds the records of the hot windows still recording
+    (``_state.pending_hot_ops``). ``hot_ops`` counts every record, ``ops_recorded`` its launches
+    (not its views, as a full recording does not count them)."""
+    end = len(window.nodes)
+    start = window.hot_counted
+    if end > start:
+        METRICS.ops_recorded += template.launches(start, end)
+        METRICS.hot_ops += end - start
+        window.hot_counted = end
 
 
 def template_of(st, window: Window, entry) -> Template | None:

@@ -180,11 +180,11 @@ def _step(st, opt, raw):
         if cap.steps < st.options.hot_after:
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
-            before = METRICS.ops_recorded + pending_hot_ops() + METRICS.eager_equivalent_launches
+            before = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches
             try:
                 return raw(opt)
             finally:
-                cap.launches = METRICS.ops_recorded + pending_hot_ops() + METRICS.eager_equivalent_launches - before
+                cap.launches = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches - before
         if _traced_elsewhere():
             return raw(opt)
         if st.window.nodes:

@@ -131,15 +131,18 @@ def _prune(states: tuple) -> tuple:
     return tuple(kept)
 
 
-def pending_hot_ops() -> int:
-    """The hot records of the windows still recording, which ``METRICS`` counts when each ends
-    (``_hot.count_hot``): what ``metrics()`` adds to ``ops_recorded`` and ``hot_ops``."""
-    n = 0
+def pending_hot_ops() -> tuple[int, int]:
+    """The hot records of the windows still recording, and how many of them are launches, which
+    ``METRICS`` counts when each ends (``_hot.count_hot``): what ``metrics()`` adds to ``hot_ops``
+    and to ``ops_recorded``."""
+    records = launches = 0
     for s in _STATES:
         window = s.window
         if window.hot is not None:
-            n += len(window.nodes) - window.hot_counted
-    return n
+            start, end = window.hot_counted, len(window.nodes)
+            records += end - start
+            launches += window.hot.launches(start, end)
+    return records, launches
 
 
 def hot_ops_counted() -> None:
