@@ -1,9 +1,11 @@
 """Where a training step's time goes, phase by phase: eager against adaptive eager, interleaved.
 
-    python benchmarks/step_parts.py [--threads 2] [--repeats 10] [--iters 10] [--option NAME=VALUE ...]
+    python benchmarks/step_parts.py [--workload mlp|gpt] [--threads 2] [--repeats 10] [--iters 10]
+                                    [--option NAME=VALUE ...]
 
-The suite's MLP train step (``workloads.build_mlp_train``: 3x Linear(1024, 1024), batch 64, SGD),
-timed per phase with ``perf_counter`` around each call of the step: ``zero_grad``, the forward
+The suite's MLP train step (``workloads.build_mlp_train``: 3x Linear(1024, 1024), batch 64, SGD)
+or, with ``--workload gpt``, its GPT block train step (``workloads.build_gpt``: d256, 4 heads,
+seq 128, batch 8, AdamW), timed per phase with ``perf_counter`` around each call of the step: ``zero_grad``, the forward
 (with the loss), ``backward``, ``opt.step()`` and the final ``ae.sync()``. Under adaptive eager the
 forward and backward only record; the window runs at ``opt.step()`` (its flush, whose time
 ``metrics()["flush_seconds"]`` gives, is split out of the step's), and ``region`` is the compiled
@@ -31,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 import fuser.launch  # noqa: E402
-from workloads import ADAPTIVE_OPTIONS  # noqa: E402
+from workloads import ADAPTIVE_OPTIONS, GPTBlock  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "step", "flush", "region", "sync")
 _REGION: list[float] = []
@@ -47,8 +49,8 @@ def _timed_region(run):
     return timed
 
 
-def make_step(model, x, y, times):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def make_step(model, x, y, times, make_opt):
+    opt = make_opt(model.parameters())
     clock = time.perf_counter
 
     def step():
@@ -76,6 +78,7 @@ def make_step(model, x, y, times):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("mlp", "gpt"), default="mlp")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--iters", type=int, default=10)
@@ -89,12 +92,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     fuser.launch._run_compiled = _timed_region(fuser.launch._run_compiled)
     torch.manual_seed(0)
-    base = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                               torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
-    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    if args.workload == "mlp":
+        base = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                   torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+        x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+        make_opt = lambda params: torch.optim.SGD(params, lr=0.01)  # noqa: E731
+    else:
+        base = GPTBlock()
+        x, y = torch.randn(8, 128, 256), torch.randn(8, 128, 256)
+        make_opt = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
     times = {name: {p: [] for p in (*PHASES, "faults")} for name in ("eager", "adaptive")}
-    eager = make_step(copy.deepcopy(base), x, y, times["eager"])
-    adaptive = make_step(copy.deepcopy(base), x, y, times["adaptive"])
+    eager = make_step(copy.deepcopy(base), x, y, times["eager"], make_opt)
+    adaptive = make_step(copy.deepcopy(base), x, y, times["adaptive"], make_opt)
     with ae.adaptive_eager(**options):
         for _ in range(8):  # to the compiled steady state
             adaptive()
@@ -110,7 +119,7 @@ def main() -> None:
             for _ in range(args.iters):
                 adaptive()
     load = os.getloadavg()[0]
-    print(f"python benchmarks/step_parts.py --threads {args.threads} --repeats {args.repeats} --iters {args.iters}"
+    print(f"python benchmarks/step_parts.py --workload {args.workload} --threads {args.threads} --repeats {args.repeats} --iters {args.iters}"
           f"; torch {torch.__version__}, load {load:.1f}; ms per step, medians")
     print("| phase | eager | adaptive |")
     print("| --- | ---: | ---: |")
