@@ -264,7 +264,7 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
             return _miss(window, n0, "metadata")
     if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
         return _miss(window, n0, "scalar")
-    res = f.func(*args, **kwargs) if kwargs else f.func(*args)  # views read no data: the real view now
+    res = f.call(*args, **kwargs) if kwargs else f.call(*args)  # views read no data: the real view now
     multi = p.multi
     if multi is not None and (type(res) not in (list, tuple) or len(res) != len(multi)):
         return _miss(window, n0, "metadata")  # not the views the template has (nothing else was changed)
@@ -278,19 +278,35 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
     elif p.viewed:
         window.viewed.add(_untyped_storage(a)._cdata)
     if multi is None:
-        vo = Out(token, VIEW, p.uid, p.spec, _weakref(res), slot=slot)  # held weakly (Note [Weak window])
+        vo = _view_out(token, p.uid, p.spec, _weakref(res), slot)  # held weakly (Note [Weak window])
         res._ae = vo
         window.others.append(vo)
         nodes.append(vo)  # its hot record; a view adds no bytes and makes no cut, as in a full recording
         return res
     vos = []
     for v, (uid, spec) in zip(res, multi):
-        vo = Out(token, VIEW, uid, spec, _weakref(v), slot=slot)
+        vo = _view_out(token, uid, spec, _weakref(v), slot)
         v._ae = vo
         window.others.append(vo)
         vos.append(vo)
     nodes.append(tuple(vos))  # its hot record: its VIEW Outs
     return res
+
+
+def _view_out(token, uid: int, spec, ref, slot: int) -> Out:
+    """``Out(token, VIEW, uid, spec, ref, slot=slot)``, without ``Out.__init__``'s frame and keyword
+    parsing (Note [Hot view cost] in ``_hot``): every field as ``__init__`` sets it."""
+    o = _new(Out)
+    o.win = token
+    o.kind = VIEW
+    o.uid = uid
+    o.meta = spec
+    o.ref = ref
+    o.slot = slot
+    o.tensor = o.alias = o.value = o.storage = None
+    o.needed = o.live = False
+    o.last = -1
+    return o
 
 
 def _pin(window: Window, o: Out, t) -> None:

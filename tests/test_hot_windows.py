@@ -987,3 +987,27 @@ def test_a_hot_step_counts_the_launches_a_full_recording_counts(fresh_regions):
     recorded, launches, hot_windows = counts(True)
     assert hot_windows >= 1  # the check can fail: the step ran hot
     assert (recorded, launches, 0) == counts(False)
+
+
+def test_a_hot_view_out_is_the_out_its_init_makes():
+    """``_fast._view_out`` (Note [Hot view cost] in ``_hot``) sets every field ``Out.__init__`` sets,
+    to the same values: a field added to ``Out`` and not to it fails here."""
+    import weakref
+
+    from adaptive_eager._fast import _view_out
+    from fuser.window import VIEW
+
+    token, spec, t = object(), ((2, 3), (3, 1), torch.float32), torch.zeros(2, 3)
+    ref = weakref.ref(t)
+    made, expected = _view_out(token, 7, spec, ref, 4), Out(token, VIEW, 7, spec, ref, slot=4)
+    for name in Out.__slots__:
+        assert getattr(made, name) is getattr(expected, name) or getattr(made, name) == getattr(expected, name), name
+
+
+def test_a_hot_view_calls_the_overloads_own_callable():
+    """``OpFacts.call`` is what ``OpOverload.__call__`` forwards to (Note [Hot view cost] in ``_hot``)."""
+    from adaptive_eager._ops import facts_for
+
+    f = facts_for(torch.ops.aten.t.default)
+    x = torch.randn(2, 3)
+    assert f.call(x).equal(torch.ops.aten.t.default(x)) and f.call(x).stride() == (1, 3)
