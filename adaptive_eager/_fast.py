@@ -294,18 +294,15 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
 
 
 def _view_out(token, uid: int, spec, ref, slot: int) -> Out:
-    """``Out(token, VIEW, uid, spec, ref, slot=slot)``, without ``Out.__init__``'s frame and keyword
-    parsing (Note [Hot view cost] in ``_hot``): every field as ``__init__`` sets it."""
+    """``Out(token, VIEW, uid, spec, ref, slot=slot)``, without ``Out.__init__``'s keyword parsing
+    (Note [Hot view cost] in ``_hot``): the fields a hot Out has, then ``finish_hot``'s."""
     o = _new(Out)
     o.win = token
     o.kind = VIEW
     o.uid = uid
     o.meta = spec
-    o.ref = ref
     o.slot = slot
-    o.tensor = o.alias = o.value = o.storage = None
-    o.needed = o.live = False
-    o.last = -1
+    finish_hot(o, ref, None)
     return o
 
 

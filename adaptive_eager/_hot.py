@@ -163,8 +163,9 @@ what a hot view adds to the empty mode's view is its Out, its weak reference and
 Python frames went (timed alone, 200k calls, session 21): the view is called through the
 overload's C++ callable (``OpFacts.call``, ``OpOverload._op``) instead of ``OpOverload.__call__``,
 whose frame only forwards to it (1.23 against 1.57 us for a ``t``), and its VIEW Out is made without
-``Out.__init__`` (``_fast._view_out``: 0.25 against 0.49 us), every field set as ``__init__`` sets
-it (tests/test_hot_windows.py compares the two).
+``Out.__init__``'s keyword parsing (``_fast._view_out``, which sets the rest with ``finish_hot``: 0.2-0.3
+0.3 against 0.49 us), every field set as ``__init__`` sets it (tests/test_hot_windows.py compares
+the two).
 """
 
 from __future__ import annotations

@@ -441,7 +441,7 @@ def resize_outs(st: TracerState, f, entry: _Resizes, args, kwargs) -> bool:
 
 
 def _record_view(st: TracerState, f, args, kwargs):
-    res = f.call(*args, **kwargs)  # views read no data: make the real view now (``call``: Note [Hot view cost] in _hot)
+    res = f.call(*args, **kwargs)  # views read no data: the real view now (Note [Hot view cost] in _hot)
     window = st.window
     a = args[0] if args else None
     if not isinstance(a, _Tensor) or not _on_target(st, a):
