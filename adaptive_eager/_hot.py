@@ -164,7 +164,7 @@ Python frames went (timed alone, 200k calls, session 21): the view is called thr
 overload's C++ callable (``OpFacts.call``, ``OpOverload._op``) instead of ``OpOverload.__call__``,
 whose frame only forwards to it (1.23 against 1.57 us for a ``t``), and its VIEW Out is made without
 ``Out.__init__``'s keyword parsing (``_fast._view_out``, which sets the rest with ``finish_hot``: 0.2-0.3
-0.3 against 0.49 us), every field set as ``__init__`` sets it (tests/test_hot_windows.py compares
+against 0.49 us), every field set as ``__init__`` sets it (tests/test_hot_windows.py compares
 the two).
 """
 
