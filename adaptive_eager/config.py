@@ -120,11 +120,16 @@ def _parse_capture(name: str, raw: str) -> bool:
 _warned_background = False
 
 
+def _closest(value: str, choices) -> str:
+    close = difflib.get_close_matches(value, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _parse_choice(choices: tuple[str, ...]):
     def parse(name: str, raw: str) -> str:
         low = raw.strip().lower()
         if low not in choices:
-            raise _Invalid(f"one of {', '.join(choices)}")
+            raise _Invalid(f"one of {', '.join(choices)}{_closest(low, choices)}")
         return low
 
     return parse
@@ -422,6 +427,7 @@ def switch_value(environ: Mapping[str, str] | None = None) -> str:
     if raw in ("", "0", "off"):
         return "eager"
     if raw not in SWITCH_VALUES:
-        raise ConfigError(f"{ENV_SWITCH}={raw!r}: expected 'adaptive' (on) or 'eager' (off)")
+        raise ConfigError(f"{ENV_SWITCH}={raw!r}: expected 'adaptive' (on) or 'eager' (off), in any case"
+                          f"{_closest(raw, SWITCH_VALUES)}")
     return raw
 

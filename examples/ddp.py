@@ -7,6 +7,7 @@ Every collective (DDP's gradient all-reduce, its bucket broadcasts) flushes the 
 process group reads and writes real memory; the report counts those flushes as "collective".
 """
 
+import argparse
 import datetime
 import os
 import socket
@@ -72,6 +73,7 @@ def free_port() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     ctx = mp.start_processes(run, args=(free_port(),), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + 120
     # join returns when one rank ends (and raises if it failed); a rank that hangs times out

@@ -3,6 +3,7 @@
     python examples/quickstart.py
 """
 
+import argparse
 import statistics
 import time
 
@@ -37,10 +38,15 @@ def train(steps: int, lazy: bool, times: list[float]) -> list[float]:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="training steps of each run (default 30; at least 21)")
+    steps = parser.parse_args().steps
+    if steps < 21:
+        parser.error(f"--steps {steps}: the step time is the median of the last 20 steps; pass 21 or more")
     eager_times, lazy_times = [], []
-    eager = train(30, lazy=False, times=eager_times)
+    eager = train(steps, lazy=False, times=eager_times)
     ae.reset_metrics()
-    lazy = train(30, lazy=True, times=lazy_times)
+    lazy = train(steps, lazy=True, times=lazy_times)
     print(f"final loss  eager: {eager[-1]:.6f}   adaptive eager: {lazy[-1]:.6f}")
     # the first steps replay and compile; the median of the last 20 is the steady state
     e_ms, a_ms = (statistics.median(t[-20:]) * 1e3 for t in (eager_times, lazy_times))

@@ -30,7 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     default_directory, shared = _settings(parser)
     directory = os.path.abspath(os.path.expanduser(getattr(args, "cache_dir", None) or default_directory))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        parser.error(f"--cache-dir {directory}: not a directory; pass the cache's directory "
+                     "(default: NEURON_EAGER_CACHE_DIR, else ~/.cache/adaptive_eager)")
     if not os.path.exists(os.path.join(directory, DBNAME)):
+        if os.path.isdir(directory) and os.listdir(directory):
+            # a typo'd path that exists (a home or system directory) is not an empty cache
+            print(f"{directory} holds files but no compiled-artifact cache (no {DBNAME}): check --cache-dir "
+                  "or NEURON_EAGER_CACHE_DIR", file=sys.stderr)
+            return 1
         print(f"no compiled-artifact cache at {directory}")
         return 0
     if args.command == "repair":

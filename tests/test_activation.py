@@ -50,7 +50,18 @@ def test_bad_switch_value_warns_and_stays_off():
     out = _run("adaptiv")
     assert out.returncode == 0, out.stderr
     assert "lazy False" in out.stdout
-    assert "expected 'adaptive'" in out.stderr
+    assert "expected 'adaptive'" in out.stderr and "did you mean 'adaptive'?" in out.stderr
+
+
+def test_a_misspelt_choice_names_the_closest_value_and_case_is_ignored_everywhere():
+    """`NEURON_EAGER=Adaptive` was taken while `adaptiv` named no value: every choice setting (and the
+    switch) ignores case alike, and a value that is no choice names the closest one."""
+    assert switch_value({"NEURON_EAGER": "Adaptive"}) == "adaptive"
+    assert load_options({"NEURON_EAGER_BACKEND": "Replay", "NEURON_EAGER_DEVICE": "cpu"}).backend == "replay"
+    with pytest.raises(ConfigError, match="did you mean 'inductor'"):
+        load_options({"NEURON_EAGER_BACKEND": "inducter", "NEURON_EAGER_DEVICE": "cpu"})
+    with pytest.raises(ConfigError, match="did you mean 'eager'"):
+        switch_value({"NEURON_EAGER": "eagr"})
 
 
 def test_env_settings_are_parsed_in_one_place_with_clear_errors():

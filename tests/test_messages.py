@@ -209,3 +209,14 @@ def test_a_failed_meta_run_inside_our_compile_is_not_logged_by_torch():
         "something else", "failed while attempting to run meta for aten.outside.default",
         "failed while attempting to run meta for aten.at_debug.default"]
     assert not torch_log.filters
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (pathlib.Path(__file__).parent.parent / "examples").glob("*.py")))
+def test_every_examples_help_prints_its_usage_and_runs_nothing(example):
+    """`quickstart.py --help` and `ddp.py --help` ran the whole example."""
+    root = pathlib.Path(__file__).parent.parent
+    out = subprocess.run([sys.executable, f"examples/{example}", "--help"], cwd=root, capture_output=True,
+                         text=True, timeout=120, env=program_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage:"), out.stdout[:200]
+    assert "final loss" not in out.stdout and "report" not in out.stdout.split("options:")[0]

@@ -987,6 +987,21 @@ def test_cli_on_a_missing_cache_creates_nothing(tmp_path):
     assert not (tmp_path / "never-used").exists()
 
 
+def test_cli_on_a_path_that_is_no_cache_says_so_and_fails(tmp_path):
+    """`--cache-dir /etc/passwd` (a file) and a directory of other files answered "no cache", exit 0."""
+    not_a_dir = tmp_path / "passwd"
+    not_a_dir.write_text("root:x:0:0")
+    result = run_cli("stats", "--cache-dir", str(not_a_dir))
+    assert result.returncode == 2 and "not a directory" in result.stderr
+    others = tmp_path / "etc"
+    others.mkdir()
+    (others / "hosts").write_text("127.0.0.1 localhost")
+    for command in ("stats", "clear"):
+        result = run_cli(command, "--cache-dir", str(others))
+        assert result.returncode == 1 and "holds files but no compiled-artifact cache" in result.stderr
+    assert sorted(p.name for p in others.iterdir()) == ["hosts"]
+
+
 def test_cli_default_directory_is_under_home(tmp_path):
     home_cache = tmp_path / ".cache" / "adaptive_eager"
     with ArtifactStore(home_cache) as store:
