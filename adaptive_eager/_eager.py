@@ -14,7 +14,7 @@ from ._log import log
 from ._metrics import METRICS
 from .reasons import REASONS
 from ._source import _flush_site
-from ._state import TracerState, _on_target
+from ._state import TracerState, _on_target, _strided
 from ._threads import _check_elsewhere
 
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -24,6 +24,8 @@ def needs_flush(st: TracerState, t: torch.Tensor) -> bool:
 
     A tensor is pending when it is a value of the open window (marked ``_ae``) or when its storage
     is written by a pending in-place op (a real tensor such as a parameter, or any view of it).
+    Another device's tensor never is, and a sparse one may be read through its indices and values,
+    which pending ops may write (Note [Tensors the mode leaves alone] in _state).
     """
     window = st.window
     if not window.nodes:
@@ -31,7 +33,11 @@ def needs_flush(st: TracerState, t: torch.Tensor) -> bool:
     o = getattr(t, "_ae", None)
     if o is not None and o.win is window.token:
         return True
-    return bool(window.written) and _untyped_storage(t)._cdata in window.written
+    if not window.written or not _on_target(st, t):
+        return False
+    if t.layout is not _strided:
+        return True
+    return _untyped_storage(t)._cdata in window.written
 
 
 def _reads_pending(st: TracerState, args, kwargs) -> bool:
@@ -82,9 +88,34 @@ def _touches_target(st: TracerState, f, args, kwargs) -> bool:
 def _reason_for_unrecordable(st, f, args, kwargs) -> str:
     """Why ``_record`` declined an op that touches the target device (for metrics and logs)."""
     for t in _tensors(args, kwargs):
+        if t.layout is not _strided:
+            return "sparse"  # Note [Tensors the mode leaves alone] in _state
+    for t in _tensors(args, kwargs):
         if not _on_target(st, t) and not (t.dim() == 0 and t.is_cpu):
             return "device_copy"
     dv = kwargs.get("device")
     if dv is not None and torch.device(dv).type != st.target:
         return "device_copy"
     return f.reason
+
+
+_FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
+_key_included = torch._C._dispatch_tls_is_dispatch_key_included
+_key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+def run_untouched(f, args, kwargs):
+    """An op of no tensor the mode records, run as eager runs it (Note [Tensors the mode leaves
+    alone] in _state). The Python key's fallback excludes the keys above it, functionalization
+    among them, for what the mode calls; for an op with tensors that is right (their keys were
+    handled above the mode), but a factory reads the exclusion itself: ``lazy``'s returns a tensor
+    without its functional wrapper, whose views then fail (``as_strided`` has no lazy kernel). So a
+    factory runs with functionalization not excluded, unless the program itself runs functionalized."""
+    if f.factory and _key_excluded(_FUNCTIONALIZE) and not _key_included(_FUNCTIONALIZE):
+        _set_key_excluded(_FUNCTIONALIZE, False)
+        try:
+            return f.func(*args, **kwargs)
+        finally:
+            _set_key_excluded(_FUNCTIONALIZE, True)
+    return f.func(*args, **kwargs)

@@ -15,7 +15,7 @@ from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, HotRef as _HotRef, N
 from ._metrics import METRICS
 from ._record import _DECLINED, _alias_out, _append, _cut, _decline, _demote, _dtype_changed, _numbers, _placeholder
 from ._source import _user_source
-from ._state import TracerState, _default_dtype
+from ._state import TracerState, _default_dtype, _strided
 from ._threads import _Elsewhere, pending_mark
 
 _Tensor = torch.Tensor
@@ -194,8 +194,8 @@ def _hot_slot(window: Window, a, slot: int, n0: int) -> str | None:
     if not isinstance(a, _Tensor) or window.slots.get(id(a)) is not None or slot != len(real):
         return "binding"
     shape, stride, dtype = window.hot.slot_meta[slot]
-    if a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride:
-        return "metadata"
+    if a.dtype is not dtype or not a.is_cpu or a.layout is not _strided or a.shape != shape or a.stride() != stride:
+        return "metadata"  # a sparse tensor too: Note [Tensors the mode leaves alone] in _state
     window.slots[id(a)] = slot
     real.append(a)
     return None
@@ -366,7 +366,11 @@ def _record_fast(st: TracerState, f, args, kwargs):
         if scalar_fast_path and a.numel() == 1:
             return _decline(window, n0)  # snapshots and the scalar fast path: the general path
         slot = window.slots.get(id(a))
-        refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
+        if slot is None:
+            if a.layout is not _strided:  # sparse: Note [Tensors the mode leaves alone] in _state
+                return _decline(window, n0)
+            slot = window.slot_of(a)
+        refs.append(-1 - slot)
         sig[i] = (a.shape, a.stride(), a.dtype)
     if first is None:
         return _decline(window, n0)

@@ -121,19 +121,33 @@ def caught_warnings():
                         break
 
 
+class _Raised:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
 class _Binding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, box):
-        box.append(run())
+        # an exception is handed out in ``box``, not raised through ``apply``: what a kernel warned
+        # is lost when an error passes through that binding, and a kernel warns from its
+        # arguments' dtypes before it fails on a stand-in's values (``index_put_`` with a uint8 mask)
+        try:
+            box.append(run())
+        except Exception as e:  # noqa: BLE001 - raised again by ``kernel_warnings``
+            box.append(_Raised(e))
 
     @staticmethod
     def backward(ctx, *grads):  # never reached: nothing it returns requires grad
         return None, None
 
 
-def kernel_warnings(run):
+def kernel_warnings(run, seen: list | None = None):
     """``(run(), the warnings it gave)``: Python's and its kernels' (Note [Kernel warnings]); an
-    exception ``run`` raises propagates as it was raised."""
+    exception ``run`` raises propagates as it was raised, after the warnings it gave until then
+    are added to ``seen``."""
     box = []
     with caught_warnings() as caught:
         try:
@@ -144,4 +158,18 @@ def kernel_warnings(run):
             if box or "setup_context" not in str(e):
                 raise
             box.append(run())
-    return box[0], caught
+    res = box[0]
+    if res.__class__ is _Raised:
+        if seen is not None:
+            seen.extend(caught)
+        raise res.error
+    return res, caught
+
+
+def warnings_of(run) -> list:
+    """The warnings ``run`` gives, whether it returns or raises (``kernel_warnings``)."""
+    seen: list = []
+    try:
+        return kernel_warnings(run, seen)[1]
+    except Exception:  # noqa: BLE001 - what it warned before it failed is the answer
+        return seen

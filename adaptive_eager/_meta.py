@@ -9,7 +9,7 @@ import torch
 from fuser.window import ARITY
 
 from . import _meta_disk, _signatures
-from ._kernel_warnings import kernel_warnings
+from ._kernel_warnings import kernel_warnings, warnings_of
 from ._log import log
 from ._source import warn
 from ._overlap import _Raises, _extent, _has_internal_overlap, _overlap_error
@@ -101,6 +101,8 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
             continue
         if not isinstance(r, _Tensor):
             raise NotImplementedError(f"{f.name} returns a non-tensor")
+        if r.layout is not torch.strided:  # Note [Tensors the mode leaves alone] in _state
+            raise NotImplementedError(f"{f.name} returns a {r.layout} tensor: sparse layouts run eagerly")
         specs.append((tuple(r.shape), tuple(r.stride()), r.dtype))
         nbytes += _untyped_storage(r).nbytes() if r.numel() else 0
     specs, probe = _eager_layouts(f, args, kwargs, specs)
@@ -114,7 +116,7 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
         probe = probe[1]
     if not first:
         return entry, ()
-    again = _texts(kernel_warnings(probe)[1])  # what it gives each time; the rest, once a process
+    again = _texts(warnings_of(probe))  # what it gives each time; the rest, once a process
     once = tuple(dict.fromkeys(w for w in first if w not in again))
     return (_Warns(f.name, tuple(again)) if again else entry), once
 
@@ -134,7 +136,10 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
 # non-empty dimension), and so is a written argument, so the run changes nothing the program holds.
 # If that run raises (an integer division by zero, a kernel that checks its floats), every input is
 # ones of its geometry for a second try; if that raises too, the meta kernel's layout stands.
-# Factories have no input layout to follow and skip the run. Recorded ops draw no random numbers
+# Factories have no input layout to follow and skip the run. An op whose outputs are all its
+# arguments (in place, ``out=``) has no layout to learn but runs as well, for its warnings (Note
+# [Kernel warnings]: ``index_put_`` with a uint8 mask warns in its kernel, not in its meta kernel);
+# its written arguments are stand-ins, so that run costs one copy of them, once per signature. Recorded ops draw no random numbers
 # (Note [RNG] in _ops), so the run consumes no generator. Ops that take a kernel's opaque state
 # skip the run too (an argument named ``workspace`` or ``reserve``: ``mkldnn_rnn_layer_backward``,
 # cuDNN's RNN and batch-norm backward): the kernel reads what its forward wrote there as its own
@@ -214,7 +219,9 @@ def _eager_layouts(f, args, kwargs, specs: list):
     """``(specs, probe)``: ``specs`` with each fresh output's strides taken from a real run of the
     op (Note [Eager layouts]), and ``(the warnings it gave, the run)``, or None where there was no
     such run (Note [Kernel warnings])."""
-    if f.factory or all(s is None for s in specs) or _takes_opaque_state(f.func):
+    # an op with no fresh output (``index_put_``, ``copy_``) runs too, for its warnings alone: its
+    # meta kernel may not warn where its kernel does (Note [Kernel warnings] in _kernel_warnings)
+    if f.factory or _takes_opaque_state(f.func):
         return specs, None
     written = f.write_pos
 
@@ -227,6 +234,7 @@ def _eager_layouts(f, args, kwargs, specs: list):
             fill = 0
         return torch.full((_extent(t),), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
+    seen: list = []  # what the first run warned before it failed
     for fill in (None, 1):
         try:
             rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
@@ -234,13 +242,16 @@ def _eager_layouts(f, args, kwargs, specs: list):
             # the op warns when it runs, as eager's does: Note [Kernel warnings]
             rkwargs = {k: stand_in(v, k in written, fill) for k, v in kwargs.items()}
             run = lambda: f.func(*rargs, **rkwargs)  # noqa: E731
-            res, caught = kernel_warnings(run)
+            res, caught = kernel_warnings(run, seen if fill is None else None)
             break
         except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
             error = e
+            if fill is None:
+                first_run = run
     else:
         log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, error)
-        return specs, None
+        # what the kernel warned before it failed on the stand-ins' values (Note [Kernel warnings])
+        return specs, ((_texts(seen), first_run) if seen else None)
     outs = res if isinstance(res, (tuple, list)) else (res,)
     return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
             else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)], (_texts(caught), run)

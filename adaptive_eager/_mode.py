@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fuser.window import Window
 
 from . import _gc, _heap, _ops, _patches, _state
-from ._eager import _eager, _reason_for_unrecordable, _touches_target
+from ._eager import _eager, _reason_for_unrecordable, _touches_target, run_untouched
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
 from ._ops import ALLOC, BATCH_NORM, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
@@ -63,7 +63,10 @@ _copy_ = torch.ops.aten.copy_.default
 def _dense(t: torch.Tensor) -> bool:
     from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-    return is_non_overlapping_and_dense_or_false(t)
+    try:
+        return is_non_overlapping_and_dense_or_false(t)
+    except (RuntimeError, NotImplementedError):  # no strides: sparse (Note [Tensors the mode leaves alone] in _state)
+        return False
 
 
 def _random_fill(st: TracerState, f, args, kwargs):
@@ -160,7 +163,7 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     if res is not _DECLINED:
         return res
     if not _touches_target(st, f, args, kwargs):
-        return f.func(*args, **kwargs)
+        return run_untouched(f, args, kwargs)  # Note [Tensors the mode leaves alone] in _state
     return _eager(st, f, args, kwargs, _reason_for_unrecordable(st, f, args, kwargs))
 
 
@@ -223,6 +226,8 @@ class LazyMode(TorchDispatchMode):
             if kwargs is None:
                 kwargs = {}
             if kind == ALLOC:
+                if f.factory and (dv := kwargs.get("device")) is not None and dv.type != st.target:
+                    return run_untouched(f, args, kwargs)  # Note [Tensors the mode leaves alone] in _state
                 return func(*args, **kwargs)
             if kind == RANDOM_FILL:
                 return _random_fill(st, f, args, kwargs)
@@ -235,7 +240,7 @@ class LazyMode(TorchDispatchMode):
             if kind == RANDOM_NEW:
                 if _touches_target(st, f, args, kwargs):
                     return _eager(st, f, args, kwargs, None)
-                return func(*args, **kwargs)
+                return run_untouched(f, args, kwargs)
             if kind == INLINE:
                 with self:  # its ops come back here (Note [Ops run inline] in _ops)
                     return f.decomposition(*args, **kwargs)
@@ -251,7 +256,7 @@ class LazyMode(TorchDispatchMode):
                 return _record_made(st, unseeded, args, kwargs)  # attention without dropout: it draws nothing
             if _touches_target(st, f, args, kwargs):
                 return _eager(st, f, args, kwargs, f.reason)
-            return func(*args, **kwargs)
+            return run_untouched(f, args, kwargs)
         except _Elsewhere as e:
             owner, value = e.args
         finally:

@@ -335,6 +335,8 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         f.kind = RECORD
         if torch.Tag.dynamic_output_shape in tags:
             f.reason = "dynamic_shape"
+        elif "sparse" in base or "mkldnn" in base:
+            f.reason = "sparse"  # it makes one (``_to_sparse``): Note [Tensors the mode leaves alone] in _state
     # Note [Record fast path] in adaptive_eager._fast: one fresh output, positional tensors and
     # numbers only, nothing written
     f.fast = (

@@ -53,6 +53,7 @@ from ._state import current_state
 from ._threads import _flush_for_reader, pending_mark, sync_value
 
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (the patched one flushes)
+_has_storage = torch._C._has_storage
 
 # Tensor methods that read memory without dispatching, with the flush reason each one counts as.
 _TENSOR_READERS = {
@@ -168,6 +169,8 @@ def _data_property(original):
 
 def _same_tensor_memory(a, b) -> bool:
     """Whether ``b`` is a tensor over ``a``'s storage with ``a``'s geometry (``a.data = b`` keeps ``a`` as it is)."""
+    if not _has_storage(a) or not _has_storage(b):  # asking a raw lazy tensor crashes: Note [Tensors the mode leaves alone] in _state
+        return False
     try:
         return (_untyped_storage(a)._cdata == _untyped_storage(b)._cdata and a.storage_offset() == b.storage_offset()
                 and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)

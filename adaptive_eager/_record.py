@@ -18,7 +18,7 @@ from ._metrics import METRICS
 from ._args import _tensors
 from ._overlap import _overlap_error, _shares_written
 from ._source import _user_source, warn
-from ._state import TracerState, _default_dtype, _on_target
+from ._state import TracerState, _default_dtype, _on_target, _strided
 from ._threads import _check_elsewhere
 
 _Tensor = torch.Tensor
@@ -225,13 +225,17 @@ def _record(st: TracerState, f, args, kwargs):
         else:
             if o is not None:
                 _check_elsewhere(a, o)
+            slot = slots.get(id(a))
+            if slot is None:
+                if a.layout is not _strided:  # sparse: Note [Tensors the mode leaves alone] in _state
+                    return _DECLINED
+                slot = window.slot_of(a)
             if st.scalar_fast_path:
                 if a.dim():
                     only_real_scalars = False
                 if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
                     snaps.append((i, len(refs)))
-            slot = slots.get(id(a))
-            refs.append(-1 - (slot if slot is not None else window.slot_of(a)))
+            refs.append(-1 - slot)
         sig[i] = (a.shape, a.stride(), a.dtype)
     for i in f.list_pos:
         if i >= n:
@@ -258,6 +262,8 @@ def _record(st: TracerState, f, args, kwargs):
             else:
                 if o is not None:
                     _check_elsewhere(a, o)
+                if id(a) not in slots and a.layout is not _strided:  # Note [Tensors the mode leaves alone] in _state
+                    return _DECLINED
                 if st.scalar_fast_path:
                     if a.dim():
                         only_real_scalars = False
@@ -299,6 +305,8 @@ def _record(st: TracerState, f, args, kwargs):
                 else:
                     if o is not None:
                         _check_elsewhere(v, o)
+                    if v.layout is not _strided:  # sparse: Note [Tensors the mode leaves alone] in _state
+                        return _DECLINED
                     refs.append(-1 - window.slot_of(v))
                 ksig.append((k, v.shape, v.stride(), v.dtype))
             else:
@@ -453,6 +461,8 @@ def _record_view(st: TracerState, f, args, kwargs):
     if o is not None and o.win is not window.token:
         _check_elsewhere(a, o)  # a view of another thread's pending value reads it later
         o = None
+    if o is None and id(a) not in window.slots and a.layout is not _strided:
+        return res  # a view of a sparse tensor: Note [Tensors the mode leaves alone] in _state
     if window.hot is not None:
         _demote(window, "view")
     nargs = list(args)

@@ -158,6 +158,27 @@ def _on_target(st: TracerState, t: torch.Tensor) -> bool:
     return getattr(t, attr) if attr is not None else t.device.type == st.target
 
 
+# Note [Tensors the mode leaves alone]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Only dense (strided) tensors of the target device are recorded, probed or asked for storage.
+# - Another device's tensors (torch's ``lazy`` TorchScript backend, ``meta``, XLA) are never
+#   pending: their ops run as eager runs them, and nothing of the library reads their storage. A
+#   raw ``lazy`` tensor (what the mode sees below functionalization) has no storage, and asking
+#   for it is a segmentation fault, not an exception (pytest formatting a failing test's lazy
+#   arguments: ``repr`` -> ``sync_value`` -> ``owner_of``). A factory of another device runs with
+#   functionalization as the program had it (``_eager.run_untouched``).
+# - A tensor of another layout on the target device (sparse COO/CSR/CSC/BSR/BSC, mkldnn) has no
+#   strides and no storage of its own. It is never recorded: an op that takes one or makes one
+#   (``to_sparse``, whose meta run answers a non-strided output: ``_meta``) runs eagerly, reason
+#   ``sparse``, after a flush when it reads a pending value or when pending ops write anything (its
+#   indices and values are dense tensors the program may have written through ``values()``). A view
+#   of one (``t()``, ``crow_indices()``) is made and left unrecorded: the dense views it hands out
+#   (``values()``) are real tensors, recorded as any real input from then on. The record paths
+#   find such a tensor where they read its strides, which it lacks (no cost to the dense ones);
+#   the rest of the library checks the device and the layout before it asks for a storage.
+_strided = torch.strided
+
+
 def _step_back(st: TracerState) -> None:
     """The owner starts a busy stretch while another thread claims its window: wait until no
     claim is left (its busy count stays taken on return)."""

@@ -10,7 +10,7 @@ import torch
 
 from . import _state
 from ._flush import _run, flush
-from ._state import TracerState, _tls
+from ._state import TracerState, _on_target, _strided, _tls
 
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 
@@ -116,8 +116,10 @@ def owner_of(t) -> TracerState | None:
             written = written | running.written
         # an unmarked alias of another thread's placeholder (Note [Reads from other threads])
         fresh = o is None and st is not me and (window.nodes or running is not None)
-        if written or fresh:
+        if (written or fresh) and _on_target(st, t):  # Note [Tensors the mode leaves alone] in _state
             if sid is None:
+                if t.layout is not _strided:
+                    return None  # no storage of its own; its ops flush for what they read
                 try:
                     sid = _untyped_storage(t)._cdata
                 except (RuntimeError, NotImplementedError):  # no storage: no pending op writes it

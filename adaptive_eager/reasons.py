@@ -78,6 +78,9 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
                                    "here, so that its warning comes at this line each time, as in eager: fix what "
                                    "it warns about",
            "runs an op whose kernel warns"),
+    Reason("sparse", True, "an op on a sparse (or mkldnn) tensor, or one that makes one (`to_sparse`), runs eagerly "
+                           "here, after a flush when it reads a pending value: keep sparse work out of the hot loop",
+           "runs an op on a sparse tensor"),
     Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
            "runs an op adaptive eager cannot record"),
     Reason("collective", False, None, "runs a torch.distributed collective, a sync point between processes"),

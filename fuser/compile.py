@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import struct
 import time
 import traceback
+import zipfile
 
 import torch
 
@@ -164,18 +166,42 @@ def _load_artifact(artifact: bytes, how: dict, backend):
     return partition.load(artifact, backend) if how["alone"] else backend.load(artifact)
 
 
+# Note [Whose fault a failed load is]
+# Only an artifact that fails its own decoding is evicted: what the backends raise for one that is
+# corrupt or not theirs (BackendCompileError, by contract) and what reading malformed bytes raises.
+# A load also imports the backend's modules (Inductor's, on the compile thread), and an import
+# racing the same import in another thread can fail in either thread ("_DeadlockError: deadlock
+# detected by _ModuleLock('torch._dynamo')", an ImportError of a partly initialized module): that
+# load is tried once more, the other thread's import being done by then. Anything else (an import
+# that fails again, MemoryError, an OSError of a temporary directory, an error of ours) is this
+# process's: the load fails (its window replays), and the artifact stays for the next process.
+_CORRUPT = (BackendCompileError, ValueError, KeyError, IndexError, EOFError, zipfile.BadZipFile, struct.error)
+
+
+def _racing_import(error: BaseException) -> bool:
+    return isinstance(error, ImportError) or type(error).__name__ == "_DeadlockError"
+
+
 def _load(data: bytes, backend, store, key: str, dynamic: bool):
     """Load region ``key``'s artifact from ``store``; a symbolic (``dynamic``) region's must carry
-    shape guards. One that does not load is evicted (Note [Artifacts from disk])."""
-    try:
-        artifact, lifted_inputs, how = _unpack(data, key)
-        run = _load_artifact(artifact, how, backend)
-        if dynamic != (getattr(run, "guards", None) is not None):
-            raise BackendCompileError(f"artifact: a {'symbolic' if dynamic else 'per-shape'} region's artifact "
-                                      f"{'lacks' if dynamic else 'has'} shape guards")
-    except Exception as e:
-        store.discard(key, f"does not load: {type(e).__name__}: {e}")
-        raise
+    shape guards. One that does not decode is evicted (Note [Artifacts from disk], Note [Whose
+    fault a failed load is])."""
+    for attempt in (1, 2):
+        try:
+            artifact, lifted_inputs, how = _unpack(data, key)
+            run = _load_artifact(artifact, how, backend)
+            if dynamic != (getattr(run, "guards", None) is not None):
+                raise BackendCompileError(f"artifact: a {'symbolic' if dynamic else 'per-shape'} region's artifact "
+                                          f"{'lacks' if dynamic else 'has'} shape guards")
+            break
+        except _CORRUPT as e:
+            store.discard(key, f"does not load: {type(e).__name__}: {e}")
+            raise
+        except Exception as e:
+            if attempt == 2 or not _racing_import(e):
+                raise
+            log.info("adaptive_eager: loading region %s met another thread's import (%s: %s); trying again",
+                     key[:8], type(e).__name__, e)
     run = run if dynamic else _Unverified(run, store)
     return run, lifted_inputs, None, how  # None: from disk, no compile
 

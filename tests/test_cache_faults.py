@@ -476,3 +476,74 @@ def test_ctrl_c_during_a_compile_exits_cleanly(tmp_path, mode):
         for child in runs:
             child.kill()
             child.wait()
+
+
+class _Store:
+    """What ``fuser.compile._load`` asks of a store: only evictions."""
+
+    def __init__(self):
+        self.evicted = []
+
+    def discard(self, key, problem):
+        self.evicted.append((key, problem))
+
+
+class _Backend:
+    """A backend whose load raises ``errors`` in turn, then loads (Note [Whose fault a failed load is])."""
+
+    def __init__(self, *errors):
+        self.errors = list(errors)
+
+    def load(self, artifact):
+        if self.errors:
+            raise self.errors.pop(0)
+        return lambda inputs: [inputs[0] * 2]
+
+
+def _deadlock():
+    from importlib._bootstrap import _DeadlockError
+
+    return _DeadlockError("deadlock detected by _ModuleLock('torch._dynamo') at 140000")
+
+
+@pytest.mark.parametrize("error", [_deadlock, lambda: ImportError("cannot import name 'x' from partially "
+                                                                  "initialized module 'torch._dynamo'")],
+                         ids=["deadlock", "import_error"])
+def test_a_load_that_meets_another_threads_import_loads_and_keeps_its_artifact(error):
+    from fuser.compile import _load, _pack
+
+    key = "a" * 64
+    data = _pack(b"artifact", [], {"alone": {}, "inplace": False}, key)
+    store = _Store()
+    run, *_ = _load(data, _Backend(error()), store, key, False)
+    assert store.evicted == []
+    assert torch.equal(run([torch.ones(2)])[0], torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("error", [_deadlock, lambda: ImportError("no module"), lambda: MemoryError(),
+                                   lambda: OSError(28, "No space left on device"), lambda: RuntimeError("ours")],
+                         ids=["deadlock", "import_error", "memory", "disk_full", "a_bug"])
+def test_a_load_error_that_is_not_the_artifacts_never_evicts_it(error):
+    from fuser.compile import _load, _pack
+
+    key = "b" * 64
+    data = _pack(b"artifact", [], {"alone": {}, "inplace": False}, key)
+    store = _Store()
+    e = error()
+    with pytest.raises(type(e)):
+        _load(data, _Backend(e, e), store, key, False)  # failing on the second try too
+    assert store.evicted == []
+
+
+def test_an_artifact_that_does_not_decode_is_evicted():
+    from fuser.backends._common import BackendCompileError
+    from fuser.compile import _load, _pack
+
+    key = "c" * 64
+    store = _Store()
+    with pytest.raises(BackendCompileError):
+        _load(b"not an artifact", _Backend(), store, key, False)
+    data = _pack(b"artifact", [], {"alone": {}, "inplace": False}, key)
+    with pytest.raises(BackendCompileError):
+        _load(data, _Backend(BackendCompileError("inductor: artifact is corrupt")), store, key, False)
+    assert [k for k, _ in store.evicted] == [key, key]

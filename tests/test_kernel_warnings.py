@@ -40,6 +40,8 @@ CASES = {
     # composite ops (their warning is above the mode), data-dependent ops, torch.tensor(t), out=
     "cov_of_one_observation": lambda p: torch.cov(_src(X, p)[:, :1]),
     "uint8_mask_index": lambda p: _src(X, p)[torch.ones(4, 3, dtype=torch.uint8)],
+    # an in-place op (no fresh output) whose kernel warns and fails on stand-ins' values (the mask)
+    "uint8_mask_setitem": lambda p: (x := _src(X, p) * 1).__setitem__(torch.ByteTensor([1, 0, 1, 0]), X[:2]) or x,
     "tensor_of_a_tensor": lambda p: torch.tensor(_src(X, p)) + 1,
     "resized_out": lambda p: torch.mul(_src(X, p), 2, out=torch.empty(3)),
     "softmax_without_dim": lambda p: torch.nn.functional.softmax(_src(X, p)),
