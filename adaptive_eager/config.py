@@ -66,7 +66,7 @@ class _Invalid(ValueError):
     it (``NEURON_EAGER_WINDOW='abc'`` from the environment, ``option window='abc'`` from a keyword)."""
 
 
-# name -> (parser, description) ; the settings table in README.md mirrors this.
+# name -> (parser, description); README.md's settings table is built from it (settings_table).
 def _parse_bool(name: str, raw: str) -> bool:
     low = raw.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -152,42 +152,31 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "device": (_parse_device, "target device type (default: neuron if present, else cuda, else cpu)"),
     "window": (_parse_int, "op cap of a window (default 1024)"),
     "window_mb": (_parse_float, "pending-bytes cap of a window in MiB (default 1024)"),
-    "backend": (_parse_choice(BACKENDS), "how windows run: `inductor` (default on cpu and cuda), `replay` (op by op; "
-                "default elsewhere), `stablehlo` (lowered by torch-mlir as for Trainium, compiled by XLA on cpu; "
-                "needs `pip install -e \".[neuron]\"`) or `neuron` (that lowering compiled to NEFFs by torch-neuronx; "
-                "default on a neuron device where it is installed; not run on hardware yet)"),
+    "backend": (_parse_choice(BACKENDS), "`inductor` (default on cpu and cuda), `replay` (op by op), `stablehlo` "
+                "(Trainium's lowering compiled by XLA on cpu; the `neuron` extra) or `neuron` (NEFFs; default on "
+                "a neuron device with torch-neuronx)"),
     "cache_dir": (_parse_str, "persistent cache directory (default ~/.cache/adaptive_eager)"),
     "cache_size_mb": (_parse_int, "persistent cache size bound in MiB (default 4096)"),
-    "cache_shared": (_parse_choice(CACHE_SHARING), "`no` (default): only you may write the cache directory, else it is "
-                     "not used; `group`: its group may too, for users who trust each other to run code as them "
-                     "(README \"Sharing a cache\")"),
+    "cache_shared": (_parse_choice(CACHE_SHARING), "`no` (default): only you may write the cache; `group`: its "
+                     "group too (docs/cache.md, \"Sharing a cache\")"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
-    "hot_windows": (_parse_bool, "record a window whose structure runs compiled against the expected ops, instead of "
-                    "in full (default 1; 0 for a full recording of every window)"),
-    "meta_on_disk": (_parse_bool, "keep each op signature's output metadata (shapes, strides, dtypes) in the cache "
-                     "directory, so that a new process records a known op without running it on meta tensors and "
-                     "for its layout (default 1; cpu only; 0: every process computes them)"),
-    "eager_start": (_parse_bool, "the process's first window (up to its first sync point, or `window` ops) runs "
-                    "eagerly, op by op, and recording starts after it; the cache it would have opened is opened at the "
-                    "mode's entry instead (default 1; 0: the first window is recorded like every other)"),
-    "compile_after_exit_s": (_parse_seconds, "seconds a background compile still running when the program exits "
-                             "may go on, detached, to finish and land in the cache (default 300; 0 stops it at exit)"),
-    "tune_gc": (_parse_bool, "raise Python gc's generation-0 threshold while on, so a window's objects die young "
-                "instead of triggering full collections (default 1; the program's thresholds come back at exit)"),
-    "tune_malloc": (_parse_bool, "on a cpu target, fix glibc malloc's mmap and trim thresholds at the ceilings it "
-                    "raises them to itself (32 and 64 MiB) at the first activation, so freed tensor memory is not "
-                    "given back to the system and faulted in again every step (default 1; process-wide and kept "
-                    "after exit; never where MALLOC_*_ or GLIBC_TUNABLES set malloc, or LD_PRELOAD has another malloc)"),
-    "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` or `debug`"),
-    "emulate": (_parse_bool, "give a machine without Trainium a `neuron` device backed by CPU memory, on which plain "
-                "eager counts one NEFF launch per op, to size the win before renting one (default 0; "
-                "`adaptive_eager.emulate_neuron()`; needs the [neuron] extra for the stablehlo backend)"),
+    "hot_windows": (_parse_bool, "record a window whose structure runs compiled against it, not in full (default 1)"),
+    "meta_on_disk": (_parse_bool, "keep op signatures' output metadata in the cache for the next process "
+                     "(default 1; cpu)"),
+    "eager_start": (_parse_bool, "the process's first window runs eagerly; recording starts after it (default 1)"),
+    "compile_after_exit_s": (_parse_seconds, "seconds a background compile may go on after the program exits, "
+                             "to land in the cache (default 300; 0: stop it at exit)"),
+    "tune_gc": (_parse_bool, "raise gc's generation-0 threshold while on (default 1; restored at exit)"),
+    "tune_malloc": (_parse_bool, "fix glibc malloc's mmap/trim thresholds at their ceilings so freed tensors are not "
+                    "faulted in again each step (default 1; cpu; process-wide; Note [Heap thresholds])"),
+    "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` (every "
+            "flush, compile, recompile, fallback) or `debug`"),
+    "emulate": (_parse_bool, "an emulated `neuron` device backed by CPU memory, counting one launch per eager op "
+                "(default 0; docs/trainium.md)"),
     "optimizer_capture": (_parse_capture, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
-                          "call compiled by TorchDynamo with the step's guards (default 1: compiled inside the step "
-                          "that captures it, as `torch.compile` does; 0: off)"),
-    "workers": (_parse_bool, "child processes (DataLoader workers, `multiprocessing` children, forked processes) "
-                "record too (default 0: they run eagerly; a spawned child reads it from the environment)"),
+                          "call compiled by TorchDynamo (default 1; compiled inside the step that captures it)"),
+    "workers": (_parse_bool, "child processes (DataLoader workers, forks) record too (default 0: they run eagerly)"),
 }
 
 
@@ -201,6 +190,17 @@ def options_doc() -> str:
         lines += textwrap.wrap(f"{name}: {description} [{_env(name)}]", width=100, initial_indent="      ",
                                subsequent_indent="          ")
     return "\n".join(lines) + "\n"
+
+
+SETTINGS_BEGIN, SETTINGS_END = "<!-- settings:begin -->", "<!-- settings:end -->"
+
+
+def settings_table() -> str:
+    """README.md's settings table, built from ``SETTINGS`` (tests/test_messages.py checks that README.md
+    holds it between ``SETTINGS_BEGIN`` and ``SETTINGS_END``: print it with ``python -c "from adaptive_eager.config import settings_table as t; print(t())"``)."""
+    rows = ["| keyword | environment variable | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{name}` | `{_env(name)}` | {description} |" for name, (_, description) in SETTINGS.items()]
+    return "\n".join(rows)
 
 
 def _env(name: str) -> str:
@@ -430,4 +430,3 @@ def switch_value(environ: Mapping[str, str] | None = None) -> str:
         raise ConfigError(f"{ENV_SWITCH}={raw!r}: expected 'adaptive' (on) or 'eager' (off), in any case"
                           f"{_closest(raw, SWITCH_VALUES)}")
     return raw
-

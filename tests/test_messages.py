@@ -220,3 +220,28 @@ def test_every_examples_help_prints_its_usage_and_runs_nothing(example):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:"), out.stdout[:200]
     assert "final loss" not in out.stdout and "report" not in out.stdout.split("options:")[0]
+
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_readmes_settings_table_is_the_one_config_builds():
+    """README.md's settings table is generated from config.SETTINGS; a setting added, renamed or
+    redescribed without the README fails here (print it with config.settings_table())."""
+    from adaptive_eager.config import SETTINGS_BEGIN, SETTINGS_END, settings_table
+
+    text = (ROOT / "README.md").read_text()
+    assert SETTINGS_BEGIN in text and SETTINGS_END in text
+    block = text.split(SETTINGS_BEGIN, 1)[1].split(SETTINGS_END, 1)[0].strip()
+    assert block == settings_table()
+
+
+def test_the_readme_is_short_and_every_link_of_the_docs_exists():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) <= 10_000, len(readme)
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
