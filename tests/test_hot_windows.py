@@ -1026,3 +1026,21 @@ def test_a_hot_view_calls_the_overloads_own_callable():
     f = facts_for(torch.ops.aten.t.default)
     x = torch.randn(2, 3)
     assert f.call(x).equal(torch.ops.aten.t.default(x)) and f.call(x).stride() == (1, 3)
+
+
+def test_explain_names_the_op_that_keeps_a_compiled_window_from_running_hot(fresh_regions):
+    """A window whose region runs compiled but which can never run hot (an op no template position
+    takes: one with an ``out=`` tensor) is counted and named with its line, not silent."""
+    x = torch.randn(8, 4)
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(4):
+            y = torch.empty_like(x)
+            torch.mul(x, 2, out=y)  # the line explain() names
+            y = y + 1
+            ae.sync()
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 2 and m["hot_windows"] == 0 and m["hot_refusals"] == {"op": 1}, (
+        m["compiled_runs"], m["hot_windows"], m["hot_refusals"], m["replay_reasons"])
+    text = ae.explain()
+    assert "cannot run hot" in text and "aten::mul.out" in text and "test_hot_windows.py" in text, text
+    torch.testing.assert_close(y, x * 2 + 1)
