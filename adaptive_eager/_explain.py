@@ -104,6 +104,19 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         lines.append("      -> a window that differs from the compiled one is recorded in full: keep the step's "
                      "ops, shapes and Python numbers the same every step")
 
+    if METRICS.hot_refusals:  # compiled, but never hot: Note [Hot windows] in _hot
+        lines.append("")
+        lines.append("compiled windows that cannot run hot (cause, regions, where, op)")
+        for (cause, op, site), n in METRICS.hot_refusals.most_common(top):
+            lines.append(f"  {cause:<40}{n:>8}  {_where(site)}  ({op})")
+        lines.append("      -> such a window runs compiled, but every step still records each of its ops in full, "
+                     "because a hot window cannot validate the op named here (an in-place op of the general path, "
+                     "a tensor among a view's arguments): write it out of place if you can")
+    elif windows >= 20 and runs and not metrics.get("hot_windows", 0) and not METRICS.hot_break_sites:
+        lines.append("")
+        lines.append("no window ran hot: the regions that ran compiled were not on a CPU target with hot_windows "
+                     "on (Note [Hot windows])")
+
     lines.append("")
     lines.append("top eager fallbacks (op, reason, count, where)")
     ranked = sorted(((n, op, reason, site, inside) for (op, reason, site, inside), n in fallback_sites.items()),

@@ -20,10 +20,12 @@ from . import _meta_disk
 from ._hot import count_hot, expect_hot, template_of
 from ._log import log
 from ._metrics import METRICS
+from ._signatures import bounded_put
 from ._source import _flush_site
 from ._state import EAGER_START as _EAGER_START, TracerState, _default_dtype, _step_back, _tls, end_eager_start
 
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
 _pop_dispatch_stack = torch._C._pop_torch_dispatch_stack
 _push_dispatch_stack = torch._C._push_on_torch_dispatch_stack
@@ -107,6 +109,8 @@ def _run_window(st: TracerState, window: Window, reason: str, now: bool = False)
         if hot is not None and len(window.nodes) != len(hot.ops):
             hot.demote(window, "ended_early")
             hot = None
+        if window.mutated:
+            learn_written(window)  # Note [Views of unwritten memory] in _record
         per = st.periodicity
         per.on_flush(len(window.nodes), window.sigs if hot is None else hot.sigs, reason in _CUTS, op_ids)
         st.cut_at = per.next_cut()
@@ -144,6 +148,20 @@ def _run_window(st: TracerState, window: Window, reason: str, now: bool = False)
             fuser.adopt_hot(window)  # a hot window's values whose tensors live (Note [Hot liveness] in _hot)
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
+
+
+WRITTEN: dict[int, None] = {}  # storages (``_cdata``) of real tensors that recorded ops wrote
+
+
+def learn_written(window: Window) -> None:
+    """Remember the storages of ``window``'s written real inputs (Note [Views of unwritten memory]
+    in _record: their views are recorded from now on)."""
+    real = window.real_inputs
+    written = WRITTEN
+    for slot in window.mutated:
+        sid = _untyped_storage(real[slot])._cdata
+        if sid not in written:
+            bounded_put(written, sid, None)
 
 
 def _arm(st: TracerState, window: Window, result: fuser.FlushResult) -> None:

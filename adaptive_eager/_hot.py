@@ -351,22 +351,22 @@ def template_of(st, window: Window, entry) -> Template | None:
     for node in window.nodes:
         f = _ops.FACTS.get(node.func)
         if f is None:
-            return None
+            return _refused("op", node)
         if f.unseeded is not None:
             f = f.unseeded  # attention without dropout: recorded with these facts (Note [Dropout probability] in _ops)
         if node.is_view:
             p = _view_pos(node, f, window, scalar_fast_path)
             if p is None:
-                return None
+                return _refused("view", node)
             refs = [p.tensors[0][1]]
         else:
             p = _op_pos(node, f, window, scalar_fast_path, lifted_inputs)
             if p is None:
-                return None
+                return _refused("op", node)
             refs = [ref for _, ref in p.tensors] + [ref for _, _, elems in p.lists for _, ref in elems]
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         if window.sigs[end + 1: end + 1 + len(refs)] != refs:
-            return None  # not what the fast path records: never guess
+            return _refused("signature", node)  # not what the fast path records: never guess
         end = p.sig_end = end + 1 + len(refs)
         ops.append(p)
     if end != len(window.sigs) or not ops:
@@ -374,6 +374,15 @@ def template_of(st, window: Window, entry) -> Template | None:
     slot_meta = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in window.real_inputs]
     return Template(ops, list(window.sigs), slot_meta, entry, tuple(o.uid for o in window.live), st.dtype,
                     st.options)
+
+
+def _refused(cause: str, node: Node) -> None:
+    """A compiled window that gets no template: it will never run hot. Counted, with the op and the
+    user's line, for ``explain()`` (``METRICS.hot_refusals``): a region that runs compiled but never
+    hot is otherwise silent."""
+    op = node.func.name() if hasattr(node.func, "name") else str(node.func)
+    METRICS.hot_refusals[(cause, op, node.source)] += 1
+    return None
 
 
 def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs) -> _Pos | None:

@@ -48,6 +48,8 @@ class Metrics:
         self.hot_ops = 0
         self.hot_mismatches: Counter[str] = Counter()
         self.hot_break_sites: Counter[tuple] = Counter()
+        # compiled regions whose windows can never run hot, by (cause, op, line): _hot.template_of
+        self.hot_refusals: Counter[tuple] = Counter()
 
     def as_dict(self) -> dict:
         return {
@@ -70,8 +72,16 @@ class Metrics:
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
             "hot_mismatches": dict(self.hot_mismatches),
+            "hot_refusals": self._refusals(),
             "malloc_tuned": _heap.tuned(),  # Note [Heap thresholds] in _heap
         }
+
+    def _refusals(self) -> dict:
+        """Compiled regions that can never run hot, by cause (``hot_refusals`` has their lines)."""
+        causes: Counter[str] = Counter()
+        for (cause, _, _), n in self.hot_refusals.items():
+            causes[cause] += n
+        return dict(causes)
 
 
 METRICS = Metrics()

@@ -20,7 +20,8 @@ from ._metrics import METRICS
 from ._ops import ALLOC, BATCH_NORM, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
 from ._fast import _record_fast, _record_hot, _record_hot_view
 from ._meta import _Resizes
-from ._record import _DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs
+from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs,
+                      view_of_unwritten)
 from ._state import (
     EAGER_START as _EAGER_START,
     TracerState,
@@ -218,6 +219,8 @@ class LazyMode(TorchDispatchMode):
                 return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
             if kind == VIEW_OP:
                 window = st.window
+                if args and view_of_unwritten(st, window, args[0]):  # Note [Views of unwritten memory] in _record
+                    return f.call(*args, **kwargs) if kwargs else f.call(*args)
                 if window.hot is not None:  # Note [Hot views] in _hot
                     res = _record_hot_view(st, window, f, args, kwargs)  # kwargs None or a dict
                     if res is not _DECLINED:
@@ -319,12 +322,17 @@ def _open_caches(options: Options) -> None:
 
         from . import _meta_disk
 
+        backend = None
         if options.backend == "inductor":
             from fuser.backends import get_backend
 
-            get_backend(options.backend, options.device)
-        _store(options)
+            backend = get_backend(options.backend, options.device)
+        store = _store(options)
         _meta_disk.table_for(options)
+        if backend is not None and options.async_compile:
+            from fuser.artifacts import warm_worker
+
+            warm_worker(store, backend, options)  # Note [Warm workers] in neff_cache.jobs
     except Exception as e:  # noqa: BLE001 - the flush opens the store again and says what is wrong
         from ._log import log
 

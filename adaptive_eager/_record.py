@@ -12,16 +12,17 @@ import torch
 from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
 
 from . import _signatures
-from ._flush import flush
+from ._flush import WRITTEN, flush
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
 from ._args import _tensors
 from ._overlap import _overlap_error, _shares_written
 from ._source import _user_source, warn
 from ._state import TracerState, _default_dtype, _on_target, _strided
-from ._threads import _check_elsewhere
+from ._threads import _check_elsewhere, pending_mark
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _empty_strided = torch.empty_strided
 _weakref = weakref.ref
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -445,6 +446,49 @@ def resize_outs(st: TracerState, f, entry: _Resizes, args, kwargs) -> bool:
             _resize_(t, shape)
             if t.stride() != stride:
                 _as_strided_(t, shape, stride)
+    return True
+
+
+# Note [Views of unwritten memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A view of a real tensor whose memory no recorded op writes is not recorded: the program gets
+# the real view, and an op that reads it takes it as a real input of its own (a slot, keyed by
+# shape, strides and dtype). A DataLoader's batch is made of such views: ``TensorDataset``
+# indexes its tensors one row at a time (``X[i]``: ``select(X, 0, i)``) and ``default_collate``
+# stacks the rows. Recorded, each row was a view node whose signature holds its index and which
+# the compiled region derived from the whole dataset inside its graph: the sampler's indices were
+# part of the window's key, so a shuffled loader made a new key each step and an unshuffled one a
+# key per batch of the epoch, and no window of the loop was ever compiled in time. Taken as
+# inputs, the rows leave the key the same whatever rows the sampler picks.
+# Views are recorded (as view nodes over their real input: Note [Out kinds] in fuser.window) where
+# taking them as inputs would hand a region two inputs over one memory, one of them written, which
+# its graph cannot express (``fuser.compilable._inputs_alias``): a view of memory a pending op of
+# the window writes already (``Window.written``), or of memory some earlier window wrote
+# (``_flush.WRITTEN``: parameters, optimizer state and buffers that recorded steps update,
+# learned at each flush from the window's written real inputs, ``_flush.learn_written``). The
+# first window that views a tensor and then writes it (a parameter's ``W.t()`` in the forward,
+# the optimizer's recorded update after it) is replayed ("aliased_inputs": ``fuser.regions.run``),
+# in eager's order, with eager's values; from the next window on its views are recorded as before. A real tensor of one
+# element stays recorded: the scalar fast path may write it before the window runs (Note [Scalar
+# fast path]; ``Window.viewed``). A bounded table (Note [Bounded tables] in _signatures): a
+# storage forgotten, or an address reused by another tensor, costs one replayed window or a view
+# node, never a wrong value.
+
+
+def view_of_unwritten(st: TracerState, window: Window, a) -> bool:
+    """Whether a view of ``a`` is left unrecorded (Note [Views of unwritten memory]); if so the
+    window is marked (``Window.passed``)."""
+    if a.__class__ is not _Tensor and a.__class__ is not _Parameter:
+        return False  # a subclass (the emulated device's wrapper) keeps its views recorded
+    o = getattr(a, "_ae", None)
+    if o is not None and (o.win is window.token or pending_mark(o)):
+        return False
+    if st.scalar_fast_path and a.numel() == 1:
+        return False
+    sid = _untyped_storage(a)._cdata
+    if sid in window.written or sid in WRITTEN:
+        return False
+    window.passed = True
     return True
 
 

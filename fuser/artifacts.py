@@ -43,6 +43,21 @@ def _jobs(store, options):
     return jobs
 
 
+_WARMED: list = []  # whether this process started a compile worker ahead of its first compile
+
+
+def warm_worker(store, backend, options) -> None:
+    """Start the compile worker of ``store`` and warm it up (Note [Warm workers] in neff_cache.jobs),
+    once a process: at the mode's entry, so that a short program's first compile does not wait
+    for the worker's imports. Once, not per store: every store has its workers, and a process that
+    opens many (a test suite) would keep one idle each."""
+    if _WARMED:
+        return
+    _WARMED.append(True)
+    payload = json.dumps({"backend": backend.name, "device": options.device}).encode()
+    _jobs(store, options).warm("fuser.compile:warm_up", payload)
+
+
 def submit_job(entry, backend, store, options) -> bool:
     """Hand the compile of region ``entry`` (its key claimed) to a worker; False if the jobs cannot
     take it (shut down at exit): the caller compiles it here instead. The region is then picked up

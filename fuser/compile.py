@@ -16,7 +16,7 @@ import torch
 from . import partition
 from .backends._common import BackendCompileError, pack_sections, trace_lock, unpack_sections
 from ._library import library_digest
-from .program import FORMAT, Program
+from .program import FORMAT, Program, _In
 
 log = logging.getLogger("adaptive_eager.fuser")
 
@@ -59,6 +59,22 @@ def compile_job(payload: bytes) -> bytes:
     program = Program.from_bytes(doc["program"].encode())
     torch.set_default_dtype(program.default_dtype)  # this process's, for tracing the program
     return _pack(*compile_program(program, backend), doc["key"])
+
+
+def warm_up(payload: bytes) -> bytes:
+    """A compile worker's warm-up (Note [Warm workers] in neff_cache.jobs): compile a one-op program
+    with the backend the payload names, so that the compiler's imports and its one-time probes are
+    done before the first region arrives. Nothing of it is kept."""
+    from .backends import get_backend
+    from .window import FRESH
+
+    doc = json.loads(payload)
+    backend = get_backend(doc["backend"], doc["device"])
+    uid = 1 << 16
+    program = Program([(torch.ops.aten.add.Tensor, [_In(0), 1.0], {}, [(FRESH, uid, None)])],
+                      [((8,), (1,), torch.float32, doc["device"])], [uid], ())
+    compile_program(program, backend)
+    return b""
 
 
 _MAX_FAILED_OPS = 4  # ops retried alone after a failed compile before the region is given up

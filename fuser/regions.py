@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submit_job
-from .compilable import _checks, _not_compilable
+from .compilable import _checks, _inputs_alias, _not_compilable
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load, cache_fingerprint
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, replay_window
@@ -107,11 +107,23 @@ def run(window: Window, live: list[Out], backend, options) -> FlushResult:
     """Run ``window`` (``live``: its values the program can still observe) compiled when its key
     is hot or on disk, else by replay (Note [Tiers])."""
     with table.LOCK:  # Note [One lock for the region tables] in fuser.table
+        if window.passed and window.mutated and _inputs_alias(window):
+            return _replay_aliased(window, live)
         if window.hot is not None:
             done = _run_validated(window, live)
             if done is not None:
                 return done
         return _run_window(_Flush(window, live), backend, options)
+
+
+def _replay_aliased(window: Window, live: list[Out]) -> FlushResult:
+    """A window that writes memory it also reads through an input taken from a view (Note [Views
+    of unwritten memory] in adaptive_eager._record): replayed, whatever its key, since a key does
+    not say which inputs share memory."""
+    if window.hot is not None:
+        window.hot.demote(window, "aliased_inputs")
+    STATS.not_compiled["aliased_inputs"] += 1
+    return _replay(_Flush(window, live), "aliased_inputs", None)
 
 
 def _run_validated(window: Window, live: list[Out]) -> FlushResult | None:
@@ -133,6 +145,8 @@ def run_now(window: Window, live: list[Out]) -> FlushResult:
     adaptive_eager._mode): compiled if its region's callable is in memory, else replayed
     ("fork"); no compile, load, store access or background job, and no wait for one in flight."""
     with table.LOCK:
+        if window.passed and window.mutated and _inputs_alias(window):
+            return _replay_aliased(window, live)
         if window.hot is not None:
             done = _run_validated(window, live)
             if done is not None:

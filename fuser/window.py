@@ -214,7 +214,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard", "hot_counted")
+                 "discard", "hot_counted", "passed")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -257,6 +257,9 @@ class Window:
         self.discard = None
         # how many of its hot records ``METRICS`` counts already (``adaptive_eager._hot.count_hot``)
         self.hot_counted = 0
+        # a view of a real tensor was left unrecorded, its result read as a real input (Note [Views of
+        # unwritten memory] in adaptive_eager._record): the flush checks those inputs against its writes
+        self.passed = False
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

@@ -24,6 +24,7 @@ BOOTSTRAP = (
 )
 
 _PARENT_POLL_S = 0.2
+WARM = "warm"  # a message's destination that asks for a warm-up: Note [Warm workers] in neff_cache.jobs
 
 
 def resolve(fn_path: str) -> Callable[[bytes], bytes]:
@@ -83,6 +84,13 @@ def serve(fd: int, parent: int) -> None:
         except (EOFError, ConnectionError):
             # the parent closed its end: an exit with a reply of ours unread resets the connection
             return
+        if destination == WARM:  # Note [Warm workers] in neff_cache.jobs: no reply, nothing stored
+            try:
+                function = functions.get(fn_path) or functions.setdefault(fn_path, resolve(fn_path))
+                function(payload)
+            except Exception:  # noqa: BLE001 - the first job imports and fails (and says why) in its turn
+                pass
+            continue
         with running.lock:
             running.after_exit_s = destination["after_exit_s"] if destination is not None else 0.0
         start = time.perf_counter()

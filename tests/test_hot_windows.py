@@ -656,6 +656,20 @@ R = torch.randn(4, 4)  # a real input the step reads only through a view
 R_OFFSET = torch.randn(32)[16:].view(4, 4)  # R's shape and strides, at another storage offset
 
 
+def _as_written(*tensors):
+    """Make the views of ``tensors`` recorded, as views of memory that recorded ops wrote are (a
+    parameter's); views of memory nothing writes are inputs of their own instead (Note [Views of
+    unwritten memory] in adaptive_eager._record, tests/test_tracer.py)."""
+    from adaptive_eager._flush import WRITTEN
+
+    for t in tensors:
+        WRITTEN[t.untyped_storage()._cdata] = None
+    return tensors
+
+
+_as_written(R, R_OFFSET)
+
+
 def _vop(i, s, x, w, diverge=None):
     k = i % 10
     y = s["y"]
@@ -851,7 +865,8 @@ def test_ops_of_several_outputs_and_of_lists_diverge_at_any_position(fresh_regio
 
 @pytest.mark.parametrize("at", [0, 1, 2, 3, 4, 5, 20])
 def test_a_demoted_window_of_several_outputs_is_the_window_a_full_recording_makes(fresh_regions, at):
-    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    # x's slices, made by each step, are recorded views (not new real inputs), compared by uid
+    x, w = *_as_written(torch.randn(4, 4)), torch.randn(4, 4)
     with ae.adaptive_eager(**SYNC):
         for _ in range(3):
             kept = _mstep(x, w)
@@ -1011,3 +1026,21 @@ def test_a_hot_view_calls_the_overloads_own_callable():
     f = facts_for(torch.ops.aten.t.default)
     x = torch.randn(2, 3)
     assert f.call(x).equal(torch.ops.aten.t.default(x)) and f.call(x).stride() == (1, 3)
+
+
+def test_explain_names_the_op_that_keeps_a_compiled_window_from_running_hot(fresh_regions):
+    """A window whose region runs compiled but which can never run hot (an op no template position
+    takes: one with an ``out=`` tensor) is counted and named with its line, not silent."""
+    x = torch.randn(8, 4)
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(4):
+            y = torch.empty_like(x)
+            torch.mul(x, 2, out=y)  # the line explain() names
+            y = y + 1
+            ae.sync()
+    m = ae.metrics()
+    assert m["compiled_runs"] >= 2 and m["hot_windows"] == 0 and m["hot_refusals"] == {"op": 1}, (
+        m["compiled_runs"], m["hot_windows"], m["hot_refusals"], m["replay_reasons"])
+    text = ae.explain()
+    assert "cannot run hot" in text and "aten::mul.out" in text and "test_hot_windows.py" in text, text
+    torch.testing.assert_close(y, x * 2 + 1)

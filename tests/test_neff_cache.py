@@ -667,6 +667,22 @@ def test_workers_start_with_the_environment_the_caller_gives(store):
     assert "NEFF_CACHE_TEST_GIVEN" not in os.environ
 
 
+def test_a_warmed_worker_runs_its_warm_up_before_the_first_job(store):
+    """Note [Warm workers]: ``warm`` starts the worker before any job, and the first job runs in it,
+    after the warm-up; a second ``warm`` starts nothing."""
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.warm(FN + "remember", b"warmed")
+        assert not jobs.warm(FN + "remember", b"again")
+        (worker,) = jobs._workers
+        assert jobs.submit(KEY_A, FN + "remembered", b"", fingerprint="fp", backend="b")
+        assert [r[:2] for r in finished_within(jobs, 60)] == [(KEY_A, True)]
+        assert jobs._workers == [worker]
+    finally:
+        jobs.shutdown()
+    assert store.get(KEY_A, fingerprint="fp") == b"warmed"
+
+
 def test_job_runs_in_a_worker_and_stores_the_artifact(store):
     jobs = CompileJobs(store)
     try:

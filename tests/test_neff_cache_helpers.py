@@ -145,3 +145,17 @@ def sleep_then_compile(payload: bytes) -> bytes:
     """Sleeps for the number of seconds in the payload (a compile that takes that long)."""
     time.sleep(float(payload))
     return b"compiled after " + payload
+
+
+_REMEMBERED = [b"nothing"]
+
+
+def remember(payload: bytes) -> bytes:
+    """A warm-up (Note [Warm workers] in neff_cache.jobs): leaves its payload in the worker."""
+    _REMEMBERED[0] = payload
+    return b""
+
+
+def remembered(payload: bytes) -> bytes:
+    """What the worker's warm-up left, if any."""
+    return _REMEMBERED[0]
