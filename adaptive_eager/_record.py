@@ -485,6 +485,8 @@ def view_of_unwritten(st: TracerState, window: Window, a) -> bool:
         return False
     if st.scalar_fast_path and a.numel() == 1:
         return False
+    if a.layout is not _strided or not _on_target(st, a):
+        return False  # _record_view leaves it alone: Note [Tensors the mode leaves alone] in _state
     sid = _untyped_storage(a)._cdata
     if sid in window.written or sid in WRITTEN:
         return False
