@@ -45,8 +45,12 @@ from ._state import current_state
 #   called with the mode suspended after the window is flushed (``module_capture``: the inputs
 #   may be pending). ``fullgraph``: the call is one frame whose guards are checked before anything
 #   runs, so a miss (the ``fail_on_recompile`` stance while the call runs) leaves nothing half
-#   done: that call runs recorded, counted by cause, and the next call may compile a new entry
-#   (``_MAX_CAPTURES`` compiles per module, then it stays recorded, counted). A trace that fails
+#   done: that call runs recorded, counted by cause. The same cause missing a second time
+#   recaptures in that call (a new Dynamo entry beside the others; ``_MAX_CAPTURES`` per module,
+#   then it stays recorded, counted): a one-off (an epoch's last, smaller batch) costs no trace in
+#   the step, and a lasting change (``requires_grad_``, eval calls between training steps) is
+#   captured from its second call. Recapturing at the call after any miss instead never captured
+#   an alternation (train, eval, train, ...): the train call hit its entry again. A trace that fails
 #   (a graph break: ``print``, ``.item()``, a backward hook) leaves the module recorded, counted.
 # - Our backend is AOTAutograd with Inductor's decompositions; its forward and backward compilers
 #   (``_Graph``) turn each functional ATen graph into a fuser ``Program`` (``_program``), so the
@@ -102,7 +106,7 @@ class _Cap:
         self.calls = 0
         self.captures = 0  # compiles of Dynamo entries (our backend's calls)
         self.off: str | None = None  # why it is not captured any more
-        self.missed = False  # the last captured call missed its guards: the next may compile
+        self.missed: set = set()  # guard-miss causes seen once: a second miss of one recaptures
 
 
 _caps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -167,40 +171,50 @@ def _run(st, module, cap: _Cap, args, kwargs):
         flush(st, "module_capture")  # its inputs may be pending
     from torch._dynamo.eval_frame import _set_stance
 
-    missed = cap.missed
-    if missed and cap.captures >= _MAX_CAPTURES:
-        cap.fn, cap.off = None, "recapture_limit"
-        log.warning("adaptive_eager: %s missed its guards after each of %d captures; it is recorded op by op from "
-                    "now on (metrics()['module_capture_misses'] says why)", type(module).__name__, _MAX_CAPTURES)
-        _miss(cap.off, module, 3)
-        return _recorded(module, args, kwargs)
-    prior = None if missed else _set_stance(_fail_on_recompile())
-    busy, _BUSY = _BUSY, True
-    try:
-        with _modes_off():
-            out = cap.fn(*args, **kwargs)
-    except RuntimeError as e:
-        if not str(e).startswith(_RECOMPILE):
-            raise
-        cause = _cause(str(e))
-    except Exception as e:  # noqa: BLE001 - a recapture that failed: checked before anything ran
-        if not missed:
-            raise
-        cap.fn, cap.off = None, _decline_cause(e)
+    recapture = False
+    while True:
+        prior = None if recapture else _set_stance(_fail_on_recompile())
+        busy, _BUSY = _BUSY, True
+        try:
+            with _modes_off():
+                out = cap.fn(*args, **kwargs)
+        except RuntimeError as e:
+            if recapture or not str(e).startswith(_RECOMPILE):
+                if not recapture:
+                    raise
+                return _failed_recapture(module, cap, e, args, kwargs)
+            cause = _cause(str(e))
+        except Exception as e:  # noqa: BLE001 - Dynamo and our backend fail before the call runs anything
+            if not recapture:
+                raise
+            return _failed_recapture(module, cap, e, args, kwargs)
+        else:
+            METRICS.module_captured_calls += 1
+            return out
+        finally:
+            _BUSY = busy
+            if prior is not None:
+                _set_stance(prior)
+        # Note [Captured modules]: a miss runs recorded; the same cause missing again recaptures
+        _miss(cause, module, 3)
+        if cause not in cap.missed or cap.captures >= _MAX_CAPTURES:
+            cap.missed.add(cause)
+            if cap.captures >= _MAX_CAPTURES:
+                cap.fn, cap.off = None, "recapture_limit"
+                log.warning("adaptive_eager: %s missed its guards after %d captures; it is recorded op by op from "
+                            "now on (metrics()['module_capture_misses'] says why)", type(module).__name__,
+                            _MAX_CAPTURES)
+            return _recorded(module, args, kwargs)
+        cap.missed.discard(cause)
+        recapture = True
+
+
+def _failed_recapture(module, cap: _Cap, e: Exception, args, kwargs):
+    cap.fn, cap.off = None, _decline_cause(e)
+    if cap.off == "capture_failed":
         log.warning("adaptive_eager: %s could not be captured again (%s); it is recorded op by op",
                     type(module).__name__, _first_line(e))
-        _miss(cap.off, module, 3)
-        return _recorded(module, args, kwargs)
-    else:
-        cap.missed = False
-        METRICS.module_captured_calls += 1
-        return out
-    finally:
-        _BUSY = busy
-        if prior is not None:
-            _set_stance(prior)
-    cap.missed = True
-    _miss(cause, module, 3)
+    _miss(cap.off, module, 4)
     return _recorded(module, args, kwargs)
 
 
@@ -296,22 +310,25 @@ class _Backend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
-        cap = self.cap()
-        if cap is not None:
-            cap.captures += 1
-        METRICS.module_captures += 1
         options = self.options
 
         def forward(fgm, examples):
             return _Graph(fgm, examples, "forward", options)
 
         def backward(bgm, examples):
-            return torch._dynamo.disable(_Graph(bgm, examples, "backward", options), recursive=True)
+            run = torch._dynamo.disable(_Graph(bgm, examples, "backward", options), recursive=True)
+            run._boxed_call = True
+            return run
 
         # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
         backward._is_wrapped_bw_compiler = True
-        return aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
-                            decompositions=select_decomp_table())(gm, example_inputs)
+        compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
+                                decompositions=select_decomp_table())(gm, example_inputs)
+        cap = self.cap()
+        if cap is not None:
+            cap.captures += 1
+        METRICS.module_captures += 1
+        return compiled
 
 
 class _Graph:
