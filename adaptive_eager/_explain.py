@@ -13,7 +13,7 @@ from collections import Counter
 from fuser.window import where as _where
 
 from ._source import module_of
-from .reasons import NOT_COMPILED, REASONS, RECOMPILES
+from .reasons import CAPTURE_MISSES, NOT_COMPILED, REASONS, RECOMPILES
 
 
 def _advice(reason: str) -> str | None:
@@ -116,6 +116,12 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         lines.append("")
         lines.append("no window ran hot: the regions that ran compiled were not on a CPU target with hot_windows "
                      "on (Note [Hot windows])")
+    if METRICS.module_capture_sites:  # Note [Captured modules] in _capture
+        lines.append("")
+        lines.append("module calls not captured (cause, count, where, module): each ran recorded, op by op")
+        for (cause, module, site), n in METRICS.module_capture_sites.most_common(top):
+            lines.append(f"  {cause:<40}{n:>8}  {_where(site)}  ({module})")
+            lines.append(f"      -> {CAPTURE_MISSES.get(cause, 'no explanation yet: please report it')}")
 
     lines.append("")
     lines.append("top eager fallbacks (op, reason, count, where)")

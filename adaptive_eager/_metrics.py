@@ -38,6 +38,19 @@ class Metrics:
         self.optimizer_captures = 0
         self.optimizer_hot_steps = 0
         self.optimizer_misses: Counter[str] = Counter()
+        # Note [Captured modules] in ``_capture``: Dynamo entries compiled (captures), module calls
+        # run as one guarded call, calls recorded instead by cause (and, for explain(), by
+        # (cause, module type, (code, line))), seconds the capturing calls took (Dynamo's and
+        # AOTAutograd's traces, in the step), graph runs compiled and op by op (artifact not yet
+        # loaded), graphs never compiled by cause
+        self.module_captures = 0
+        self.module_captured_calls = 0
+        self.module_capture_misses: Counter[str] = Counter()
+        self.module_capture_sites: Counter[tuple] = Counter()
+        self.module_capture_seconds = 0.0
+        self.module_compiled_runs = 0
+        self.module_uncompiled_runs = 0
+        self.module_uncompiled_graphs: Counter[str] = Counter()
         # for explain(): (reason, user, inside) and (op, reason, user, inside), each a (code, line) of
         # the user's line and of the library's it called or None (Note [Whose line] in _source)
         self.flush_sites: Counter[tuple] = Counter()
@@ -69,6 +82,13 @@ class Metrics:
             "optimizer_captures": self.optimizer_captures,
             "optimizer_hot_steps": self.optimizer_hot_steps,
             "optimizer_misses": dict(self.optimizer_misses),
+            "module_captures": self.module_captures,
+            "module_captured_calls": self.module_captured_calls,
+            "module_capture_misses": dict(self.module_capture_misses),
+            "module_capture_seconds": self.module_capture_seconds,
+            "module_compiled_runs": self.module_compiled_runs,
+            "module_uncompiled_runs": self.module_uncompiled_runs,
+            "module_uncompiled_graphs": dict(self.module_uncompiled_graphs),
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
             "hot_mismatches": dict(self.hot_mismatches),
@@ -93,7 +113,7 @@ def format_report(m: dict) -> str:
               "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
-              "optimizer_hot_steps"):
+              "optimizer_hot_steps", "module_captures", "module_captured_calls", "module_compiled_runs"):
         if k in m:
             lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]
@@ -101,6 +121,7 @@ def format_report(m: dict) -> str:
         lines.append(f"{'launches / eager':<28}{m['launches'] / eq:>12.3f}")
     for title, key in (("flushes by reason", "flushes"), ("fallback ops", "fallback_ops"),
                        ("recompiles by cause", "recompiles"), ("optimizer steps not hot", "optimizer_misses"),
+                       ("module calls not captured", "module_capture_misses"),
                        ("windows not compiled", "not_compiled"),
                        ("nodes run alone in compiled regions", "run_alone")):
         if key not in m:

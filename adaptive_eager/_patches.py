@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fuser.window import FRESH
 
-from . import _optim, _source, _state
+from . import _capture, _optim, _source, _state
 from ._flush import flush
 from ._ops import HOST_READERS, composite_kernel, host_read_args, read_on_host
 from ._state import current_state
@@ -477,6 +477,7 @@ def install() -> None:
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
         _optim.install()  # Note [Optimizer capture]
+        _capture.install()  # Note [Captured modules]
         for owner, name, reason, uses in _opaque_entry_points():
             original = getattr(owner, name)
             _saved[("attr", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited
@@ -514,6 +515,7 @@ def uninstall() -> None:
             elif key == "optimizer_hook":
                 value.remove()
                 _optim.uninstall()
+                _capture.uninstall()
             elif key[0] == "attr":
                 if value is _MISSING:
                     delattr(key[1], key[2])

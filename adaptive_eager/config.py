@@ -53,6 +53,7 @@ class Options:
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
     # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture] in _optim)
     optimizer_capture: bool = True
+    module_capture: bool = True  # a hot outermost module call runs as one guarded call: Note [Captured modules] in _capture
     hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
     meta_on_disk: bool = True  # first-sight metadata kept in the cache: Note [Meta entries on disk] in _meta_disk
     eager_start: bool = True  # the process's first window runs eagerly: Note [Eager start] in _mode
@@ -176,6 +177,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                 "(default 0; docs/trainium.md)"),
     "optimizer_capture": (_parse_capture, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
                           "call compiled by TorchDynamo (default 1; compiled inside the step that captures it)"),
+    "module_capture": (_parse_bool, "a hot outermost `nn.Module` call (forward and backward) runs as one call guarded "
+                       "by TorchDynamo, its graphs compiled in background workers and kept in the cache (default 1)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, forks) record too (default 0: they run eagerly)"),
 }
 
@@ -362,7 +365,8 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "tune_gc", "tune_malloc", "workers", "emulate", "meta_on_disk", "eager_start"):
+    for name in ("async_compile", "tune_gc", "tune_malloc", "workers", "emulate", "meta_on_disk", "eager_start",
+                 "module_capture"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     capture = values.get("optimizer_capture")

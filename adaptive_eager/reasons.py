@@ -96,6 +96,8 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
            "changes the default dtype (torch.set_default_dtype)"),
     Reason("period", False, None, "ends a step of the loop: adaptive eager cuts windows at the period it found"),
     Reason("optimizer_step", False, None, "steps an optimizer: adaptive eager ends a window at each step"),
+    Reason("module_capture", False, None, "calls a captured module (or its backward), whose inputs are computed "
+                                         "first"),
     Reason("exit", False, None, "leaves an adaptive_eager block, which runs what is pending"),
     Reason("sync", False, None, "calls adaptive_eager.sync()"),
     Reason("options", False, None, "changes adaptive eager's options, which runs what is pending first"),
@@ -132,4 +134,28 @@ NOT_COMPILED: dict[str, str] = {
                     "fused); nothing to change in your code",
     "failed_before": "compiling it failed in an earlier process (remembered in the cache directory; the warning said "
                      "why): it is tried again after a day, or after `python -m neff_cache clear`",
+}
+
+# Why a hot module call ran recorded instead of as its captured call (``metrics()["module_capture_misses"]``,
+# Note [Captured modules] in _capture), for explain().
+CAPTURE_MISSES: dict[str, str] = {
+    "random": "its forward draws random numbers (dropout): it stays recorded, so the numbers are eager's. Nothing to "
+              "change (in eval() it is captured)",
+    "hooks": "a hook is registered on it or a submodule (or globally): hooks run their Python every call, so it stays "
+             "recorded",
+    "backend": "captures compile with the inductor backend on cpu or cuda only; other backends record every call",
+    "capture_failed": "TorchDynamo could not trace its forward as one graph (a print, .item(), data-dependent Python; "
+                      "the warning says what): it stays recorded",
+    "recapture_limit": "its guards kept missing (shapes, grad mode, train/eval, requires_grad changing): it stays "
+                       "recorded. Keep what its forward reads the same from call to call",
+    "shape": "an input's shape changed (a last, smaller batch): that call ran recorded and the next one captures "
+             "the new shape; pad or drop the last batch to avoid it",
+    "grad_mode": "called under another grad mode than at its capture (no_grad, inference_mode): captured again for it",
+    "requires_grad": "a parameter's requires_grad changed since the capture: captured again",
+    "train_eval": "train()/eval() changed since the capture: captured again for the new mode",
+    "dtype": "an input's dtype changed since the capture: captured again",
+    "device": "an input's device changed since the capture: captured again",
+    "hooks_added": "a hook was added after the capture: it stays recorded",
+    "other_guard": "another value its forward reads changed since the capture (NEURON_EAGER_LOG=info names it): "
+                   "captured again",
 }

@@ -1,0 +1,550 @@
+"""A hot module call runs as one guarded compiled call (Note [Captured modules]).
+
+While adaptive eager is on, ``nn.Module.__call__`` is ``_call`` below. The outermost module call
+of a thread is the unit: once a module instance has been called ``hot_after`` times, it is handed
+to TorchDynamo (``fullgraph``, static shapes) with our AOTAutograd backend, and later calls run
+as a single call of what Dynamo built, with the dispatch mode suspended; the ATen graphs of its
+forward and backward run op by op until their artifacts, compiled in a worker process like a
+region's, are in ``neff_cache``, and compiled from then on.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+import threading
+import time
+import types
+import warnings
+import weakref
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ._flush import _modes_off, flush
+from ._log import log
+from ._metrics import METRICS
+from ._state import current_state
+
+# Note [Captured modules]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Per-op interception has a floor above eager's op (an empty TorchDispatchMode), so a launch-bound
+# step beats eager only when its Python is skipped, as Note [Optimizer capture] in ``_optim`` does
+# for ``optimizer.step()``. The forward is where most of a step's ops are (and, through
+# AOTAutograd, the backward's), so:
+# - Unit: the outermost ``nn.Module.__call__`` made while the mode is on, per module instance
+#   (a module called inside another's forward is part of that unit: a thread-local depth). It
+#   is what a user's step calls once (``model(x)``); Dynamo inlines every submodule, hooks
+#   included, and guards what that Python read (parameters, their ``requires_grad``, ``training``
+#   where read, grad mode, input shapes). The loss and ``zero_grad`` stay outside, recorded in
+#   windows. Not the frame that produced a hot window: a window is cut at sync points and
+#   ``optimizer.step()``, not at Python frames, and has no guards of its own.
+# - Capture: ``torch.compile(module's call, backend=ours, dynamic=False, fullgraph=True)``,
+#   called with the mode suspended after the window is flushed (``module_capture``: the inputs
+#   may be pending). ``fullgraph``: the call is one frame whose guards are checked before anything
+#   runs, so a miss (the ``fail_on_recompile`` stance while the call runs) leaves nothing half
+#   done: that call runs recorded, counted by cause. The same cause missing a second time
+#   recaptures in that call (a new Dynamo entry beside the others; ``_MAX_CAPTURES`` per module,
+#   then it stays recorded, counted): a one-off (an epoch's last, smaller batch) costs no trace in
+#   the step, and a lasting change (``requires_grad_``, eval calls between training steps) is
+#   captured from its second call. Recapturing at the call after any miss instead never captured
+#   an alternation (train, eval, train, ...): the train call hit its entry again. A trace that fails
+#   (a graph break: ``print``, ``.item()``, a backward hook) leaves the module recorded, counted.
+# - Our backend is AOTAutograd with Inductor's decompositions; its forward and backward compilers
+#   (``_Graph``) turn each functional ATen graph into a fuser ``Program`` (``_program``), so the
+#   region machinery applies unchanged: the persistent key (digest of the program and the
+#   backend fingerprint), the compile in a worker process (Note [Background compiles] in
+#   fuser.artifacts: the PT2 stack is not thread-safe, Note [No compile off the step] in
+#   ``_optim``), the store's trust checks, remembered failures and a load that runs no compiler
+#   (Note [Self-contained Inductor artifacts]). Inductor's own ``standalone_compile`` artifacts
+#   and AOTAutograd's cache entries were not used: they hold generated source whose load reruns
+#   the C++ compiler, and pickles (DESIGN.md "Persistent cache"). Until a graph's artifact is
+#   loaded it runs op by op (``gm`` itself), with the mode suspended, at eager's speed less the
+#   module's Python. Dynamo's trace and AOTAutograd's (a few hundred ms for a small model) stay
+#   in the step that captures; only lowering and compiling move off it.
+# - The backward: the autograd engine calls ``_Graph`` while the mode is on, with tangents that
+#   are pending values of the recorded loss backward; they are computed first (``sync_value``,
+#   whichever thread's window holds them) and the graph runs with the mode suspended.
+# - Not captured, counted in ``metrics()["module_capture_misses"]``, with the line in explain():
+#   a forward with random ops (``random``: windows draw eager's random numbers, an artifact
+#   would not), a module with hooks anywhere in it (``hooks``: their Python must run every call;
+#   Dynamo would inline and guard them, but backward hooks break the graph), a trace that fails,
+#   backends other than ``inductor`` (``backend``: ``replay`` is bitwise eager, which a compiled
+#   graph is not; ``stablehlo``/``neuron`` compile windows only so far), a device other than cpu
+#   or cuda.
+# - A program that Program's codec cannot describe (an op outside ATen, a non-tensor output)
+#   keeps running op by op, counted (``module_uncompiled_graphs``).
+_MAX_CAPTURES = 4
+_DYNAMO_BACKENDS = ("inductor",)
+_RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+_POLL_S = 0.05  # how often a graph waiting for its artifact looks for it
+
+_ORIG_CALL = torch.nn.Module.__call__
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_BUSY = False  # a captured call runs or is traced: module calls inside it are plain (Dynamo guards this)
+_tls = threading.local()  # ``depth``: module calls of this thread being run recorded
+_saved: list = []
+
+
+class _Decline(Exception):
+    """Raised by our compilers for a graph that must not be captured; ``cause`` is counted."""
+
+    def __init__(self, cause: str, detail: str = ""):
+        super().__init__(f"{cause}: {detail}" if detail else cause)
+        self.cause = cause
+
+
+class _Cap:
+    """One module instance's capture state."""
+
+    __slots__ = ("fn", "calls", "captures", "off", "missed", "__weakref__")
+
+    def __init__(self):
+        self.fn = None
+        self.calls = 0
+        self.captures = 0  # compiles of Dynamo entries (our backend's calls)
+        self.off: str | None = None  # why it is not captured any more
+        self.missed: set = set()  # guard-miss causes seen once: a second miss of one recaptures
+
+
+_caps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def install() -> None:
+    """``nn.Module.__call__`` is ``_call`` while the mode is on; called once, by ``_patches.install``."""
+    _saved.append(torch.nn.Module.__dict__["__call__"])
+    torch.nn.Module.__call__ = _call
+
+
+def uninstall() -> None:
+    while _saved:
+        torch.nn.Module.__call__ = _saved.pop()
+
+
+def _call(self, *args, **kwargs):
+    if _BUSY:
+        return _ORIG_CALL(self, *args, **kwargs)
+    st = current_state()
+    if (st is None or st.mode is None or getattr(_tls, "depth", 0) or not st.options.module_capture
+            or not _len_dispatch_stack()):  # the mode suspended: a flush's or a capture's own calls
+        return _ORIG_CALL(self, *args, **kwargs)
+    cap = _caps.get(self)
+    if cap is None:
+        cap = _caps[self] = _Cap()
+    if cap.fn is not None:
+        return _run(st, self, cap, args, kwargs)
+    if cap.off is None:
+        cap.calls += 1
+        if cap.calls > st.options.hot_after:
+            return _capture(st, self, cap, args, kwargs)
+    else:
+        _miss(cap.off, self)
+    return _recorded(self, args, kwargs)
+
+
+def _recorded(module, args, kwargs):
+    _tls.depth = getattr(_tls, "depth", 0) + 1
+    try:
+        return _ORIG_CALL(module, *args, **kwargs)
+    finally:
+        _tls.depth -= 1
+
+
+def _miss(cause: str, module, depth: int = 2) -> None:
+    METRICS.module_capture_misses[cause] += 1
+    f = sys._getframe(depth)
+    METRICS.module_capture_sites[(cause, type(module).__name__, (f.f_code, f.f_lineno))] += 1
+
+
+@functools.cache
+def _fail_on_recompile():
+    from torch._dynamo.eval_frame import DynamoStance
+
+    return DynamoStance("fail_on_recompile", False, None)
+
+
+def _run(st, module, cap: _Cap, args, kwargs):
+    global _BUSY
+    if st.window.nodes:
+        flush(st, "module_capture")  # its inputs may be pending
+    from torch._dynamo.eval_frame import _set_stance
+
+    recapture = False
+    while True:
+        prior = None if recapture else _set_stance(_fail_on_recompile())
+        busy, _BUSY = _BUSY, True
+        try:
+            with _modes_off():
+                out = cap.fn(*args, **kwargs)
+        except RuntimeError as e:
+            if recapture or not str(e).startswith(_RECOMPILE):
+                if not recapture:
+                    raise
+                return _failed_recapture(module, cap, e, args, kwargs)
+            cause = _cause(str(e))
+        except Exception as e:  # noqa: BLE001 - Dynamo and our backend fail before the call runs anything
+            if not recapture:
+                raise
+            return _failed_recapture(module, cap, e, args, kwargs)
+        else:
+            METRICS.module_captured_calls += 1
+            return out
+        finally:
+            _BUSY = busy
+            if prior is not None:
+                _set_stance(prior)
+        # Note [Captured modules]: a miss runs recorded; the same cause missing again recaptures
+        _miss(cause, module, 3)
+        if cause not in cap.missed or cap.captures >= _MAX_CAPTURES:
+            cap.missed.add(cause)
+            if cap.captures >= _MAX_CAPTURES:
+                cap.fn, cap.off = None, "recapture_limit"
+                log.warning("adaptive_eager: %s missed its guards after %d captures; it is recorded op by op from "
+                            "now on (metrics()['module_capture_misses'] says why)", type(module).__name__,
+                            _MAX_CAPTURES)
+            return _recorded(module, args, kwargs)
+        cap.missed.discard(cause)
+        recapture = True
+
+
+def _failed_recapture(module, cap: _Cap, e: Exception, args, kwargs):
+    cap.fn, cap.off = None, _decline_cause(e)
+    if cap.off == "capture_failed":
+        log.warning("adaptive_eager: %s could not be captured again (%s); it is recorded op by op",
+                    type(module).__name__, _first_line(e))
+    _miss(cap.off, module, 4)
+    return _recorded(module, args, kwargs)
+
+
+def _capture(st, module, cap: _Cap, args, kwargs):
+    global _BUSY
+    why = _not_capturable(st, module)
+    if why is not None:
+        cap.off = why
+        _miss(why, module, 3)
+        return _recorded(module, args, kwargs)
+    if st.window.nodes:
+        flush(st, "module_capture")
+    t0 = time.perf_counter()
+    fn = torch.compile(_fresh(module), backend=_Backend(cap, st.options), dynamic=False, fullgraph=True)
+    busy, _BUSY = _BUSY, True
+    try:
+        with _disable_current_modes(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            out = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Dynamo and our backend fail before the call runs anything
+        cap.off = _decline_cause(e)
+        if cap.off == "capture_failed":
+            log.warning("adaptive_eager: %s could not be captured (%s: %s); it is recorded op by op",
+                        type(module).__name__, type(e).__name__, _first_line(e))
+        _miss(cap.off, module, 3)
+        return _recorded(module, args, kwargs)
+    finally:
+        _BUSY = busy
+    METRICS.module_capture_seconds += time.perf_counter() - t0
+    cap.fn = fn
+    METRICS.module_captured_calls += 1
+    return out
+
+
+def _not_capturable(st, module) -> str | None:
+    if st.options.backend not in _DYNAMO_BACKENDS or st.options.device not in ("cpu", "cuda"):
+        return "backend"
+    from torch.nn.modules import module as m
+
+    if (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+            or m._global_backward_pre_hooks or m._global_module_registration_hooks):
+        return "hooks"
+    for sub in module.modules():
+        if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks:
+            return "hooks"
+    return None
+
+
+def _decline_cause(e: BaseException) -> str:
+    while e is not None:
+        if isinstance(e, _Decline):
+            return e.cause
+        e = e.__cause__ or e.__context__
+    return "capture_failed"
+
+
+def _fresh(module):
+    """The module's call as a function with a code object of its own: Dynamo's recompile limit
+    counts entries per code object, and every captured module would otherwise share one."""
+    ref = weakref.ref(module)  # ``_caps`` holds this function and must not keep the module alive
+
+    def run(*args, **kwargs):
+        return _ORIG_CALL(ref(), *args, **kwargs)
+
+    return types.FunctionType(run.__code__.replace(), run.__globals__, "captured", None, run.__closure__)
+
+
+def _cause(message: str) -> str:
+    """What the first failed guard of a Dynamo recompile message is about."""
+    first = message.partition("guard failure(s):")[2].strip().lstrip("- ").partition("\n")[0]
+    guard = first.partition("  #")[0]
+    for words, cause in ((("size mismatch", "stride mismatch", "dimensionality"), "shape"),
+                         (("grad_mode", "GRAD_MODE", "grad mode"), "grad_mode"),
+                         (("requires_grad",), "requires_grad"), (("training",), "train_eval"),
+                         (("dtype",), "dtype"), (("hooks",), "hooks"), (("device",), "device")):
+        if any(w in guard for w in words):
+            return cause
+    return "other_guard"
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+class _Backend:
+    """Dynamo's backend for one module: AOTAutograd with a ``_Graph`` per forward and backward."""
+
+    def __init__(self, cap: _Cap, options):
+        self.cap = weakref.ref(cap)
+        self.options = options
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        options = self.options
+
+        def forward(fgm, examples):
+            return _Graph(fgm, examples, "forward", options)
+
+        def backward(bgm, examples):
+            run = torch._dynamo.disable(_Graph(bgm, examples, "backward", options), recursive=True)
+            run._boxed_call = True
+            return run
+
+        # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
+        backward._is_wrapped_bw_compiler = True
+        compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
+                                decompositions=select_decomp_table())(gm, example_inputs)
+        cap = self.cap()
+        if cap is not None:
+            cap.captures += 1
+        METRICS.module_captures += 1
+        return compiled
+
+
+class _Graph:
+    """One AOTAutograd graph (a forward or a backward), boxed calling convention: run op by op
+    until its compiled artifact is loaded, then compiled (Note [Captured modules])."""
+
+    _boxed_call = True
+
+    def __init__(self, gm, example_inputs, kind: str, options):
+        if kind == "forward":
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+                        torch.Tag.nondeterministic_seeded in node.target.tags:
+                    raise _Decline("random", str(node.target))
+        self.gm = gm
+        self.kind = kind
+        self.options = options
+        self.run = None
+        self.entry = None
+        self.checked = False
+        self.next_poll = 0.0
+        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        try:
+            self.program, self.plan, self.n_live, self.expected = _program(gm)
+        except (_Decline, TypeError) as e:
+            self.program = None
+            METRICS.module_uncompiled_graphs[getattr(e, "cause", "unencodable")] += 1
+            log.info("adaptive_eager: a captured %s graph runs op by op, not compiled: %s", kind, e)
+
+    def __call__(self, *args):
+        # boxed (one list) as AOTAutograd calls a forward; the backward's wrapper (Dynamo's
+        # ``disable``) hides ``_boxed_call``, so it is called with the tensors as arguments
+        args = args[0] if len(args) == 1 and type(args[0]) is list else list(args)
+        if self.kind == "backward":
+            from ._threads import sync_value
+
+            for t in args:
+                if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
+                    sync_value(t, "module_capture")  # the loss backward's tangents are pending
+            with _modes_off():
+                return self._call(args)
+        return self._call(args)
+
+    def _call(self, args):
+        run = self.run
+        if run is None and self.program is not None and time.perf_counter() >= self.next_poll:
+            run = self._obtain()
+        if run is None:
+            METRICS.module_uncompiled_runs += 1
+            return self.gm.forward(*args)
+        inputs = list(args)
+        try:
+            outs = run(inputs)
+            if not self.checked:
+                self._check(outs)
+        except Exception as e:  # noqa: BLE001 - never the program's: the graph runs op by op from now on
+            self._fail(e)
+            return self.gm.forward(*args)
+        for slot, r in zip(self.program.mutated, outs[self.n_live:]):
+            args[slot].copy_(r)
+        METRICS.module_compiled_runs += 1
+        METRICS.launches += 1 + len(self.program.mutated)
+        METRICS.eager_equivalent_launches += self.ops
+        return [None if how is None else (inputs[how[1]] if how[0] == "in" else outs[how[1]]) for how in self.plan]
+
+    def _check(self, outs) -> None:
+        """Note [Artifacts from disk] in fuser.compile: an artifact's first outputs are checked."""
+        if len(outs) != len(self.expected) + len(self.program.mutated):
+            raise RuntimeError(f"{len(outs)} outputs for {len(self.expected)}")
+        for r, (shape, dtype) in zip(outs, self.expected):
+            if tuple(r.shape) != shape or r.dtype != dtype:
+                raise RuntimeError(f"output {tuple(r.shape)} {r.dtype} for {shape} {dtype}")
+        self.checked = True
+
+    def _fail(self, e: Exception) -> None:
+        from fuser.compile import _Unverified
+
+        entry, self.run, self.program = self.entry, None, None
+        METRICS.module_uncompiled_graphs["run_failed"] += 1
+        if entry is not None and type(entry.run) is _Unverified:
+            entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
+        log.warning("adaptive_eager: a captured %s graph runs op by op from now on: its compiled run failed (%s: %s)",
+                    self.kind, type(e).__name__, _first_line(e))
+
+    def _obtain(self):
+        """The compiled callable once loaded, else None; starts its load or compile (Note [Tiers] in
+        fuser.regions: the same steps as a region's)."""
+        from fuser import table
+        from fuser.artifacts import _store
+        from fuser.backends import get_backend
+        from fuser.compile import _Unverified, cache_fingerprint
+        from fuser.regions import _collect, _obtain, abandoned, poll_jobs
+
+        options = self.options
+        backend = get_backend(options.backend, options.device)
+        fingerprint = cache_fingerprint(backend)
+        wait = not options.async_compile
+        with table.LOCK:
+            entry = self.entry
+            if entry is None:
+                entry = self.entry = table._Entry()
+                entry.program = self.program
+                try:
+                    entry.pkey = self.program.digest(fingerprint)
+                except TypeError as e:
+                    self.program = None
+                    METRICS.module_uncompiled_graphs["unencodable"] += 1
+                    log.info("adaptive_eager: a captured %s graph runs op by op, not compiled: %s", self.kind, e)
+                    return None
+                entry.region = entry.pkey[:8]
+                entry.n_live, entry.mutated = self.n_live, self.program.mutated
+                store = _store(options)
+                _obtain(entry, store, backend, options, wait, store.get(entry.pkey, fingerprint=fingerprint))
+            elif entry.future is not None and (wait or entry.future.done()):
+                _collect(entry)
+            elif entry.other_process and not entry.blacklisted:
+                poll_jobs()
+                store = _store(options)
+                if not entry.blacklisted:
+                    data = store.get(entry.pkey, fingerprint=fingerprint)
+                    if data is not None or abandoned(entry.pkey, store):
+                        entry.other_process = False
+                        _obtain(entry, store, backend, options, wait, data)
+            if entry.future is not None and entry.future.done():
+                _collect(entry)
+            if entry.blacklisted:
+                self.program = None
+                METRICS.module_uncompiled_graphs[entry.blacklisted] += 1
+                return None
+            run = entry.run
+            if run is None:
+                self.next_poll = time.perf_counter() + _POLL_S
+                return None
+            self.checked = type(run) is not _Unverified
+            self.run = run.run if type(run) is _Unverified else run
+            return self.run
+
+
+def _program(gm):
+    """The ATen graph as a fuser ``Program`` (ops on ``_In``/``_Ref`` arguments, input metadata,
+    live outputs, the inputs it writes), and how the graph's outputs are made of the program's:
+    per output (``"out"``, live index), (``"in"``, input slot) or None; the live count; the live
+    outputs' (shape, dtype)."""
+    from fuser.program import Program, _In, _Ref
+    from fuser.window import FRESH
+
+    slots: dict = {}
+    refs: dict = {}
+    inputs = []
+    ops = []
+    uid = 0
+    mutated = set()
+
+    def enc(a):
+        if isinstance(a, torch.fx.Node):
+            if a in slots:
+                return _In(slots[a])
+            return refs[a]
+        if isinstance(a, (list, tuple)):
+            return [enc(x) for x in a]
+        if isinstance(a, dict):
+            raise _Decline("unencodable", "a dict argument")
+        return a
+
+    output = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise _Decline("non_tensor_input", repr(val))
+            slots[node] = len(inputs)
+            inputs.append((tuple(val.shape), tuple(val.stride()), val.dtype, str(val.device)))
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                continue  # its value is an output of the op it reads (below)
+            if not isinstance(node.target, torch._ops.OpOverload):
+                raise _Decline("non_aten_op", str(node.target))
+            val = node.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                outs = [None] * len(val)
+                for user in node.users:
+                    if user.target is operator.getitem:
+                        outs[user.args[1]] = (FRESH, uid, None)
+                        refs[user] = _Ref(uid)
+                        uid += 1
+            else:
+                outs = [(FRESH, uid, None)]
+                refs[node] = _Ref(uid)
+                uid += 1
+            if node.target is torch.ops.aten.copy_.default and node.args[0] in slots:
+                mutated.add(slots[node.args[0]])
+            ops.append((node.target, enc(list(node.args)), {k: enc(v) for k, v in node.kwargs.items()}, outs))
+        elif node.op == "output":
+            output = node.args[0]
+        else:
+            raise _Decline("non_aten_op", node.op)
+    live, plan, expected, index = [], [], [], {}
+    for r in output:
+        if r is None:
+            plan.append(None)
+        elif isinstance(r, torch.fx.Node) and r in slots:
+            plan.append(("in", slots[r]))
+        elif isinstance(r, torch.fx.Node) and r in refs:
+            val = r.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise _Decline("non_tensor_output", repr(val))
+            if r not in index:
+                index[r] = len(live)
+                live.append(refs[r].uid)
+                expected.append((tuple(val.shape), val.dtype))
+            plan.append(("out", index[r]))
+        else:
+            raise _Decline("non_tensor_output", repr(r))
+    program = Program(ops, inputs, live, tuple(sorted(mutated)))
+    return program, plan, len(live), expected
+
+
+def misses() -> Counter:
+    return METRICS.module_capture_misses

@@ -1,0 +1,229 @@
+"""A hot module call runs as one guarded call: Note [Captured modules] in adaptive_eager._capture.
+
+Each test trains (or calls) the same tiny model eagerly and under adaptive eager, compares values,
+and reads ``metrics()`` for whether the call was captured, ran compiled, or missed and why. The
+tests of guards run the captured graphs op by op (``_uncompiled``): what they check is Dynamo's
+guards and the fallback, not Inductor.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import adaptive_eager as ae
+from adaptive_eager import _capture
+
+HOT_AFTER = 2  # calls 1-2 are recorded, call 3 is captured
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def _uncompiled(monkeypatch):
+    """The captured graphs run op by op: no artifact is ever looked for."""
+    monkeypatch.setattr(_capture._Graph, "_obtain", lambda self: None)
+
+
+def _mlp(norm=nn.LayerNorm):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), norm(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _batches(n, rows=5):
+    torch.manual_seed(1)
+    return [torch.randn(rows, 8) for _ in range(n)]
+
+
+def _train(model, xs, lazy, edit=None, **options):
+    """SGD steps on ``xs``; ``edit(i, model)`` runs before step ``i``. The losses and the model."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    ctx = ae.adaptive_eager(optimizer_capture=False, **options) if lazy else _nothing()
+    with ctx:
+        for i, x in enumerate(xs):
+            if edit is not None:
+                edit(i, model)
+            opt.zero_grad()
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+    return torch.stack(losses), model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _assert_same(eager, lazy, exact=False):
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(lazy[0], eager[0], **tol)
+    for a, b in zip(eager[1].parameters(), lazy[1].parameters()):
+        torch.testing.assert_close(b, a, **tol)
+
+
+def test_training_matches_eager_with_forward_and_backward_compiled(tmp_path):
+    steps = 8
+    eager = _train(_mlp(), _batches(steps), False)
+    lazy = _train(_mlp(), _batches(steps), True, async_compile=False, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert m["module_captures"] == 1
+    assert m["module_captured_calls"] == steps - HOT_AFTER
+    # compiled in the capturing step (async_compile off), and every later forward and backward ran
+    # the artifact: the backward went through the captured call
+    assert m["module_compiled_runs"] == 2 * (steps - HOT_AFTER), m
+    assert m["module_uncompiled_runs"] == 0
+    assert m["module_capture_misses"] == {}
+
+
+def test_the_compile_is_off_the_step_and_a_new_process_loads_it(tmp_path, monkeypatch):
+    """With async_compile, the graphs go to a worker: nothing compiles on the program's thread
+    (the in-process compile entry is never called), the graphs run op by op meanwhile; a new
+    process on the same cache loads them and compiles nothing."""
+    import fuser.compile
+
+    here = []
+    original = fuser.compile.compile_program
+    monkeypatch.setattr(fuser.compile, "compile_program", lambda *a: here.append(1) or original(*a))
+    steps = 6
+    eager = _train(_mlp(), _batches(steps), False)
+    lazy = _train(_mlp(), _batches(steps), True, async_compile=True, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert here == []
+    assert m["module_captured_calls"] == steps - HOT_AFTER
+    assert m["module_uncompiled_runs"] > 0
+    import fuser
+
+    for jobs in fuser.compile_jobs():  # the worker's compiles land
+        jobs.poll(timeout_s=300)
+        while jobs.pending():
+            jobs.poll(timeout_s=300)
+    script = f"""
+import json, sys, time, torch
+sys.path[:0] = {sys.path!r}
+import adaptive_eager as ae, test_module_capture as t
+m = t._mlp(); xs = t._batches(40)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+with ae.adaptive_eager(optimizer_capture=False, async_compile=True, cache_dir={str(tmp_path)!r}):
+    for x in xs:
+        opt.zero_grad(); (m(x) ** 2).mean().backward(); opt.step()
+        if ae.metrics()["module_compiled_runs"] >= 4:
+            break
+        time.sleep(0.2)
+print(json.dumps(ae.metrics()))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warm = json.loads(out.stdout.strip().splitlines()[-1])
+    assert warm["compiles"] == 0, warm
+    assert warm["module_compiled_runs"] >= 4, warm
+    assert warm["cache_hits_disk"] >= 2, warm  # the forward's and the backward's artifacts
+
+
+@pytest.mark.parametrize("edit, cause", [
+    (lambda i, m: None, None),
+    (lambda i, m: m[0].weight.requires_grad_(i < 4), "requires_grad"),
+    (lambda i, m: m.train(i % 4 != 3), "train_eval"),
+], ids=["none", "requires_grad", "train_eval"])
+def test_a_guard_miss_falls_back_and_recaptures(_uncompiled, edit, cause):
+    steps = 8
+    model = lambda: _mlp(nn.BatchNorm1d)  # BatchNorm reads ``training``
+    eager = _train(model(), _batches(steps), False, edit=edit)
+    lazy = _train(model(), _batches(steps), True, edit=edit)
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert m["module_captured_calls"] > 0
+    if cause is None:
+        assert m["module_capture_misses"] == {}
+    else:
+        assert m["module_capture_misses"].get(cause, 0) >= 1, m["module_capture_misses"]
+        assert m["module_captures"] >= 2
+
+
+def test_a_new_batch_size_misses_and_gives_eagers_values(_uncompiled):
+    xs = _batches(5) + _batches(3, rows=3) + _batches(3)
+    eager = _train(_mlp(), xs, False)
+    lazy = _train(_mlp(), xs, True)
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    # the first small batch runs recorded, the second recaptures; the old entry serves the rest
+    assert m["module_capture_misses"]["shape"] == 2
+    assert m["module_captures"] == 2
+    assert m["module_captured_calls"] == len(xs) - HOT_AFTER - 1
+
+
+def test_dropout_is_not_captured_and_keeps_eagers_random_numbers():
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+
+    steps = 5
+    torch.manual_seed(5)
+    eager = _train(model(), _batches(steps), False)
+    after_eager = torch.rand(3)
+    torch.manual_seed(5)
+    lazy = _train(model(), _batches(steps), True)
+    after_lazy = torch.rand(3)
+    _assert_same(eager, lazy)
+    assert torch.equal(after_lazy, after_eager)
+    m = ae.metrics()
+    assert m["module_capture_misses"]["random"] == steps - HOT_AFTER
+    assert m["module_captures"] == 0 and m["module_captured_calls"] == 0
+    assert "random" in ae.explain()
+
+
+def test_a_module_with_hooks_is_not_captured_and_its_hooks_run(_uncompiled):
+    seen = []
+    steps = 5
+    for lazy in (False, True):
+        model = _mlp()
+        model[1].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+        _train(model, _batches(steps), lazy)
+    assert len(seen) == 2 * steps
+    m = ae.metrics()
+    assert m["module_capture_misses"]["hooks"] == steps - HOT_AFTER
+    assert m["module_captured_calls"] == 0
+
+
+def test_inference_under_no_grad_after_training(_uncompiled):
+    xs = _batches(6)
+    probe = torch.randn(4, 8)
+    results = []
+    for lazy in (False, True):
+        model, outs = _mlp(), []
+        _train(model, xs, lazy)
+        with ae.adaptive_eager() if lazy else _nothing():
+            for _ in range(4):
+                with torch.no_grad():
+                    outs.append(model(probe))
+                with torch.inference_mode():
+                    outs.append(model(probe))
+        results.append(torch.stack(outs))
+    torch.testing.assert_close(results[1], results[0])
+    assert ae.metrics()["module_capture_misses"].get("grad_mode", 0) >= 1
+
+
+def test_off_switch_records_every_call(_uncompiled):
+    steps = 4
+    eager = _train(_mlp(), _batches(steps), False)
+    lazy = _train(_mlp(), _batches(steps), True, module_capture=False)
+    _assert_same(eager, lazy)
+    assert ae.metrics()["module_captured_calls"] == 0
