@@ -55,8 +55,6 @@ def fresh_regions():
     """No in-memory region, shape class or scalar group of an earlier test answers for this one
     (tests that count compiles or replays need a cold process's view)."""
     import fuser
-    from adaptive_eager import _flush
 
     fuser.cache_clear()
-    _flush.WRITTEN.clear()  # storages earlier tests' windows wrote (addresses are reused)
     yield

@@ -707,6 +707,7 @@ def _vop(i, s, x, w, diverge=None):
 
 
 def _vstep(x, w, diverge=None, at=-1, n=N):
+    _as_written(R, R_OFFSET)  # again: another test's window may have made their addresses forgotten
     s = {"y": x, "r": w}
     for i in range(n):
         _vop(i, s, x, w, diverge if i == at else None)
