@@ -78,6 +78,9 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
                                    "here, so that its warning comes at this line each time, as in eager: fix what "
                                    "it warns about",
            "runs an op whose kernel warns"),
+    Reason("index_check", True, "an index (or a class target, or an integer divisor) out of range runs the op "
+                                "eagerly here, so that eager's error comes at this line: fix the index",
+           "runs an op whose index is out of range"),
     Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
            "runs an op adaptive eager cannot record"),
     Reason("collective", False, None, "runs a torch.distributed collective, a sync point between processes"),

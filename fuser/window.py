@@ -214,7 +214,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard", "hot_counted")
+                 "discard", "hot_counted", "kept")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -257,6 +257,9 @@ class Window:
         self.discard = None
         # how many of its hot records ``METRICS`` counts already (``adaptive_eager._hot.count_hot``)
         self.hot_counted = 0
+        # results of ops that may raise from values still pending, held so that the flush finds
+        # them live and computes them, dropped or not (Note [Errors from data] in adaptive_eager._data_checks)
+        self.kept: list = []
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))
