@@ -134,8 +134,8 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
 # non-empty dimension), and so is a written argument, so the run changes nothing the program holds.
 # If that run raises (an integer division by zero, a kernel that checks its floats), every input is
 # ones of its geometry for a second try; if that raises too, the signature runs eagerly (Note
-# [Errors at the statement]). Factories have no input layout to follow and skip the run. Recorded ops draw no random numbers
-# (Note [RNG] in _ops), so the run consumes no generator. Ops that take a kernel's opaque state
+# [Errors at the statement]). Factories have no input layout to follow and skip the run. Recorded
+# ops draw no random numbers (Note [RNG] in _ops), so the run consumes no generator. Ops that take a kernel's opaque state
 # skip the run too (an argument named ``workspace`` or ``reserve``: ``mkldnn_rnn_layer_backward``,
 # cuDNN's RNN and batch-norm backward): the kernel reads what its forward wrote there as its own
 # bookkeeping, not as numbers, and a placeholder's uninitialized memory there crashed the process
