@@ -42,6 +42,7 @@ OK, KEEP, EAGER = 0, 1, 2
 
 _INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
                          torch.uint16, torch.uint32, torch.uint64})
+_INDEX_DTYPES = _INT_DTYPES - {torch.bool}
 _MASKS = (torch.bool, torch.uint8)  # an index of these dtypes is a mask: its shape is its metadata
 
 
@@ -74,8 +75,8 @@ def _within(t: _Tensor, lo: int, hi: int, allowed=None) -> bool:
 
 
 def _verdict(st, t, lo: int, hi: int, allowed=None) -> int:
-    if not isinstance(t, _Tensor):
-        return OK
+    if not isinstance(t, _Tensor) or t.dtype not in _INDEX_DTYPES:
+        return OK  # not an index: the op's own checks of dtypes raise (Note [Errors at the statement] in _meta)
     if t.device.type not in CPU_KERNEL_DEVICES or _pending(st, t):
         return KEEP
     return OK if _within(t, lo, hi, allowed) else EAGER
