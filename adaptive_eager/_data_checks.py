@@ -31,9 +31,10 @@ _eq = torch.eq
 #   the line; or it does not raise where the test was wider than the kernel's, and is eager's all
 #   the same. A target equal to ``ignore_index`` is in range;
 # - a value still pending (or on another device): the op is recorded and its result held by the
-#   window (``Window.kept``, ``KEEP``), so the flush finds it live: the replay runs it and a
-#   compiled region computes it (Inductor checks indirect indices), and its error comes at the
-#   next sync point, as DESIGN.md allows, never dropped.
+#   window (``Window.kept``, ``KEEP``; an in-place op's result is the tensor it writes), so the
+#   flush finds it live: the replay runs it and a compiled region computes it (Inductor checks
+#   indirect indices), and its error comes at the next sync point, as DESIGN.md allows, never
+#   dropped with a result the program let go of.
 # The test costs an ``aminmax`` of each real index per call (a few microseconds), only for these
 # ops: an embedding's real token ids and ``cross_entropy``'s real targets each step. An op's
 # other errors (metadata, dtypes, scalars) are found once per signature: Note [Errors at the

@@ -153,7 +153,9 @@ def _record_checked(st: TracerState, f, args, kwargs):
     if verdict == _CHECK_EAGER:
         return _eager(st, f, args, kwargs if kwargs is not None else {}, "index_check")
     res = _record_op(st, f, args, kwargs)
-    if verdict == _CHECK_KEEP and not f.mutates:  # an op that writes is never dead
+    if verdict == _CHECK_KEEP:
+        # an in-place op's result is the tensor it writes: held, a write into a dropped
+        # intermediate is computed too (a compiled region drops the writes nothing reads)
         kept = st.window.kept
         for t in (res if type(res) in (tuple, list) else (res,)):
             if getattr(t, "_ae", None) is not None:

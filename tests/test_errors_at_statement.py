@@ -203,6 +203,11 @@ def test_a_pending_index_out_of_range_is_raised_at_the_next_sync_though_its_resu
         x // d
         with pytest.raises(RuntimeError, match="ZeroDivisionError"):
             ae.sync()
+        x = torch.zeros(3) * 1
+        x[torch.tensor([0, 5]) * 1] = 1.0  # a write into a value nothing reads after it
+        del x
+        with pytest.raises(IndexError, match="index 5 is out of bounds"):
+            ae.sync()
 
 
 def test_indices_in_range_are_recorded_without_a_flush():
@@ -239,3 +244,24 @@ def test_indices_in_range_are_recorded_without_a_flush():
         assert [g.item() for g in got] == [w.item() for w in want]
         assert not m["fallback_ops"], m["fallback_ops"]
         assert "index_check" not in m["flushes"], m["flushes"]
+
+
+def _fill_step(x, i, value):
+    y = (x * 2).index_fill(1, i, value)  # the statement that fails in the last step
+    return y + 1
+
+
+def test_a_value_eager_refuses_in_a_hot_window_raises_at_the_statement(fresh_regions):
+    """The statement, validated against its compiled region's template until its scalar differs."""
+    step, good, bad = _fill_step, 0.5, 1 + 1j
+    x, i = torch.ones(2, 3), torch.tensor([0, 2])  # not one element: the general path snapshots those
+    want = _outcome(lambda: step(x, i, bad))
+    assert want is not None
+    with adaptive_eager(backend="inductor", hot_after=2, async_compile=False):
+        for _ in range(6):
+            y = step(x, i, good)
+            ae.sync()
+        assert ae.metrics()["hot_windows"] >= 1
+        assert _outcome(lambda: step(x, i, bad)) == want
+        y = step(x, i, good)
+        assert y.tolist() == step(x, i, good).tolist()
