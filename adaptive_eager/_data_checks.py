@@ -12,6 +12,7 @@ _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_ea
 _aminmax = torch.aminmax
 _any = torch.any
 _eq = torch.eq
+_item = torch._C.TensorBase.item  # unpatched: these values are real (adaptive_eager._patches)
 
 # Note [Errors from data]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -35,8 +36,9 @@ _eq = torch.eq
 #   flush finds it live: the replay runs it and a compiled region computes it (Inductor checks
 #   indirect indices), and its error comes at the next sync point, as DESIGN.md allows, never
 #   dropped with a result the program let go of.
-# The test costs an ``aminmax`` of each real index per call (a few microseconds), only for these
-# ops: an embedding's real token ids and ``cross_entropy``'s real targets each step. An op's
+# The test costs an ``aminmax`` of each real index and two scalar reads per call (7 us for 256
+# token ids, about what recording two ops costs), only for these ops: an embedding's real token
+# ids and ``cross_entropy``'s real targets, once each a step. An op's
 # other errors (metadata, dtypes, scalars) are found once per signature: Note [Errors at the
 # statement] in _meta.
 OK, KEEP, EAGER = 0, 1, 2
@@ -64,7 +66,7 @@ def _within(t: _Tensor, lo: int, hi: int, allowed=None) -> bool:
     if not t.numel():
         return True
     mn, mx = _aminmax(t)
-    mn, mx = int(mn), int(mx)
+    mn, mx = _item(mn), _item(mx)
     if lo <= mn and mx < hi:
         return True
     if allowed is None:
@@ -72,7 +74,7 @@ def _within(t: _Tensor, lo: int, hi: int, allowed=None) -> bool:
     # what is out of range may all be the allowed value (``ignore_index``, -100, among class ids)
     if mx >= hi and mx != allowed or mn < lo and mn != allowed:
         return False
-    return not bool(_any(((t < lo) | (t >= hi)) & (t != allowed)))
+    return not _item(_any(((t < lo) | (t >= hi)) & (t != allowed)))
 
 
 def _verdict(st, t, lo: int, hi: int, allowed=None) -> int:
@@ -153,7 +155,7 @@ def _check_embedding(st, c, args, kwargs) -> int:
 
 
 def _check_target(st, c, args, kwargs) -> int:
-    """``nll_loss`` and its backward: class ids in ``[0, C)``, or ``ignore_index``."""
+    """``nll_loss``: class ids in ``[0, C)``, or ``ignore_index``."""
     self, target = _arg(args, kwargs, *c[0]), _arg(args, kwargs, *c[1])
     ignore = _arg(args, kwargs, *c[2], default=-100)
     if not isinstance(self, _Tensor) or not self.dim():
@@ -176,7 +178,7 @@ def _check_divisor(st, c, args, kwargs) -> int:
         return OK
     if other.device.type not in CPU_KERNEL_DEVICES or _pending(st, other):
         return KEEP
-    return EAGER if other.numel() and bool(_any(_eq(other, 0))) else OK
+    return EAGER if other.numel() and _item(_any(_eq(other, 0))) else OK
 
 
 # overload packet -> (checker, the names of the arguments it reads, the one whose values it checks,
@@ -194,7 +196,9 @@ for _name in ("index_fill", "index_fill_"):
 for _name in ("take", "put", "put_"):
     _PACKETS[_name] = (_check_numel, ("self", "index"), "index")
 _PACKETS["embedding"] = (_check_embedding, ("weight", "indices"), "indices")
-for _name in ("nll_loss_forward", "nll_loss2d_forward", "nll_loss_backward", "nll_loss2d_backward"):
+# not their backward: it reads the target its forward read, checked there (autograd refuses a
+# saved target changed since)
+for _name in ("nll_loss_forward", "nll_loss2d_forward"):
     _PACKETS[_name] = (_check_target, ("self", "target", "ignore_index"), "target")
 for _name in ("floor_divide", "floor_divide_", "remainder", "remainder_", "fmod", "fmod_"):
     _PACKETS[_name] = (_check_divisor, ("self", "other"), "other", None)
