@@ -230,6 +230,7 @@ def _release(window: Window) -> None:
     window.others.clear()
     window.nodes.clear()
     window.real_inputs.clear()
+    window.kept.clear()
 
 
 def _user_error(e: fuser.ReplayError, reason: str) -> BaseException:

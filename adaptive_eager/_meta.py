@@ -135,16 +135,38 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
 # geometry (garbage indices would fail or read out of bounds; zero is a valid index into any
 # non-empty dimension), and so is a written argument, so the run changes nothing the program holds.
 # If that run raises (an integer division by zero, a kernel that checks its floats), every input is
-# ones of its geometry for a second try; if that raises too, the meta kernel's layout stands.
-# Factories have no input layout to follow and skip the run. An op whose outputs are all its
-# arguments (in place, ``out=``) has no layout to learn but runs as well, for its warnings (Note
-# [Kernel warnings]: ``index_put_`` with a uint8 mask warns in its kernel, not in its meta kernel);
-# its written arguments are stand-ins, so that run costs one copy of them, once per signature. Recorded ops draw no random numbers
+# ones of its geometry for a second try; if that raises too, the signature runs eagerly (Note
+# [Errors at the statement]). Factories have no input layout to follow and skip the run. An op
+# whose outputs are all its arguments (in place, ``out=``) has no layout to learn but runs as well,
+# for its errors and warnings (Note [Kernel warnings]: ``index_put_`` with a uint8 mask warns in its
+# kernel, not in its meta kernel); its written arguments are stand-ins, so that run costs one copy
+# of them, once per signature. Recorded ops draw no random numbers
 # (Note [RNG] in _ops), so the run consumes no generator. Ops that take a kernel's opaque state
 # skip the run too (an argument named ``workspace`` or ``reserve``: ``mkldnn_rnn_layer_backward``,
 # cuDNN's RNN and batch-norm backward): the kernel reads what its forward wrote there as its own
 # bookkeeping, not as numbers, and a placeholder's uninitialized memory there crashed the process
 # (a segmentation fault training ``nn.LSTM``); their meta kernel's layout stands.
+
+
+# Note [Errors at the statement]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Eager raises at the op what its kernel finds wrong with the arguments' metadata, dtypes and
+# scalars (``torch.add(b, b, alpha=1.1)`` of bools, ``index_fill_`` with a complex value, an
+# ``index_put_`` whose values do not broadcast to the indexed shape), and many of those checks are
+# in the device's kernel only, not in the meta kernel. Recorded, the op would raise when its window
+# runs: past the user's ``try``, or never when its result is dropped. Such checks do not depend on
+# the values, so the real run Note [Eager layouts] makes at a meta-cache miss finds them: it runs
+# for every op that is not a factory (in-place ops too, which have no layout to learn), and when
+# every try raises, the signature cannot be recorded (``_Failed``): each call runs eagerly, after a
+# flush where it reads pending values, and raises eager's own error (type and message) at its line,
+# having changed nothing eager's kernel would not. The key names each non-float scalar by type and
+# value and each tensor by dtype (Note [Meta cache key]), so another scalar or dtype is a miss,
+# probed again. Two limits: a liftable float is ``float`` in the key (Note [Scalar recording] in
+# _ops), so a check on a float's value (not its type) that the meta kernel lacks is found for the
+# value seen first; and an in-place op whose written stand-ins would exceed
+# ``PROBE_WRITTEN_BYTES`` (a foreach optimizer update of a large model: the probe would hold a copy
+# of all of it) skips the run, and its meta kernel's checks stand. Errors that depend on the
+# values: Note [Errors from data] in _data_checks.
 
 
 # Note [Out resizing]
@@ -215,15 +237,31 @@ def _takes_opaque_state(func) -> bool:
     return any(a.name in _OPAQUE_STATE for a in func._schema.arguments)
 
 
+PROBE_WRITTEN_BYTES = 64 << 20  # Note [Errors at the statement]
+
+
+def _written_bytes(f, args, kwargs) -> int:
+    """The bytes of the stand-ins a run of the op writes into (its written arguments' extents)."""
+    n = 0
+    for _, t in _written_args(f, args, kwargs):
+        n += _extent(t) * t.element_size()
+    for pos in f.write_pos:  # written lists (``_foreach_add_``)
+        a = kwargs.get(pos) if type(pos) is str else (args[pos] if pos < len(args) else None)
+        if type(a) in (list, tuple):
+            n += sum(_extent(t) * t.element_size() for t in a if isinstance(t, _Tensor))
+    return n
+
+
 def _eager_layouts(f, args, kwargs, specs: list):
     """``(specs, probe)``: ``specs`` with each fresh output's strides taken from a real run of the
     op (Note [Eager layouts]), and ``(the warnings it gave, the run)``, or None where there was no
-    such run (Note [Kernel warnings])."""
-    # an op with no fresh output (``index_put_``, ``copy_``) runs too, for its warnings alone: its
-    # meta kernel may not warn where its kernel does (Note [Kernel warnings] in _kernel_warnings)
+    such run (Note [Kernel warnings]). Raises the run's error where every try raised (Note
+    [Errors at the statement]): the op then runs eagerly, and its kernel warns at the user's line."""
     if f.factory or _takes_opaque_state(f.func):
         return specs, None
     written = f.write_pos
+    if all(s is None for s in specs) and _written_bytes(f, args, kwargs) > PROBE_WRITTEN_BYTES:
+        return specs, None  # Note [Errors at the statement]: what its meta kernel checks stands
 
     def stand_in(t, written: bool, fill):
         if not isinstance(t, _Tensor):
@@ -234,7 +272,6 @@ def _eager_layouts(f, args, kwargs, specs: list):
             fill = 0
         return torch.full((_extent(t),), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
-    seen: list = []  # what the first run warned before it failed
     for fill in (None, 1):
         try:
             rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
@@ -242,16 +279,12 @@ def _eager_layouts(f, args, kwargs, specs: list):
             # the op warns when it runs, as eager's does: Note [Kernel warnings]
             rkwargs = {k: stand_in(v, k in written, fill) for k, v in kwargs.items()}
             run = lambda: f.func(*rargs, **rkwargs)  # noqa: E731
-            res, caught = kernel_warnings(run, seen if fill is None else None)
+            res, caught = kernel_warnings(run)
             break
-        except Exception as e:  # noqa: BLE001 - the meta kernel's layout stands
+        except Exception as e:  # noqa: BLE001 - try the other fill, then raise (the signature runs eagerly)
             error = e
-            if fill is None:
-                first_run = run
     else:
-        log.debug("layout of %s from its meta kernel: a real run failed: %s", f.name, error)
-        # what the kernel warned before it failed on the stand-ins' values (Note [Kernel warnings])
-        return specs, ((_texts(seen), first_run) if seen else None)
+        raise error
     outs = res if isinstance(res, (tuple, list)) else (res,)
     return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
             else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)], (_texts(caught), run)

@@ -17,7 +17,11 @@ from . import _gc, _heap, _ops, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target, run_untouched
 from ._flush import _poison, _release, flush
 from ._metrics import METRICS
-from ._ops import ALLOC, BATCH_NORM, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for, unseeded_facts
+from ._data_checks import EAGER as _CHECK_EAGER, KEEP as _CHECK_KEEP, check as _data_check
+from ._ops import (
+    ALLOC, BATCH_NORM, CHECKED, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for,
+    unseeded_facts,
+)
 from ._fast import _record_fast, _record_hot, _record_hot_view
 from ._meta import _Resizes
 from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs,
@@ -130,6 +134,39 @@ def _record_made(st: TracerState, f, args, kwargs=None):
     return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
 
 
+def _record_op(st: TracerState, f, args, kwargs):
+    """A RECORD op: hot, fast or general path (``LazyMode.__torch_dispatch__`` has this inline)."""
+    window = st.window
+    if window.hot is not None:
+        res = _record_hot(st, window, f, args, kwargs)
+        if res is not _DECLINED:
+            return res
+    if (f.fast and not kwargs) or f.fast_inplace:
+        if kwargs is None:
+            kwargs = {}
+        res = _record_fast(st, f, args, kwargs)
+        if res is not _DECLINED:
+            return res
+    return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
+
+
+def _record_checked(st: TracerState, f, args, kwargs):
+    """A CHECKED op: eagerly where its real values fail its kernel's check, else recorded, its result
+    kept for the flush where they are pending (Note [Errors from data] in _data_checks)."""
+    verdict = _data_check(st, f, args, kwargs)
+    if verdict == _CHECK_EAGER:
+        return _eager(st, f, args, kwargs if kwargs is not None else {}, "index_check")
+    res = _record_op(st, f, args, kwargs)
+    if verdict == _CHECK_KEEP:
+        # an in-place op's result is the tensor it writes: held, a write into a dropped
+        # intermediate is computed too (a compiled region drops the writes nothing reads)
+        kept = st.window.kept
+        for t in (res if type(res) in (tuple, list) else (res,)):
+            if getattr(t, "_ae", None) is not None:
+                kept.append(t)
+    return res
+
+
 def _record_or_run(st: TracerState, f, args, kwargs):
     if _default_dtype() is not st.dtype:
         _dtype_changed(st)  # Note [Meta cache key]
@@ -204,7 +241,7 @@ class LazyMode(TorchDispatchMode):
             if f is None:
                 f = facts_for(func)
             kind = f.kind
-            if kind == RECORD:
+            if kind == RECORD:  # ``_record_op``, inline: the hottest lines of the library
                 window = st.window
                 if window.hot is not None:  # Note [Hot windows] in _hot
                     res = _record_hot(st, window, f, args, kwargs)  # kwargs None or a dict
@@ -217,6 +254,8 @@ class LazyMode(TorchDispatchMode):
                     if res is not _DECLINED:
                         return res
                 return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
+            if kind == CHECKED:
+                return _record_checked(st, f, args, kwargs)
             if kind == VIEW_OP:
                 window = st.window
                 if args and view_of_unwritten(st, window, args[0]):  # Note [Views of unwritten memory] in _record

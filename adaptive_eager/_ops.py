@@ -19,6 +19,8 @@ INLINE          an op made of ATen ops the recorder takes: its decomposition run
                 inline])
 HOST_READ       a composite whose kernel reads an argument's memory (Note [Composites that read
                 memory]): the values it reads are made real, then it runs as INLINE does
+CHECKED         RECORD, for an op whose kernel checks values (an index out of range): they are
+                looked at first where they are real (Note [Errors from data] in _data_checks)
 
 Collectives (``torch.distributed``) are FLUSH with reason "collective" (Note [Collectives]).
 
@@ -38,7 +40,7 @@ import torch
 
 from ._args import _tensors
 
-RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE, HOST_READ = range(9)
+RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE, HOST_READ, CHECKED = range(10)
 
 # ops that change a tensor's metadata (shape, strides, storage) in place: the placeholder's
 # metadata must never move under a pending write, so they run eagerly after a flush.
@@ -193,7 +195,7 @@ class OpFacts:
     __slots__ = (
         "func", "call", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
-        "dropout_arg", "unseeded", "decomposition", "host_read",
+        "dropout_arg", "unseeded", "decomposition", "host_read", "data_check",
     )
 
     def __repr__(self) -> str:
@@ -226,7 +228,7 @@ _SHAPE_FROM_FLOATS = ("arange", "linspace", "logspace", "range", "upsample", "in
 def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
     """``seeded=False``: the facts of a call that draws nothing (Note [Dropout probability])."""
     f = OpFacts()
-    f.dropout_arg = f.unseeded = f.decomposition = f.host_read = None
+    f.dropout_arg = f.unseeded = f.decomposition = f.host_read = f.data_check = None
     schema = func._schema
     f.func = func
     # ``func(*args)`` less the Python frame of ``OpOverload.__call__``, which only forwards to it
@@ -350,6 +352,12 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         and not f.returns_list and f.alias_ret == (0,) and not f.factory and not f.scalarlist_pos
         and f.tensor_pos[:1] == (0,) and not f.has_device_kw
     )
+    if f.kind == RECORD:
+        from ._data_checks import data_check_for  # it reads this module's CPU_KERNEL_DEVICES
+
+        f.data_check = data_check_for(func, base)
+        if f.data_check is not None:
+            f.kind = CHECKED  # recorded as RECORD is, by the same paths (``fast``, ``fast_inplace``)
     return f
 
 

@@ -81,6 +81,9 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
     Reason("sparse", True, "an op on a sparse (or mkldnn) tensor, or one that makes one (`to_sparse`), runs eagerly "
                            "here, after a flush when it reads a pending value: keep sparse work out of the hot loop",
            "runs an op on a sparse tensor"),
+    Reason("index_check", True, "an index (or a class target, or an integer divisor) out of range runs the op "
+                                "eagerly here, so that eager's error comes at this line: fix the index",
+           "runs an op whose index is out of range"),
     Reason("fallback", True, "an op adaptive eager cannot record flushes and runs eagerly here (see fallbacks below)",
            "runs an op adaptive eager cannot record"),
     Reason("collective", False, None, "runs a torch.distributed collective, a sync point between processes"),

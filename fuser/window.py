@@ -214,7 +214,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard", "hot_counted", "passed")
+                 "discard", "hot_counted", "passed", "kept")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -260,6 +260,9 @@ class Window:
         # a view of a real tensor was left unrecorded, its result read as a real input (Note [Views of
         # unwritten memory] in adaptive_eager._record): the flush checks those inputs against its writes
         self.passed = False
+        # results of ops that may raise from values still pending, held so that the flush finds
+        # them live and computes them, dropped or not (Note [Errors from data] in adaptive_eager._data_checks)
+        self.kept: list = []
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))

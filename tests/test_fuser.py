@@ -62,6 +62,7 @@ def test_runtime_error_in_compiled_region_is_eager_error_via_replay():
     x = torch.randn(5)
     idx = torch.tensor([1, 10])
     with adaptive_eager(**SYNC):
+        idx = idx * 1  # pending: a real index out of range raises at its line, not in the region
         with pytest.raises(IndexError, match="recorded at"):
             x[idx].sum().item()
 

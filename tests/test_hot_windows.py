@@ -143,7 +143,8 @@ def test_an_error_in_a_hot_window_is_raised_at_the_users_line(fresh_regions):
     table = torch.randn(10, 4)
 
     def step(idx):
-        rows = torch.index_select(table, 0, idx)  # the line the error names
+        # the line the error names; a pending index (a real one out of range raises at the line)
+        rows = torch.index_select(table, 0, idx + 0)
         return torch.tanh(rows * 2) + 1
 
     good, bad = [torch.tensor([1, 2, 3]) for _ in range(4)], torch.tensor([1, 20, 3])
@@ -155,7 +156,7 @@ def test_an_error_in_a_hot_window_is_raised_at_the_users_line(fresh_regions):
         y = step(bad)  # recorded hot: the out-of-range index shows when it runs
         with pytest.raises(IndexError, match=r"recorded at .*test_hot_windows.py:\d+ \(in step\)") as err:
             ae.sync()
-    line = step.__code__.co_firstlineno + 1
+    line = step.__code__.co_firstlineno + 2
     assert f"test_hot_windows.py:{line} " in str(err.value)
     assert ae.metrics()["hot_mismatches"].get("run_failed") == 1
     del y
