@@ -38,6 +38,9 @@ class Metrics:
         self.optimizer_captures = 0
         self.optimizer_hot_steps = 0
         self.optimizer_misses: Counter[str] = Counter()
+        # Note [User torch.compile] in ``_compile``: calls of the program's compiled code (and
+        # compiled backward graphs) that ran with the mode stepped aside
+        self.compiled_calls = 0
         # for explain(): (reason, user, inside) and (op, reason, user, inside), each a (code, line) of
         # the user's line and of the library's it called or None (Note [Whose line] in _source)
         self.flush_sites: Counter[tuple] = Counter()
@@ -67,6 +70,7 @@ class Metrics:
             "optimizer_captures": self.optimizer_captures,
             "optimizer_hot_steps": self.optimizer_hot_steps,
             "optimizer_misses": dict(self.optimizer_misses),
+            "compiled_calls": self.compiled_calls,
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
             "hot_mismatches": dict(self.hot_mismatches),
@@ -83,7 +87,7 @@ def format_report(m: dict) -> str:
               "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
-              "optimizer_hot_steps"):
+              "optimizer_hot_steps", "compiled_calls"):
         if k in m:
             lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]

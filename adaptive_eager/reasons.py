@@ -93,6 +93,8 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
            "changes the default dtype (torch.set_default_dtype)"),
     Reason("period", False, None, "ends a step of the loop: adaptive eager cuts windows at the period it found"),
     Reason("optimizer_step", False, None, "steps an optimizer: adaptive eager ends a window at each step"),
+    Reason("torch_compile", False, None, "calls code compiled with torch.compile, which runs on computed values "
+                                         "with adaptive eager stepped aside"),
     Reason("exit", False, None, "leaves an adaptive_eager block, which runs what is pending"),
     Reason("sync", False, None, "calls adaptive_eager.sync()"),
     Reason("options", False, None, "changes adaptive eager's options, which runs what is pending first"),
