@@ -51,6 +51,9 @@ class Metrics:
         self.module_compiled_runs = 0
         self.module_uncompiled_runs = 0
         self.module_uncompiled_graphs: Counter[str] = Counter()
+        # Note [User torch.compile] in ``_compile``: calls of the program's compiled code (and
+        # compiled backward graphs) that ran with the mode stepped aside
+        self.compiled_calls = 0
         # for explain(): (reason, user, inside) and (op, reason, user, inside), each a (code, line) of
         # the user's line and of the library's it called or None (Note [Whose line] in _source)
         self.flush_sites: Counter[tuple] = Counter()
@@ -89,6 +92,7 @@ class Metrics:
             "module_compiled_runs": self.module_compiled_runs,
             "module_uncompiled_runs": self.module_uncompiled_runs,
             "module_uncompiled_graphs": dict(self.module_uncompiled_graphs),
+            "compiled_calls": self.compiled_calls,
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
             "hot_mismatches": dict(self.hot_mismatches),
@@ -113,7 +117,8 @@ def format_report(m: dict) -> str:
               "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
-              "optimizer_hot_steps", "module_captures", "module_captured_calls", "module_compiled_runs"):
+              "optimizer_hot_steps", "module_captures", "module_captured_calls", "module_compiled_runs",
+              "compiled_calls"):
         if k in m:
             lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]

@@ -102,6 +102,7 @@ _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile
 _NESTED_TRACE = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
 _saved: list[tuple] = []  # (class, its step) and (cell, what it held), to put back
+_is_compiling = torch.compiler.is_compiling
 
 
 class _Capture:
@@ -153,9 +154,13 @@ def uninstall() -> None:
 def _capturing(raw):
     @functools.wraps(raw)
     def step(self, *args, **kwargs):
+        if _is_compiling():  # first: Dynamo traces the step itself (Note [User torch.compile] in _compile)
+            return raw(self, *args, **kwargs)
         st = current_state()
-        if args or kwargs or st is None or st.mode is None or not st.options.optimizer_capture:
-            return raw(self, *args, **kwargs)  # a closure (its Python must run), or adaptive eager is off here
+        if args or kwargs or st is None or st.mode is None or st.aside is not None or not st.options.optimizer_capture:
+            # a closure (its Python must run), adaptive eager is off here, or the program's own
+            # compiled code runs this step (Note [User torch.compile] in _compile: theirs wins)
+            return raw(self, *args, **kwargs)
         return _step(st, self, raw)
 
     return step

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fuser.window import FRESH
 
-from . import _capture, _optim, _source, _state
+from . import _capture, _compile, _optim, _source, _state
 from ._flush import flush
 from ._ops import HOST_READERS, composite_kernel, host_read_args, read_on_host
 from ._state import current_state
@@ -478,6 +478,9 @@ def install() -> None:
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
         _optim.install()  # Note [Optimizer capture]
         _capture.install()  # Note [Captured modules]
+        _compile.install()  # Note [User torch.compile]: now if Dynamo is loaded, else at torch.compile's first call
+        _saved[("attr", torch, "compile")] = torch.__dict__["compile"]
+        torch.compile = _compile.watch_compile(torch.compile)
         for owner, name, reason, uses in _opaque_entry_points():
             original = getattr(owner, name)
             _saved[("attr", owner, name)] = owner.__dict__.get(name, _MISSING)  # _MISSING: inherited

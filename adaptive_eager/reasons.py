@@ -101,6 +101,8 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
     Reason("optimizer_step", False, None, "steps an optimizer: adaptive eager ends a window at each step"),
     Reason("module_capture", False, None, "calls a captured module (or its backward), whose inputs are computed "
                                          "first"),
+    Reason("torch_compile", False, None, "calls code compiled with torch.compile, which runs on computed values "
+                                         "with adaptive eager stepped aside"),
     Reason("exit", False, None, "leaves an adaptive_eager block, which runs what is pending"),
     Reason("sync", False, None, "calls adaptive_eager.sync()"),
     Reason("options", False, None, "changes adaptive eager's options, which runs what is pending first"),

@@ -282,7 +282,7 @@ def test_every_reason_the_code_gives_is_in_the_table():
     assert not missing, f"reasons without an entry (and advice) in adaptive_eager/reasons.py: {sorted(missing)}"
     # every actionable reason has advice explain() prints; only expected ends of a window have none
     assert {r.name for r in REASONS.values() if r.advice is None} == {
-        "breakpoint", "collective", "period", "optimizer_step", "module_capture", "exit", "sync", "options", "cell",
+        "breakpoint", "collective", "period", "optimizer_step", "module_capture", "torch_compile", "exit", "sync", "options", "cell",
         "fork"}
 
 
