@@ -110,6 +110,7 @@ class _Cap:
 
 
 _caps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_THEIRS = "compiled by the program"  # not a miss: nothing of ours to capture
 
 
 def install() -> None:
@@ -133,13 +134,15 @@ def _call(self, *args, **kwargs):
     cap = _caps.get(self)
     if cap is None:
         cap = _caps[self] = _Cap()
+        if type(self).__name__ == "OptimizedModule" or getattr(self, "_compiled_call_impl", None) is not None:
+            cap.off = _THEIRS  # the program compiled it: its compile wins (Note [User torch.compile] in _compile)
     if cap.fn is not None:
         return _run(st, self, cap, args, kwargs)
     if cap.off is None:
         cap.calls += 1
         if cap.calls > st.options.hot_after:
             return _capture(st, self, cap, args, kwargs)
-    else:
+    elif cap.off is not _THEIRS:
         _miss(cap.off, self)
     return _recorded(self, args, kwargs)
 

@@ -169,6 +169,7 @@ def test_a_compiled_module_trains_with_a_guard_miss(options, caplog):
     graphs, m = _three_ways(_training, options, caplog, "aot_eager", exact=False)
     assert graphs == 2
     assert m["compiled_calls"] == 12  # six forwards, six compiled backwards (AOTAutograd's)
+    assert m.get("module_captures", 0) == 0  # the program compiled the model: its compile wins
     assert m["flushes"]["torch_compile"] >= 6  # each backward's tangents were pending
 
 
