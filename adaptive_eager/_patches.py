@@ -217,7 +217,8 @@ def _breakpointhook_wrapper(original):
 
 
 def _optimizer_step_hook(optimizer, args, kwargs) -> None:
-    # Note [Step alignment]: a training loop that never syncs would otherwise be cut only by the
+    # Note [Step alignment]
+    # A training loop that never syncs would otherwise be cut only by the
     # window cap, at a different op every step, so no window would ever repeat and nothing would
     # be compiled. Ending the window where ``optimizer.step()`` ends makes every step the same
     # window (and a step longer than the cap is cut at the same offsets every time).

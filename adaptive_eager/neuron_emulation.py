@@ -86,7 +86,8 @@ class EmulatedNeuronTensor(torch.Tensor):
             torch._C._set_neg(t, True)
         return t
 
-    # Note [Emulated host reads]: C++ refuses ``tolist``/``numpy`` of a subclass, and torch's repr
+    # Note [Emulated host reads]
+    # C++ refuses ``tolist``/``numpy`` of a subclass, and torch's repr
     # would format with ops on the device (launches); these read the CPU data, which a real device
     # copies to the host. A read of a pending value's memory: its window runs first, the reason
     # counted as for a plain tensor (adaptive eager's readers on ``torch.Tensor`` are shadowed here).

@@ -78,7 +78,7 @@ def storage_bytes(meta) -> int:
     return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
 
 
-# Note [Window signature] (the decoder): the tracer gives each op signature an id and records here how
+# The decoder of Note [Window signature]: the tracer gives each op signature an id and records here how
 # many dataflow refs follow that id in ``Window.sigs``. Not bounded: a window open in any thread may
 # hold any id ever given, and decoding it needs that id's arity (two ints an id).
 ARITY: dict[int, int] = {}
@@ -221,7 +221,8 @@ class Window:
         self.nodes: list[Node] = []
         self.pending_bytes = 0
         self.written: set[int] = set()  # storages (``_cdata``) that pending in-place ops write
-        # Note [Window signature]: per node, its op signature id followed by its dataflow refs,
+        # Note [Window signature]
+        # Per node, its op signature id followed by its dataflow refs,
         # appended at record time into one flat list of ints, so the structural key of a window
         # costs nothing to build at flush and little to hash and free (no tuples per node). A
         # ref is an Out's ``uid`` (> 0) or ``-(slot + 1)`` for a real (non-pending) input tensor.

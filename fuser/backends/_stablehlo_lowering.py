@@ -86,7 +86,8 @@ _MISCOMPILED = {
     "aten.remainder.Tensor": (None, "C's fmod sign, not Python's: remainder(-1.5, 1.0) gives -0.5, eager 0.5"),
     "aten.logcumsumexp.default": (None, "exp overflows: logcumsumexp of [100.0] gives inf"),
     "aten.take.default": (None, "negative indices are not wrapped"),
-    # Note [Unchecked indices]: XLA's gather and scatter clamp an index out of range where eager
+    # Note [Unchecked indices]
+    # XLA's gather and scatter clamp an index out of range where eager
     # raises (x[tensor([1, 10])] of 5 values gave x[1] + x[4]); run alone, eager raises its error at
     # the user's line. (A bounds-check output per region would keep them fused: not built yet.)
     **dict.fromkeys([f"aten.{op}" for op in (
