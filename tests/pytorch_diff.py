@@ -149,6 +149,28 @@ def missing(oracle: dict[str, Outcome], other: dict[str, Outcome]) -> list[str]:
     return [test_id for test_id in oracle if test_id not in other]
 
 
+VERBOSE_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+                  "XFAIL": "skipped", "XPASS": "passed"}
+
+
+def junit_id(node_id: str) -> str:
+    """``dir/test_x.py::Class::test_y`` as junit names it: ``dir.test_x.Class::test_y``."""
+    parts = node_id.split("::")
+    module = parts[0][:-3] if parts[0].endswith(".py") else parts[0]
+    return ".".join([module.replace("/", ".")] + parts[1:-1]) + "::" + parts[-1]
+
+
+def parse_verbose_log(log_text: str) -> dict[str, Outcome]:
+    """Per-test outcomes from pytest ``-v`` output, for a run that died before writing its junit
+    file: what finished before the crash or the timeout still counts."""
+    outcomes: dict[str, Outcome] = {}
+    for line in log_text.splitlines():
+        words = line.split()
+        if len(words) >= 2 and "::" in words[0] and words[1] in VERBOSE_STATUS:
+            outcomes[junit_id(words[0])] = Outcome(VERBOSE_STATUS[words[1]], "(from the log: no junit file)")
+    return outcomes
+
+
 def last_started_test(log_text: str) -> str:
     """The node id pytest ``-v`` printed last: the test running when the process died."""
     for line in reversed(log_text.splitlines()):
@@ -201,6 +223,9 @@ def run_one(file: str, mode: str, args: argparse.Namespace, out_dir: str) -> Run
                 run.outcomes = parse_junit(f.read())
         except ET.ParseError:
             pass  # a half-written file: the crash line says why
+    if not run.outcomes and run.crash:
+        with open(log, errors="replace") as f:
+            run.outcomes = parse_verbose_log(f.read())
     return run
 
 
@@ -215,6 +240,7 @@ def report(file: str, runs: dict[str, Run], keyword: str | None) -> tuple[str, i
             with open(run.log, errors="replace") as f:
                 running = last_started_test(f.read())
             lines.append(f"  {'':<12} CRASH: {run.crash}" + (f" while running {running}" if running else "")
+                         + (" (outcomes before it from the log)" if not os.path.exists(run.junit) else "")
                          + f"; log: {run.log}")
     oracle = runs.get(ORACLE)
     if oracle is None:

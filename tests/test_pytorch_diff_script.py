@@ -73,6 +73,19 @@ def test_a_run_is_a_crash_when_killed_timed_out_or_silent(tmp_path):
     assert pytorch_diff.last_started_test(log) == "t.py::A::test_b"
 
 
+def test_outcomes_before_a_crash_come_from_the_verbose_log():
+    log = ("d/t.py::A::test_a PASSED      [ 25%]\n"
+           "d/t.py::A::test_b SKIPPED (needs cuda) [ 50%]\n"
+           "t.py::test_c FAILED [ 75%]\n"
+           "t.py::test_d \n")
+    outcomes = pytorch_diff.parse_verbose_log(log)
+    assert {k: o.status for k, o in outcomes.items()} == {
+        "d.t.A::test_a": "passed", "d.t.A::test_b": "skipped", "t::test_c": "failed"}
+    # the ids are junit's, so that they meet the oracle's
+    assert pytorch_diff.junit_id("test_indexing.py::TestIndexingCPU::test_index_cpu") == \
+        "test_indexing.TestIndexingCPU::test_index_cpu"
+
+
 def test_keywords_per_file():
     assert pytorch_diff.parse_keywords(["test_torch.py:test_index or test_view",
                                         'test_nn.py:-k "TestNN and conv"']) == {
@@ -122,6 +135,9 @@ def test_end_to_end_on_a_file_whose_outcome_depends_on_the_mode(tmp_path):
         import os
         import signal
 
+        def test_a_first():
+            pass
+
         def test_dies():
             if os.environ.get("NEURON_EAGER"):
                 os.kill(os.getpid(), signal.SIGSEGV)
@@ -138,8 +154,9 @@ def test_end_to_end_on_a_file_whose_outcome_depends_on_the_mode(tmp_path):
     assert "first_sight  2 passed, 1 failed, 0 skipped, 0 error" in text, text
     assert "pass plain, fail first_sight: 1" in text
     assert "test_modes::test_plain_only  [failed] AssertionError: adaptive here" in text
-    assert "CRASH: killed by SIGSEGV while running test_crash.py::test_dies" in text, text
-    assert "run plain, no outcome first_sight: 1 (the run crashed)" in text
+    assert "CRASH: killed by SIGSEGV while running test_crash.py::test_dies (outcomes before it from the log)" in text
+    assert "first_sight  1 passed, 0 failed, 0 skipped, 0 error" in text  # test_a_first, read from the log
+    assert "run plain, no outcome first_sight: 1 (the run crashed)\n    test_crash::test_dies" in text
     assert sorted(os.listdir(out)) == sorted(f"test_{name}.{mode}.{ext}" for name in ("modes", "crash")
                                              for mode in ("plain", "first_sight") for ext in ("log", "xml")
                                              if not (name, mode, ext) == ("crash", "first_sight", "xml"))
