@@ -98,6 +98,19 @@ def _reader(reason: str, original, other_threads_only: bool = False):
 
         return wrapper
 
+    if original.__name__ == "tolist":
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            sync_value(self, reason, other_threads_only)
+            if self.is_conj() or self.is_neg():
+                # C++ resolves the bit with a dispatched op (recorded: a pending copy) and then reads
+                # that copy's memory: resolve it here and compute it first
+                self = self.resolve_conj().resolve_neg()
+                sync_value(self, reason, other_threads_only)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
         sync_value(self, reason, other_threads_only)

@@ -200,3 +200,18 @@ def test_a_setitem_warning_reaches_warnings_once_per_statement(options):
     """)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
     assert "] Warning: indexing" not in r.stderr, r.stderr  # nothing printed by C++
+
+
+@pytest.mark.parametrize("read", ["conj_row", "conj_imag_row", "neg_view_row", "conj_whole"])
+def test_tolist_of_a_conjugate_or_negative_view_reads_its_values(read):
+    """test_view_ops' conj_imag_view: ``tolist()`` of a tensor with the conjugate or negative bit
+    resolves it with a dispatched op (recorded: a pending copy) and read that copy's placeholder
+    memory: garbage, in every mode."""
+    torch.manual_seed(0)
+    t, r = torch.randn(2, 3, dtype=torch.complex64), torch.randn(2, 3)
+    fn = {"conj_row": lambda: t.conj()[0].tolist(), "conj_imag_row": lambda: t.conj().imag[0].tolist(),
+          "neg_view_row": lambda: r._neg_view()[0].tolist(), "conj_whole": lambda: t.conj().tolist()}[read]
+    want = fn()
+    with ae.adaptive_eager():
+        got = fn()
+    assert got == want
