@@ -56,8 +56,8 @@ from ._state import current_state
 #   (``_Graph``) turn each functional ATen graph into a fuser ``Program`` (``_program``), so the
 #   region machinery applies unchanged: the persistent key (digest of the program and the
 #   backend fingerprint), the compile in a worker process (Note [Background compiles] in
-#   fuser.artifacts: the PT2 stack is not thread-safe, Note [No compile off the step] in
-#   ``_optim``), the store's trust checks, remembered failures and a load that runs no compiler
+#   fuser.artifacts: the PT2 stack is not thread-safe, Note [Capture compiles off the step]
+#   in ``_optim``), the store's trust checks, remembered failures and a load that runs no compiler
 #   (Note [Self-contained Inductor artifacts]). Inductor's own ``standalone_compile`` artifacts
 #   and AOTAutograd's cache entries were not used: they hold generated source whose load reruns
 #   the C++ compiler, and pickles (DESIGN.md "Persistent cache"). Until a graph's artifact is
@@ -303,44 +303,53 @@ def _first_line(e: BaseException) -> str:
 
 
 class _Backend:
-    """Dynamo's backend for one module: AOTAutograd with a ``_Graph`` per forward and backward."""
+    """Dynamo's backend for every capture (Note [Captured modules], Note [Optimizer capture] in
+    ``_optim``): AOTAutograd with a ``_Graph`` per forward, backward and inference graph. ``who``
+    names the metrics its graphs count in (``module_*`` or ``optimizer_*``); ``cap``, a module's
+    ``_Cap``, counts its compiles."""
 
-    def __init__(self, cap: _Cap, options):
-        self.cap = weakref.ref(cap)
+    def __init__(self, cap, options, who: str = "module"):
+        self.cap = None if cap is None else weakref.ref(cap)
         self.options = options
+        self.who = who
 
     def __call__(self, gm, example_inputs):
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
-        options = self.options
+        options, who = self.options, self.who
 
         def forward(fgm, examples):
-            return _Graph(fgm, examples, "forward", options)
+            return _Graph(fgm, examples, "forward", options, who)
 
         def backward(bgm, examples):
-            run = torch._dynamo.disable(_Graph(bgm, examples, "backward", options), recursive=True)
+            run = torch._dynamo.disable(_Graph(bgm, examples, "backward", options, who), recursive=True)
             run._boxed_call = True
             return run
 
         # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
         backward._is_wrapped_bw_compiler = True
+        # Note [Written inputs]: an inference graph writes its inputs itself (trailing copy_)
         compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
-                                decompositions=select_decomp_table())(gm, example_inputs)
-        cap = self.cap()
+                                decompositions=select_decomp_table(),
+                                keep_inference_input_mutations=True)(gm, example_inputs)
+        cap = None if self.cap is None else self.cap()
         if cap is not None:
             cap.captures += 1
-        METRICS.module_captures += 1
+        if who == "module":
+            METRICS.module_captures += 1
         return compiled
 
 
 class _Graph:
-    """One AOTAutograd graph (a forward or a backward), boxed calling convention: run op by op
-    until its compiled artifact is loaded, then compiled (Note [Captured modules])."""
+    """One AOTAutograd graph (a forward, a backward or an inference graph), boxed calling
+    convention: run op by op until its compiled artifact is loaded, then compiled (Note [Captured
+    modules]). ``who`` (``module`` or ``optimizer``) names the metrics it counts in; a module's
+    graph counts its launches, an optimizer's step is counted by ``_optim`` as one launch."""
 
     _boxed_call = True
 
-    def __init__(self, gm, example_inputs, kind: str, options):
+    def __init__(self, gm, example_inputs, kind: str, options, who: str = "module"):
         if kind == "forward":
             for node in gm.graph.nodes:
                 if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
@@ -349,16 +358,19 @@ class _Graph:
         self.gm = gm
         self.kind = kind
         self.options = options
+        self.who = who
+        self.uncompiled_graphs = getattr(METRICS, f"{who}_uncompiled_graphs")
         self.run = None
         self.entry = None
+        self.inplace = False  # the compiled run writes the inputs itself (Note [Written inputs])
         self.checked = False
         self.next_poll = 0.0
         self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
         try:
-            self.program, self.plan, self.n_live, self.expected = _program(gm)
+            self.program, self.plan, self.n_live, self.expected, self.may_write = _program(gm)
         except (_Decline, TypeError) as e:
             self.program = None
-            METRICS.module_uncompiled_graphs[getattr(e, "cause", "unencodable")] += 1
+            self.uncompiled_graphs[getattr(e, "cause", "unencodable")] += 1
             log.info("adaptive_eager: a captured %s graph runs op by op, not compiled: %s", kind, e)
 
     def __call__(self, *args):
@@ -380,9 +392,18 @@ class _Graph:
         if run is None and self.program is not None and time.perf_counter() >= self.next_poll:
             run = self._obtain()
         if run is None:
-            METRICS.module_uncompiled_runs += 1
+            if self.who == "module":
+                METRICS.module_uncompiled_runs += 1
+            else:
+                METRICS.optimizer_uncompiled_runs += 1
             return self.gm.forward(*args)
         inputs = list(args)
+        mutated = self.program.mutated
+        # Note [Written inputs]: an unverified artifact writes copies, so that a failed first run
+        # leaves the real inputs to the op-by-op run below
+        copies = mutated if self.inplace and not self.checked else ()
+        for slot in copies:
+            inputs[slot] = inputs[slot].clone()
         try:
             outs = run(inputs)
             if not self.checked:
@@ -390,17 +411,27 @@ class _Graph:
         except Exception as e:  # noqa: BLE001 - never the program's: the graph runs op by op from now on
             self._fail(e)
             return self.gm.forward(*args)
-        for slot, r in zip(self.program.mutated, outs[self.n_live:]):
-            args[slot].copy_(r)
-        METRICS.module_compiled_runs += 1
-        METRICS.launches += 1 + len(self.program.mutated)
-        METRICS.eager_equivalent_launches += self.ops
-        return [None if how is None else (inputs[how[1]] if how[0] == "in" else outs[how[1]]) for how in self.plan]
+        for slot in copies:
+            args[slot].copy_(inputs[slot])
+        written = 0
+        if not self.inplace:
+            for slot, r in zip(mutated, outs[self.n_live:]):
+                args[slot].copy_(r)
+            written = len(mutated)
+        if self.who == "module":
+            METRICS.module_compiled_runs += 1
+            METRICS.launches += 1 + written
+            METRICS.eager_equivalent_launches += self.ops
+        else:
+            METRICS.optimizer_compiled_runs += 1
+            METRICS.launches += written  # the step itself is one launch (``_optim._count_launches``)
+        return [None if how is None else (args[how[1]] if how[0] == "in" else outs[how[1]]) for how in self.plan]
 
     def _check(self, outs) -> None:
         """Note [Artifacts from disk] in fuser.compile: an artifact's first outputs are checked."""
-        if len(outs) != len(self.expected) + len(self.program.mutated):
-            raise RuntimeError(f"{len(outs)} outputs for {len(self.expected)}")
+        n = len(self.expected) + (0 if self.inplace else len(self.program.mutated))
+        if len(outs) != n:
+            raise RuntimeError(f"{len(outs)} outputs for {n}")
         for r, (shape, dtype) in zip(outs, self.expected):
             if tuple(r.shape) != shape or r.dtype != dtype:
                 raise RuntimeError(f"output {tuple(r.shape)} {r.dtype} for {shape} {dtype}")
@@ -410,7 +441,7 @@ class _Graph:
         from fuser.compile import _Unverified
 
         entry, self.run, self.program = self.entry, None, None
-        METRICS.module_uncompiled_graphs["run_failed"] += 1
+        self.uncompiled_graphs["run_failed"] += 1
         if entry is not None and type(entry.run) is _Unverified:
             entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
         log.warning("adaptive_eager: a captured %s graph runs op by op from now on: its compiled run failed (%s: %s)",
@@ -434,11 +465,12 @@ class _Graph:
             if entry is None:
                 entry = self.entry = table._Entry()
                 entry.program = self.program
+                self.program.inplace = self.may_write and getattr(backend, "writes_inputs", False)
                 try:
                     entry.pkey = self.program.digest(fingerprint)
                 except TypeError as e:
                     self.program = None
-                    METRICS.module_uncompiled_graphs["unencodable"] += 1
+                    self.uncompiled_graphs["unencodable"] += 1
                     log.info("adaptive_eager: a captured %s graph runs op by op, not compiled: %s", self.kind, e)
                     return None
                 entry.region = entry.pkey[:8]
@@ -459,22 +491,40 @@ class _Graph:
                 _collect(entry)
             if entry.blacklisted:
                 self.program = None
-                METRICS.module_uncompiled_graphs[entry.blacklisted] += 1
+                self.uncompiled_graphs[entry.blacklisted] += 1
                 return None
             run = entry.run
             if run is None:
                 self.next_poll = time.perf_counter() + _POLL_S
                 return None
+            self.inplace = entry.inplace  # the compile's answer, also for an artifact from disk
             self.checked = type(run) is not _Unverified
             self.run = run.run if type(run) is _Unverified else run
             return self.run
+
+
+# Note [Written inputs]
+# ~~~~~~~~~~~~~~~~~~~~~
+# An inference graph keeps AOTAutograd's input mutations (``keep_inference_input_mutations``): an
+# optimizer step's graph ends in a ``copy_`` into each parameter, state tensor and 0-dim step
+# counter it updates (``param.add_``, ``exp_avg.lerp_``, ``step += 1`` on the CPU counter), as
+# Inductor's own graphs for ``torch.compile`` of a step do. ``_program`` makes those inputs the
+# Program's ``mutated`` slots, and the op-by-op run (``gm`` itself) writes them directly. The
+# compiled Program writes them in place as a region does (Note [In-place regions] in
+# fuser.compilable: no copy per written tensor, 800 for AdamW over 200 parameters) when the
+# backend can and no op can fail on data (an integer tensor read, a check op); else it returns
+# their values and they are copied back. An artifact's first run in place (unverified: from disk)
+# writes clones, copied back once its outputs passed the check, so that a failed run leaves the
+# inputs to the op-by-op run, which must not apply the update twice.
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool})
 
 
 def _program(gm):
     """The ATen graph as a fuser ``Program`` (ops on ``_In``/``_Ref`` arguments, input metadata,
     live outputs, the inputs it writes), and how the graph's outputs are made of the program's:
     per output (``"out"``, live index), (``"in"``, input slot) or None; the live count; the live
-    outputs' (shape, dtype)."""
+    outputs' (shape, dtype); whether no op can fail on data (Note [Written inputs])."""
+    from fuser.partition import is_check
     from fuser.program import Program, _In, _Ref
     from fuser.window import FRESH
 
@@ -484,6 +534,7 @@ def _program(gm):
     ops = []
     uid = 0
     mutated = set()
+    may_write = True
 
     def enc(a):
         if isinstance(a, torch.fx.Node):
@@ -523,6 +574,10 @@ def _program(gm):
                 uid += 1
             if node.target is torch.ops.aten.copy_.default and node.args[0] in slots:
                 mutated.add(slots[node.args[0]])
+            if may_write and (is_check(node.target) or any(
+                    isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+                    and x.meta["val"].dtype in _INT_DTYPES for x in node.all_input_nodes)):
+                may_write = False
             ops.append((node.target, enc(list(node.args)), {k: enc(v) for k, v in node.kwargs.items()}, outs))
         elif node.op == "output":
             output = node.args[0]
@@ -546,7 +601,7 @@ def _program(gm):
         else:
             raise _Decline("non_tensor_output", repr(r))
     program = Program(ops, inputs, live, tuple(sorted(mutated)))
-    return program, plan, len(live), expected
+    return program, plan, len(live), expected, may_write
 
 
 def misses() -> Counter:

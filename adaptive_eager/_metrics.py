@@ -31,13 +31,19 @@ class Metrics:
         self.flush_seconds = 0.0
         self.flushes: Counter[str] = Counter()
         self.fallback_ops: Counter[str] = Counter()
-        # Note [Optimizer capture] in ``_optim``: steps compiled, steps run as one guarded call,
+        # Note [Optimizer capture] in ``_optim``: steps captured, steps run as one guarded call,
         # steps recorded before a (re)capture, steps that ran recorded instead (guard misses and
-        # why the step is not captured), by cause
+        # why the step is not captured), by cause; seconds the capturing steps took (Dynamo's and
+        # AOTAutograd's traces); hot steps whose graph ran compiled and op by op (artifact not yet
+        # loaded), graphs never compiled by cause
         self.optimizer_cold_steps = 0
         self.optimizer_captures = 0
         self.optimizer_hot_steps = 0
         self.optimizer_misses: Counter[str] = Counter()
+        self.optimizer_capture_seconds = 0.0
+        self.optimizer_compiled_runs = 0
+        self.optimizer_uncompiled_runs = 0
+        self.optimizer_uncompiled_graphs: Counter[str] = Counter()
         # Note [Captured modules] in ``_capture``: Dynamo entries compiled (captures), module calls
         # run as one guarded call, calls recorded instead by cause (and, for explain(), by
         # (cause, module type, (code, line))), seconds the capturing calls took (Dynamo's and
@@ -85,6 +91,10 @@ class Metrics:
             "optimizer_captures": self.optimizer_captures,
             "optimizer_hot_steps": self.optimizer_hot_steps,
             "optimizer_misses": dict(self.optimizer_misses),
+            "optimizer_capture_seconds": self.optimizer_capture_seconds,
+            "optimizer_compiled_runs": self.optimizer_compiled_runs,
+            "optimizer_uncompiled_runs": self.optimizer_uncompiled_runs,
+            "optimizer_uncompiled_graphs": dict(self.optimizer_uncompiled_graphs),
             "module_captures": self.module_captures,
             "module_captured_calls": self.module_captured_calls,
             "module_capture_misses": dict(self.module_capture_misses),
@@ -117,8 +127,8 @@ def format_report(m: dict) -> str:
               "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
-              "optimizer_hot_steps", "module_captures", "module_captured_calls", "module_compiled_runs",
-              "compiled_calls"):
+              "optimizer_hot_steps", "optimizer_compiled_runs", "module_captures", "module_captured_calls",
+              "module_compiled_runs", "compiled_calls"):
         if k in m:
             lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]

@@ -3,8 +3,10 @@
 While adaptive eager is on, the ``step`` of the optimizers in ``_CAPTURED`` is the function below:
 cold, it runs the step as before (every op recorded); once the optimizer has taken ``hot_after``
 steps, the step is handed to TorchDynamo (``fullgraph``, the backend the options name) and later
-steps run as a single call of what it compiled, with the dispatch mode suspended. The capture
-compiles inside its step, on the program's thread (Note [No compile off the step]). The step
+steps run as a single call of what it built, with the dispatch mode suspended. Its backend is the
+captured modules' (``_capture._Backend``): the step's ATen graph becomes a fuser Program compiled
+in a worker process and kept in ``neff_cache``, and runs op by op until that artifact is loaded
+(Note [Capture compiles off the step]). The step
 pre/post hooks, the LR scheduler's wrapper and ``_optimizer_step_code`` stay outside that call,
 in ``Optimizer.profile_hook_step``, and run eagerly every step.
 """
@@ -12,6 +14,7 @@ in ``Optimizer.profile_hook_step``, and run eagerly every step.
 from __future__ import annotations
 
 import functools
+import time
 import types
 import warnings
 import weakref
@@ -41,18 +44,15 @@ from ._state import current_state, pending_hot_ops
 #   tensor while compiling), so the bias corrections are graph computations, and a group float
 #   that changes becomes a graph input (below).
 # Dynamo is sound by construction and needs no per-optimizer code, so it is the mechanism; the
-# replay prototype was not built. Measured (``python benchmarks/suite.py --quick --only adamw``,
-# AdamW foreach=False 200 x 256, medians of 3, on 2 shared cores at load 9-10, so only the order
-# of magnitude holds): adaptive 16.6 ms, torch.compile 14.9 ms, eager foreach=True 34.2 ms, eager
-# 55.7 ms (an earlier run: 29.9 / 21.2 / 42.1 / 80.9); before this (e91fd87): adaptive 1115 ms
-# (every op recorded, replayed), torch.compile 24.7 ms, eager foreach=True 73.3 ms. The capture
-# compiles what torch.compile compiles, once per capture: 4 min for this step under that load
-# (torch.compile's warm-up there: 1.5-2 min), seconds for a small model.
+# replay prototype was not built. Its backend is the one every capture uses (``_capture._Backend``,
+# Note [Captured modules]): the step's functional ATen graph (an AOTAutograd inference graph
+# that writes its inputs, Note [Written inputs] in ``_capture``) becomes a fuser Program, compiled
+# in a worker process and kept in ``neff_cache`` like a region (Note [Capture compiles off the step]).
 #
 # What holds it together:
 # - the grads are placeholders of the backward window: the open window is flushed first (the
 #   flush Note [Step alignment] asks for at the end of the step, made at its start), then the
-#   compiled call runs with our mode suspended, on real tensors;
+#   captured call runs with our mode suspended, on real tensors;
 # - ``fullgraph=True``: the step is one frame whose guards are checked before anything runs, so a
 #   miss (``fail_on_recompile``, a stance that holds only during the call) leaves nothing half
 #   done. That step then runs recorded, as when cold, is counted by cause, and the next one is
@@ -62,37 +62,42 @@ from ._state import current_state, pending_hot_ops
 #   object, and every optimizer of the process would otherwise share one;
 # - a group float is specialized at the first capture (Dynamo's ``assume_static_by_default``);
 #   when it changes (a scheduled lr) that step misses, and the recapture makes it a graph input
-#   (automatic dynamic): one recapture per float that changes, never one per value. Dynamo keeps
-#   that knowledge per function, so a later optimizer may have it from its first capture;
+#   (automatic dynamic: a 0-dim float64 tensor input of the graph, so of the Program): one
+#   recapture per float that changes, never one per value. Dynamo keeps that knowledge per
+#   function, so a later optimizer may have it from its first capture;
 # - Python-visible effects are Dynamo's to replay: ``state[p]["step"]`` stays a tensor and is
-#   incremented in place; params and state tensors are marked static (``mark_static_address``,
-#   as ``torch.compile`` of an optimizer does);
-# - by default the compile runs inside the step the program called, as ``torch.compile``'s does
-#   (the benchmarks warm up past it), never in another thread (below).
+#   incremented in place (a written input of the graph); params and state tensors are marked
+#   static (``mark_static_address``, as ``torch.compile`` of an optimizer does).
 
-# Note [No compile off the step]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# On a cold machine the capture's first call took 169-174 s (Inductor's vector-ISA probes 56 s, its
-# C++ builds 49 s, its import 30 s; Dynamo's trace a small part): the program stalls at its third
-# step, as it would at a ``torch.compile``d step's first call. An earlier version offered
-# ``optimizer_capture="background"``: Dynamo traced in the step, and AOTAutograd and Inductor
-# compiled that graph on the compile thread while the program's thread ran it uncompiled. It was
-# removed: the PT2 stack is not thread-safe (pytorch/pytorch#105943, #118260: fake-tensor caches,
-# make_fx's process-wide patches, config patches), and in this project's CI that test failed once
-# with a FakeTensor made of a CPU tensor in the compile thread and, on another run, crashed the
-# process with a segmentation fault. Regions are safe from this: they compile in worker processes
-# (Note [Background compiles] in fuser.artifacts), and the compile thread only loads what a
-# worker built, or compiles while the program's thread waits for it (Note [Compile thread]).
-# Moving the capture's compile to a worker process needs Dynamo's graph in a
-# form a worker can compile and this process load (as a region's Program is): not built. The
-# setting still accepts ``background`` and warns that the compile runs in the step.
+# Note [Capture compiles off the step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# No compiler runs in the step that captures: the Program of the step's graph is compiled in a
+# region worker process (Note [Background compiles] in fuser.artifacts), or loaded from
+# ``neff_cache`` with no compiler at all in a later process, and until it is loaded the graph runs
+# op by op with the mode suspended (``_capture._Graph``), at eager's speed less the step's Python.
+# Compiling in this process was the earlier design and is gone: Inductor inside the step stalled
+# it (169-174 s on a cold machine, 6-20 s warm, and again in every process: Inductor's artifacts
+# lived outside our cache; on a machine without a C++ compiler it failed), and compiling it on a
+# thread of this process is unsafe (the PT2 stack is not thread-safe: pytorch/pytorch#105943,
+# #118260; in this project's CI such a thread once made a FakeTensor of a CPU tensor and once
+# crashed the process). What stays in the capturing step is Dynamo's trace and AOTAutograd's
+# (functionalization, decompositions), and ``_program``'s conversion. Measured with
+# ``python benchmarks/capture_trace.py adamw|blocks8`` (imports done before; on 2 shared cores at
+# load 7, so a quiet machine takes about a third):
+#   AdamW foreach=False over the suite's 200 x 256 params: 101 s = Dynamo 55 s + AOTAutograd 46 s;
+#   AdamW over the 8-block model's 34 params: 21 s = Dynamo 11 s + AOTAutograd 10 s.
+# So the trace is not cheap for a foreach=False step (Dynamo unrolls the per-parameter loop, ~60
+# ops each): that step still stalls once per process, with no compile in it. The setting still
+# accepts ``background`` and says it means 1.
 
 # The optimizers whose step is captured: torch.optim's, with the flags the tests cover.
 _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad)
-# Dynamo's backend for each of ours. Not ``replay``: the captured step computes in the tensor-step
-# formulation, within compiled tolerances of eager, and replay is bitwise eager (DESIGN.md);
-# stablehlo and neuron compile windows only.
-_DYNAMO_BACKENDS = {"inductor": "inductor"}
+# Dynamo's backend for each of ours: ``_OURS`` is ``_capture._Backend``, the one every capture uses
+# (any other value is handed to Dynamo as it is). Not ``replay``: the captured step computes in the
+# tensor-step formulation, within compiled tolerances of eager, and replay is bitwise eager
+# (DESIGN.md); stablehlo and neuron compile windows only.
+_OURS = "adaptive_eager"
+_DYNAMO_BACKENDS = {"inductor": _OURS}
 _MAX_CAPTURES = 4
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 # Dynamo refuses to run a compiled function while FX traces (``is_fx_symbolic_tracing()``, which
@@ -194,7 +199,7 @@ def _step(st, opt, raw):
             return raw(opt)
         if st.window.nodes:
             flush(st, "optimizer_step")
-        return _capture(opt, raw, cap, backend)
+        return _capture(st, opt, raw, cap, backend)
     if _traced_elsewhere():
         return raw(opt)
     if st.window.nodes:
@@ -223,8 +228,13 @@ def _step(st, opt, raw):
     return raw(opt)
 
 
-def _capture(opt, raw, cap, backend):
+def _capture(st, opt, raw, cap, backend):
     """Hand the step to Dynamo; the step it runs is this one (Note [Optimizer capture])."""
+    if backend == _OURS:
+        from ._capture import _Backend
+
+        backend = _Backend(None, st.options, "optimizer")
+    t0 = time.perf_counter()
     try:
         with _disable_current_modes(), _grad_mode(opt), warnings.catch_warnings():
             # what Dynamo's tracing imports deprecates is not the program's (``-W error``)
@@ -241,6 +251,7 @@ def _capture(opt, raw, cap, backend):
         log.warning("adaptive_eager: %s.step() could not be captured (%s: %s); it is recorded op by op",
                     type(opt).__name__, type(e).__name__, _first_line(e))
         return raw(opt)
+    METRICS.optimizer_capture_seconds += time.perf_counter() - t0
     cap.fn, cap.captures = fn, cap.captures + 1
     METRICS.optimizer_captures += 1
     _count_launches(cap)

@@ -103,8 +103,8 @@ def _parse_seconds(name: str, raw: str) -> float:
 
 
 def _parse_capture(name: str, raw: str) -> bool:
-    """A boolean; ``background``, no longer offered (Note [No compile off the step] in _optim),
-    means 1, said once a process: the capture compiles inside its step."""
+    """A boolean; ``background``, no longer a setting of its own (Note [Capture compiles off the
+    step] in _optim), means 1, said once a process: every capture compiles off the step."""
     global _warned_background
     if raw.strip().lower() != "background":
         return _parse_bool(name, raw)
@@ -113,8 +113,8 @@ def _parse_capture(name: str, raw: str) -> bool:
         from ._source import warn  # not at import: torch imports this module (_autoload)
 
         warn("optimizer_capture='background' (NEURON_EAGER_OPTIMIZER_CAPTURE=background) is no longer offered: "
-             "PyTorch's compiler is not safe to run in another thread of the program; the optimizer step's "
-             "capture compiles inside its step, as with 1 (set 0 to turn the capture off)")
+             "the optimizer step's capture always compiles off the step, in a compile worker process, as "
+             "with 1 (set 0 to turn the capture off)")
     return True
 
 
@@ -176,7 +176,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "emulate": (_parse_bool, "an emulated `neuron` device backed by CPU memory, counting one launch per eager op "
                 "(default 0; docs/trainium.md)"),
     "optimizer_capture": (_parse_capture, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
-                          "call compiled by TorchDynamo (default 1; compiled inside the step that captures it)"),
+                          "call guarded by TorchDynamo, its graph compiled in background workers and kept in the cache "
+                          "(default 1)"),
     "module_capture": (_parse_bool, "a hot outermost `nn.Module` call (forward and backward) runs as one call guarded "
                        "by TorchDynamo, its graphs compiled in background workers and kept in the cache (default 1)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, forks) record too (default 0: they run eagerly)"),

@@ -13,7 +13,8 @@ compiles land while the other variants run, as they would while a user's loop go
 - ``first step s``: the first step's time (compiles that block it count here);
 - ``max later ms``: the slowest step after the first (a compile that stalls a step shows here);
 - ``compiled at``: for adaptive, the first step whose windows all ran compiled (no replayed
-  region in that step), from ``ae.metrics()``;
+  region in that step) and whose captured calls all ran compiled (no captured module or optimizer
+  graph run op by op while its artifact was not loaded), from ``ae.metrics()``;
 - ``kernels/step`` (cuda): device kernels and memcpys of one step, counted by ``torch.profiler``, not
   by the library;
 - ``host syncs/step`` (cuda): synchronizations the step makes, counted by
@@ -80,6 +81,9 @@ def cnn(device):
 WORKLOADS = {"blocks8": blocks8, "rnn": rnn, "cnn": cnn}
 
 
+_UNCOMPILED = ("module_uncompiled_runs", "optimizer_uncompiled_runs")  # captured graphs run op by op
+
+
 class Variant:
     def __init__(self, name, device, build, wrap=None, context=None):
         torch.manual_seed(0)
@@ -109,7 +113,8 @@ class Variant:
                     if before is not None and self.compiled_at is None:
                         after = ae.metrics()
                         if (after["compiled_runs"] > before["compiled_runs"]
-                                and after["replayed_regions"] == before["replayed_regions"]):
+                                and after["replayed_regions"] == before["replayed_regions"]
+                                and all(after[k] == before[k] for k in _UNCOMPILED)):
                             self.compiled_at = len(self.times)
         except Exception as e:  # noqa: BLE001 - one broken variant must not hide the others
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"

@@ -7,6 +7,10 @@ Inductor compile, so each test stays short) under the name ``replay``; the 1,000
 ``test_replay_is_not_captured`` use the library's own mapping.
 """
 
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -40,14 +44,15 @@ def _backward(params, i):
     loss.backward()
 
 
-def _train(make_opt, steps, lazy, edit=None, sched=None, set_to_none=True, backend="replay", **options):
+def _train(make_opt, steps, lazy, edit=None, sched=None, set_to_none=True, backend="replay", async_compile=False,
+           **options):
     """``steps`` steps of ``make_opt(params)``; ``edit(i, params, opt)`` runs before step ``i``.
-    The capture compiles inside its step (Note [No compile off the step]): the counts are the same
-    in every run."""
+    Dynamo traces the step in the step that captures it (Note [Capture compiles off the step]), and
+    without ``async_compile`` its graph's compile is waited for: the counts are the same in every run."""
     params = _params()
     opt = make_opt(params)
     scheduler = sched(opt) if sched else None
-    ctx = ae.adaptive_eager(backend=backend, async_compile=False, **options) if lazy else _nothing()
+    ctx = ae.adaptive_eager(backend=backend, async_compile=async_compile, **options) if lazy else _nothing()
     with ctx:
         for i in range(steps):
             opt.zero_grad(set_to_none=set_to_none)
@@ -338,9 +343,9 @@ def test_a_step_while_another_thread_traces_runs_recorded(monkeypatch, checked):
 
 
 def test_the_capture_compiles_on_the_programs_thread(monkeypatch):
-    """Note [No compile off the step]: PyTorch's compiler is not thread-safe, so the capture's backend
-    runs in the step, on the program's thread; ``background``, once an option, says so once and
-    means the same."""
+    """Note [Capture compiles off the step]: PyTorch's compiler is not thread-safe, so Dynamo's
+    backend (the trace) runs in the step, on the program's thread, and the compile in a worker
+    process; ``background``, once an option, says so once and means the same."""
     import threading
 
     from adaptive_eager import config
@@ -356,7 +361,7 @@ def test_the_capture_compiles_on_the_programs_thread(monkeypatch):
     make = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
     eager = _train(make, 6, False)
     ae.reset_metrics()
-    with pytest.warns(UserWarning, match="background.*no longer offered.*inside its step") as said:
+    with pytest.warns(UserWarning, match="background.*no longer offered.*off the step") as said:
         lazy = _train(make, 6, True, optimizer_capture="background")
         _train(make, 3, True, optimizer_capture="background")  # said once a process
     assert len([w for w in said if "background" in str(w.message)]) == 1
@@ -372,7 +377,7 @@ def test_the_capture_is_an_option_the_environment_can_set(monkeypatch):
     from adaptive_eager.config import ConfigError, load_options
 
     monkeypatch.setattr(config, "_warned_background", False)
-    assert load_options({}).optimizer_capture is True  # by default the capture compiles in its step
+    assert load_options({}).optimizer_capture is True  # by default the step is captured
     assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "0"}).optimizer_capture is False
     with pytest.warns(UserWarning, match=r"NEURON_EAGER_OPTIMIZER_CAPTURE=background\) is no longer offered"):
         assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "background"}).optimizer_capture is True
@@ -382,3 +387,141 @@ def test_the_capture_is_an_option_the_environment_can_set(monkeypatch):
         load_options({}, optimizer_capture="later")
     with pytest.raises(ConfigError, match="optimizer_capture=2: expected True or False"):
         load_options({}, optimizer_capture=2)
+
+
+def _adamw(p):
+    return torch.optim.AdamW(p, lr=0.01, weight_decay=0.05)
+
+
+def _wait_for_workers():
+    import fuser
+
+    for jobs in fuser.compile_jobs():
+        jobs.poll(timeout_s=300)
+        while jobs.pending():
+            jobs.poll(timeout_s=300)
+
+
+def _run_script(script, env_extra=None, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_capture_compiles_off_the_step_and_a_new_process_loads_it(tmp_path, monkeypatch):
+    """Note [Capture compiles off the step]: with async_compile, no compiler runs in this process
+    (neither the fuser's in-process compile nor Inductor's), the step's graph runs op by op until
+    its artifact lands; a new process on the same cache runs every hot step compiled, with 0
+    compiles, within compiled tolerances of eager."""
+    import fuser.compile
+    import torch._inductor.compile_fx as compile_fx
+
+    here = []
+    for owner, name in ((fuser.compile, "compile_program"), (compile_fx, "compile_fx")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _o=original, _n=name, **k: here.append(_n) or _o(*a, **k))
+    steps = 8
+    eager = _train(_adamw, steps, False)
+    lazy = _train(_adamw, steps, True, backend="inductor", async_compile=True, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy, rtol=1e-5, atol=1e-6)
+    m = ae.metrics()
+    assert here == [], here
+    assert m["optimizer_captures"] == 1 and m["optimizer_hot_steps"] == steps - HOT_AFTER - 1, m
+    # the capturing step runs the graph too
+    assert m["optimizer_compiled_runs"] + m["optimizer_uncompiled_runs"] == m["optimizer_hot_steps"] + 1, m
+    _wait_for_workers()
+    # the loss's windows are regions whose compiles (lifted scalars, dynamic shapes) follow the
+    # workers' timing: the compiles counted are the optimizer graph's
+    warm = _run_script(f"""
+import json, sys, torch
+sys.path[:0] = {sys.path!r}
+import adaptive_eager as ae, test_optimizer_capture as t
+from adaptive_eager import _capture
+import fuser.regions
+compiled, graphs = [], []
+here = fuser.regions._compile_here
+fuser.regions._compile_here = lambda entry, *a: compiled.append(entry.pkey) or here(entry, *a)
+obtain = _capture._Graph._obtain
+_capture._Graph._obtain = lambda self: (graphs.append(self), obtain(self))[1]
+eager = t._train(t._adamw, 8, False)
+ae.reset_metrics()
+lazy = t._train(t._adamw, 8, True, backend="inductor", cache_dir={str(tmp_path)!r})
+t._assert_same(eager, lazy, rtol=1e-5, atol=1e-6)
+m = ae.metrics()
+m["optimizer_graph_compiles"] = len({{g.entry.pkey for g in graphs if g.who == "optimizer"}} & set(compiled))
+print(json.dumps(m))
+""")
+    assert warm["optimizer_graph_compiles"] == 0, json.dumps(warm)
+    assert warm["optimizer_hot_steps"] == 8 - HOT_AFTER - 1, warm
+    assert warm["optimizer_compiled_runs"] == warm["optimizer_hot_steps"] + 1, warm  # and the capturing step
+    assert warm["optimizer_uncompiled_runs"] == 0 and warm["optimizer_uncompiled_graphs"] == {}, warm
+
+
+_MODEL_LOOP = """
+import json, sys, torch, torch.nn as nn
+sys.path[:0] = {path!r}
+import adaptive_eager as ae
+
+
+def train(lazy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    xs = [torch.randn(5, 8) for _ in range(10)]
+    ctx = ae.adaptive_eager(backend="inductor", async_compile=False, cache_dir={cache!r}) if lazy else None
+    losses = []
+    if ctx:
+        ctx.__enter__()
+    for x in xs:
+        opt.zero_grad()
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if ctx:
+        ctx.__exit__(None, None, None)
+    return losses, list(model.parameters())
+
+
+eager = train(False)
+ae.reset_metrics()
+lazy = train(True)
+torch.testing.assert_close(lazy[0], eager[0], rtol=1e-4, atol=1e-5)
+for a, b in zip(eager[1], lazy[1]):
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+print(json.dumps(ae.metrics()))
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_process_without_a_compiler_runs_every_step_compiled(tmp_path):
+    """Issue 32's target: a second process on the same cache, with a C++ compiler that fails (and
+    logs its calls) first on the PATH and in CXX/CC, runs the model's captured forward and backward,
+    the captured optimizer step and the loss's windows compiled (from the step that captures, the
+    third), and calls no compiler."""
+    cache = str(tmp_path / "cache")
+    cold = _run_script(_MODEL_LOOP.format(path=sys.path, cache=cache))
+    assert cold["optimizer_captures"] == 1 and cold["module_captures"] >= 1, cold
+    bin_dir, calls = tmp_path / "bin", tmp_path / "compiler_calls.log"
+    bin_dir.mkdir()
+    for name in ("g++", "gcc", "cc", "c++", "clang", "clang++"):
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\nexit 1\n")
+        tool.chmod(0o755)
+    failing = str(bin_dir / "g++")
+    warm = _run_script(_MODEL_LOOP.format(path=sys.path, cache=cache),
+                       {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "CXX": failing,
+                        "CC": str(bin_dir / "gcc")})
+    assert not calls.exists(), calls.read_text()[:2000]
+    assert warm["compiles"] == 0, warm
+    assert warm["optimizer_hot_steps"] == 10 - HOT_AFTER - 1, warm
+    assert warm["optimizer_compiled_runs"] == warm["optimizer_hot_steps"] + 1, warm
+    assert warm["module_uncompiled_runs"] == 0 and warm["module_compiled_runs"] > 0, warm
+    assert warm["optimizer_uncompiled_runs"] == 0, warm
+    # windows replay only at their first sight in the process (Note [Tiers] in fuser.regions: the
+    # two recorded steps before the captures), never for want of a compiler
+    assert set(warm["replay_reasons"]) <= {"cold"} and warm["compiled_runs"] > 0, json.dumps(warm)
+    assert warm["replayed_regions"] <= HOT_AFTER, json.dumps(warm)
