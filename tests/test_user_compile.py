@@ -366,3 +366,29 @@ def test_a_programs_mode_nested_inside():
         return [y, y.cos()]
 
     _vs_eager(fn)
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_compiled_autograd_runs_the_backward_as_without_us(options, caplog):
+    """Compiled autograd (``torch._dynamo.compiled_autograd``): the backward is traced and run by
+    Dynamo, with adaptive eager stepped aside; the gradients are eager's, each backward one
+    compiled call, and the backend is handed the same graphs."""
+    from torch._dynamo import compiled_autograd
+
+    def program(compile):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+        x = torch.randn(4, 8)
+        for _ in range(3):
+            with compiled_autograd._enable(compile):  # the backward graph goes to torch.compile
+                model(x).pow(2).mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ae.reset_metrics()
+    got, graphs = _run(program, options, caplog)
+    m = ae.metrics()
+    alone, graphs_alone = _run(program, None, caplog)
+    assert graphs == graphs_alone
+    assert m["compiled_calls"] >= 3
+    for a, b in zip(got, alone):
+        torch.testing.assert_close(a, b)
