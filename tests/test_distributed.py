@@ -159,6 +159,29 @@ def _train_ddp(rank: int, lazy: bool, cache_dir: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _train_compiled_ddp(rank: int, lazy: bool, cache_dir: str) -> list[torch.Tensor]:
+    """The program's own ``torch.compile`` of a DDP-wrapped model (Note [User torch.compile] in
+    adaptive_eager._compile): a few SGD steps; the final parameters."""
+    import contextlib
+
+    from adaptive_eager import adaptive_eager
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend="aot_eager")
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mode = adaptive_eager(backend="replay", cache_dir=cache_dir) if lazy else contextlib.nullcontext()
+    with mode:
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(compiled(x), y).backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
@@ -186,6 +209,10 @@ def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
         result["ddp_metrics"] = ae.metrics()
         if rank == 0:
             result["ddp_report"] = ae.report()
+        result["compiled_ddp_eager"] = _train_compiled_ddp(rank, lazy=False, cache_dir=cache_dir)
+        ae.reset_metrics()
+        result["compiled_ddp_lazy"] = _train_compiled_ddp(rank, lazy=True, cache_dir=cache_dir)
+        result["compiled_ddp_metrics"] = ae.metrics()
         dist.destroy_process_group()
         torch.save(result, path)
     except BaseException:
@@ -309,3 +336,14 @@ def test_ddp_ranks_share_one_cache_and_compile_each_region_once(ranks):
     # and the ranks met in the cache: one found the other's claim or loaded its artifact
     met = sum(r["ddp_metrics"]["waited_for_other_process"] + r["ddp_metrics"]["cache_hits_disk"] for r in ranks)
     assert met > 0, [r["ddp_metrics"] for r in ranks]
+
+
+def test_a_program_that_compiles_its_ddp_model_trains_as_without_us(ranks):
+    """Issue 37: DDP wrapping a model the program compiled runs inside adaptive eager with the
+    mode stepped aside for each compiled call: eager's parameters, replicas in step."""
+    for r in ranks:
+        for got, want in zip(r["compiled_ddp_lazy"], r["compiled_ddp_eager"], strict=True):
+            torch.testing.assert_close(got, want)
+        assert r["compiled_ddp_metrics"]["compiled_calls"] >= 3, r["compiled_ddp_metrics"]
+    for a, b in zip(ranks[0]["compiled_ddp_lazy"], ranks[1]["compiled_ddp_lazy"], strict=True):
+        torch.testing.assert_close(a, b)
