@@ -37,6 +37,7 @@ last one turns it off; with nothing pending they cost one thread-local read.
 from __future__ import annotations
 
 import builtins
+import importlib
 import functools
 import sys
 import threading
@@ -483,6 +484,12 @@ def install() -> None:
         torch.Tensor.__repr__ = _repr_wrapper(torch.Tensor.__repr__)
         _saved[("tensor", "data")] = torch.Tensor.__dict__.get("data", _MISSING)
         torch.Tensor.data = _data_property(torch._C.TensorBase.__dict__["data"])
+        # Dynamo keeps the builtins it knows by identity when it is imported; imported later while
+        # our print wrapper stands (autograd.Function.apply imports it at the first recorded op's
+        # meta run), it knew the real print no more and warned at each graph break on a print.
+        # Recording imports it in nearly every program anyway: import it first, with the real print.
+        importlib.import_module("torch._dynamo")
+
         _saved["print"] = builtins.print
         builtins.print = _print_wrapper(builtins.print)
         _saved["breakpointhook"] = sys.breakpointhook

@@ -10,6 +10,7 @@ traces alone; no compile runs in that step (it runs in a worker process), and no
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -23,7 +24,11 @@ import adaptive_eager as ae
 from adaptive_eager import _capture
 
 
-def main(which: str) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", nargs="?", choices=["adamw", "blocks8"], default="adamw",
+                        help="AdamW over the suite's 200 x 256 params, or over the 8-block model's")
+    which = parser.parse_args().which
     aot: list[float] = []
     traced = _capture._Backend.__call__
 
@@ -56,4 +61,4 @@ def main(which: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "adamw")
+    main()

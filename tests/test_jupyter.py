@@ -306,7 +306,7 @@ def test_pending_tensor_displays_its_values(ip):
 
 
 def test_deferred_error_is_the_cells_error(ip):
-    cell = "x = torch.arange(6.).reshape(3, 2)\npicked = torch.index_select(x, 0, torch.tensor([3]))\nok = x + 1"
+    cell = "x = torch.arange(6.).reshape(3, 2)\npicked = torch.index_select(x, 0, torch.tensor([3]) + 0)\nok = x + 1"
     r = _cell(ip, cell)
     assert isinstance(r.error_in_exec, IndexError), r.error_in_exec
     msg = str(r.error_in_exec)
@@ -316,7 +316,7 @@ def test_deferred_error_is_the_cells_error(ip):
 
 
 def test_cell_that_raises_still_flushes_its_ops(ip, caplog):
-    cell = "v = torch.ones(2) * 2\nbad = torch.index_select(v, 0, torch.tensor([5]))\nraise ValueError('own')"
+    cell = "v = torch.ones(2) * 2\nbad = torch.index_select(v, 0, torch.tensor([5]) + 0)\nraise ValueError('own')"
     with caplog.at_level(logging.WARNING, logger="adaptive_eager"):
         r = _cell(ip, cell)
     assert isinstance(r.error_in_exec, ValueError)  # the cell's own error wins
@@ -352,7 +352,7 @@ def test_breakpoint_sees_real_values(monkeypatch, ip):
 
 
 def test_debug_post_mortem_after_a_deferred_error(ip, monkeypatch, capsys):
-    r = _cell(ip, "y = torch.arange(4.) * 5\nbad = torch.index_select(y, 0, torch.tensor([9]))")
+    r = _cell(ip, "y = torch.arange(4.) * 5\nbad = torch.index_select(y, 0, torch.tensor([9]) + 0)")
     assert isinstance(r.error_in_exec, IndexError)
     # the debugger starts at the innermost frame; walk up to the cell's frame
     frames, tb = [], sys.last_traceback

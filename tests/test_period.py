@@ -7,6 +7,16 @@ import adaptive_eager as ae
 from adaptive_eager._period import Periodicity
 
 
+@pytest.fixture(autouse=True)
+def _windows_not_captured_calls():
+    """These tests count what windows and regions do; the model's and the optimizer's calls would
+    otherwise be captured once hot (Note [Captured modules] in adaptive_eager._capture, tested in
+    tests/test_module_capture.py), taking their ops out of the windows counted here."""
+    with ae.defaults(module_capture=False, optimizer_capture=False):
+        yield
+
+
+
 def _feed(per: Periodicity, stream: list[int], reasons=None) -> list[int]:
     """Cut ``stream`` into windows the way the tracer does; return the window lengths."""
     lengths, i = [], 0
@@ -137,9 +147,18 @@ def test_period_cuts_compile_one_region_where_cap_cuts_drift(detect, monkeypatch
     the loop needs many regions (and replays each one until it is hot) instead of one."""
     if not detect:
         monkeypatch.setattr(Periodicity, "_search", lambda self, end: None)
-    _, m = _manual_sgd(150, lazy=True, warmup=0, window=97, async_compile=False, cache_dir=str(tmp_path))
+    from adaptive_eager._flush import WRITTEN
+
+    # storages earlier tests wrote: a reused address makes a new parameter's views recorded from the
+    # first window, another's only once written, and the first windows' keys then vary by test order
+    WRITTEN.clear()
+    # a cap that is no multiple of the step's recorded ops, so that cap cuts drift (the step records
+    # fewer ops since views of unwritten memory are inputs: Note [Views of unwritten memory])
+    _, m = _manual_sgd(150, lazy=True, warmup=0, window=101, async_compile=False, cache_dir=str(tmp_path))
     if detect:
-        assert m["compiles"] == 1 and m["replayed_regions"] <= 3, m
+        # the first windows replay until the parameters are known as written (their views are
+        # inputs, then view nodes: Note [Views of unwritten memory]); then one region runs
+        assert m["compiles"] == 1 and m["replayed_regions"] <= 8, m
     else:
         assert m["flushes"].get("period", 0) == 0
         assert m["compiles"] >= 4 and m["replayed_regions"] > 3, m  # more than with detection

@@ -75,7 +75,7 @@ def _run(program, options, caplog, backend="eager"):
     # frame), fails the test
     warned = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.category is not DeprecationWarning]
     warned += [r.getMessage() for r in caplog.records]
-    assert not warned, warned
+    assert not warned, "\n".join(warned)
     return out, counting.graphs if counting is not None else None
 
 
