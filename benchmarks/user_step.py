@@ -112,9 +112,9 @@ class Variant:
                     self.times.append(time.perf_counter() - t0)
                     if before is not None and self.compiled_at is None:
                         after = ae.metrics()
-                        if (after["compiled_runs"] > before["compiled_runs"]
-                                and after["replayed_regions"] == before["replayed_regions"]
-                                and all(after[k] == before[k] for k in _UNCOMPILED)):
+                        if (after.get("compiled_runs", 0) > before.get("compiled_runs", 0)
+                                and after.get("replayed_regions", 0) == before.get("replayed_regions", 0)
+                                and all(after.get(k, 0) == before.get(k, 0) for k in _UNCOMPILED)):
                             self.compiled_at = len(self.times)
         except Exception as e:  # noqa: BLE001 - one broken variant must not hide the others
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
