@@ -58,3 +58,14 @@ def fresh_regions():
 
     fuser.cache_clear()
     yield
+
+
+@pytest.fixture
+def windows_not_captured():
+    """For tests that count what windows and regions do: the model's and the optimizer's calls would
+    otherwise be captured once hot (Note [Captured modules] in adaptive_eager._capture, tested in
+    tests/test_module_capture.py), taking their ops out of the windows counted."""
+    import adaptive_eager as ae
+
+    with ae.defaults(module_capture=False, optimizer_capture=False):
+        yield

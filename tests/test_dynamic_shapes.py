@@ -13,13 +13,7 @@ import fuser.shapes
 from adaptive_eager import adaptive_eager
 
 
-@pytest.fixture(autouse=True)
-def _windows_not_captured_calls():
-    """These tests count what windows and regions do; the model's and the optimizer's calls would
-    otherwise be captured once hot (Note [Captured modules] in adaptive_eager._capture, tested in
-    tests/test_module_capture.py), taking their ops out of the windows counted here."""
-    with ae.defaults(module_capture=False, optimizer_capture=False):
-        yield
+pytestmark = pytest.mark.usefixtures("windows_not_captured")  # conftest: captures off
 
 
 SIZES = range(2, 12)  # ten batch sizes

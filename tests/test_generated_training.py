@@ -36,14 +36,6 @@ from _oracle import COMPILED, REPLAY, first_difference
 from adaptive_eager import adaptive_eager
 
 
-@pytest.fixture
-def _windows_not_captured_calls():
-    """These tests count what windows and regions do; the model's and the optimizer's calls would
-    otherwise be captured once hot (Note [Captured modules] in adaptive_eager._capture, tested in
-    tests/test_module_capture.py), taking their ops out of the windows counted here."""
-    with ae.defaults(module_capture=False, optimizer_capture=False):
-        yield
-
 
 FEATURES, CLASSES, CHANNELS, VOCAB = 6, 3, 3, 13
 RNG_SEED = 4321  # the global generator at the start of a loop (Dropout draws from it)
@@ -633,7 +625,7 @@ def test_a_value_freed_by_the_garbage_collector_during_its_flush(monkeypatch):
     assert ae.metrics()["ops_recorded"] == 3
 
 
-def test_an_in_place_region_whose_output_the_collector_frees_updates_parameters_once(monkeypatch, fresh_regions, _windows_not_captured_calls):
+def test_an_in_place_region_whose_output_the_collector_frees_updates_parameters_once(monkeypatch, fresh_regions, windows_not_captured):
     """The compiled form of the test above: the region that writes the parameters in place is
     compiled at first sight, between the flush's liveness read and its outputs' binding."""
     from fuser.backends import get_backend
