@@ -51,7 +51,7 @@ if __name__ == "__main__":
     # the first steps replay and compile; the median of the last 20 is the steady state
     e_ms, a_ms = (statistics.median(t[-20:]) * 1e3 for t in (eager_times, lazy_times))
     print(f"median step time of the last 20 steps  eager: {e_ms:.2f} ms   adaptive eager: {a_ms:.2f} ms "
-          f"(a model this small is bound by Python on a CPU; see README 'Performance today')")
+          f"(see README.md, 'Performance')")
     # replayed steps are bitwise eager; compiled regions agree within float tolerance
     print(f"largest loss difference: {max(abs(a - b) for a, b in zip(eager, lazy)):.2e}")
     print(ae.report())
