@@ -10,6 +10,7 @@ from collections import deque
 
 import torch
 import torch.autograd.profiler as _profiler
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -150,7 +151,9 @@ def _run_window(st: TracerState, window: Window, reason: str, now: bool = False)
         _release(window)
 
 
-WRITTEN: dict[int, None] = {}  # storages (``_cdata``) of real tensors that recorded ops wrote
+# storages (``_cdata``) of real tensors that recorded ops wrote -> a weak reference to the storage:
+# an address a freed storage left is no written memory (``is_written``)
+WRITTEN: dict[int, StorageWeakRef] = {}
 
 
 def learn_written(window: Window) -> None:
@@ -159,9 +162,23 @@ def learn_written(window: Window) -> None:
     real = window.real_inputs
     written = WRITTEN
     for slot in window.mutated:
-        sid = _untyped_storage(real[slot])._cdata
-        if sid not in written:
-            bounded_put(written, sid, None)
+        storage = _untyped_storage(real[slot])
+        sid = storage._cdata
+        if sid not in written or written[sid].expired():
+            written.pop(sid, None)
+            bounded_put(written, sid, StorageWeakRef(storage))
+
+
+def is_written(sid: int) -> bool:
+    """Whether recorded ops wrote the live storage at ``sid``; one that was freed is forgotten (its
+    address, reused by a dataset's storage, made every row a recorded view: a new key each step)."""
+    ref = WRITTEN.get(sid)
+    if ref is None:
+        return False
+    if ref.expired():
+        WRITTEN.pop(sid, None)
+        return False
+    return True
 
 
 def _arm(st: TracerState, window: Window, result: fuser.FlushResult) -> None:

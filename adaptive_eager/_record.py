@@ -12,7 +12,7 @@ import torch
 from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
 
 from . import _signatures
-from ._flush import WRITTEN, flush
+from ._flush import flush, is_written
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
 from ._args import _tensors
@@ -470,9 +470,10 @@ def resize_outs(st: TracerState, f, entry: _Resizes, args, kwargs) -> bool:
 # the optimizer's recorded update after it) is replayed ("aliased_inputs": ``fuser.regions.run``),
 # in eager's order, with eager's values; from the next window on its views are recorded as before. A real tensor of one
 # element stays recorded: the scalar fast path may write it before the window runs (Note [Scalar
-# fast path]; ``Window.viewed``). A bounded table (Note [Bounded tables] in _signatures): a
-# storage forgotten, or an address reused by another tensor, costs one replayed window or a view
-# node, never a wrong value.
+# fast path]; ``Window.viewed``). A bounded table (Note [Bounded tables] in _signatures) of weak
+# references: a storage forgotten costs one replayed window, never a wrong value, and an address a
+# freed storage left is not taken for written memory (once it was, and a dataset allocated there
+# had every row recorded, its loop never compiled).
 
 
 def view_of_unwritten(st: TracerState, window: Window, a) -> bool:
@@ -488,7 +489,7 @@ def view_of_unwritten(st: TracerState, window: Window, a) -> bool:
     if a.layout is not _strided or not _on_target(st, a):
         return False  # _record_view leaves it alone: Note [Tensors the mode leaves alone] in _state
     sid = _untyped_storage(a)._cdata
-    if sid in window.written or sid in WRITTEN:
+    if sid in window.written or is_written(sid):
         return False
     window.passed = True
     return True

@@ -661,10 +661,12 @@ def _as_written(*tensors):
     """Make the views of ``tensors`` recorded, as views of memory that recorded ops wrote are (a
     parameter's); views of memory nothing writes are inputs of their own instead (Note [Views of
     unwritten memory] in adaptive_eager._record, tests/test_tracer.py)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     from adaptive_eager._flush import WRITTEN
 
     for t in tensors:
-        WRITTEN[t.untyped_storage()._cdata] = None
+        WRITTEN[t.untyped_storage()._cdata] = StorageWeakRef(t.untyped_storage())
     return tensors
 
 

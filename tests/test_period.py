@@ -141,11 +141,6 @@ def test_period_cuts_compile_one_region_where_cap_cuts_drift(detect, monkeypatch
     the loop needs many regions (and replays each one until it is hot) instead of one."""
     if not detect:
         monkeypatch.setattr(Periodicity, "_search", lambda self, end: None)
-    from adaptive_eager._flush import WRITTEN
-
-    # storages earlier tests wrote: a reused address makes a new parameter's views recorded from the
-    # first window, another's only once written, and the first windows' keys then vary by test order
-    WRITTEN.clear()
     # a cap that is no multiple of the step's recorded ops, so that cap cuts drift (the step records
     # fewer ops since views of unwritten memory are inputs: Note [Views of unwritten memory])
     _, m = _manual_sgd(150, lazy=True, warmup=0, window=101, async_compile=False, cache_dir=str(tmp_path))
