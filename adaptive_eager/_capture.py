@@ -348,6 +348,7 @@ class _Graph:
     graph counts its launches, an optimizer's step is counted by ``_optim`` as one launch."""
 
     _boxed_call = True
+    captured = True  # ours, not the program's compiled code (``_compile._graph_aside``)
 
     def __init__(self, gm, example_inputs, kind: str, options, who: str = "module"):
         if kind == "forward":

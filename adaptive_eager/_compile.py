@@ -67,7 +67,9 @@ _push_dispatch_stack = torch._C._push_on_torch_dispatch_stack
 #   forward and backward are its graphs; the ops around them (the loss, gradient accumulation) and
 #   an optimizer step the program did not compile are ours, as in any eager program.
 # Counted: ``flushes["torch_compile"]`` (where the window had ops) and ``compiled_calls`` (calls of
-# compiled code that stepped aside: each compiled call, each compiled backward graph).
+# compiled code that stepped aside: each compiled call, each compiled backward graph). The backward
+# of our own captured module (Note [Captured modules] in ``_capture``) steps aside the same way but
+# is counted as the capture's (``flushes["module_capture"]``), not as the program's compiled code.
 
 
 def _nothing() -> None:
@@ -95,9 +97,10 @@ class _Aside:
             _push_dispatch_stack(m)
 
 
-def _take_off(st):
-    """Flush ``st``'s window and take its mode off the dispatch stack, wherever it is in it; None
-    where it is not on it (a flush, the optimizer capture, a compiled call inside a compiled call)."""
+def _take_off(st, reason: str = "torch_compile"):
+    """Flush ``st``'s window (counted under ``reason``) and take its mode off the dispatch stack,
+    wherever it is in it; None where it is not on it (a flush, the optimizer capture, a compiled
+    call inside a compiled call)."""
     mode = st.mode
     n = _len_dispatch_stack()
     for i in range(n - 1, -1, -1):
@@ -106,8 +109,9 @@ def _take_off(st):
     else:
         return None
     if st.window.nodes:
-        flush(st, "torch_compile")
-    METRICS.compiled_calls += 1
+        flush(st, reason)
+    if reason == "torch_compile":
+        METRICS.compiled_calls += 1
     above = [_pop_dispatch_stack(None) for _ in range(n - 1 - i)]
     _pop_dispatch_stack(None)
     for m in reversed(above):
@@ -151,7 +155,12 @@ def _graph_aside(original):
 
     def call_func_at_runtime_with_args(*args, **kwargs):
         st = current_state()
-        aside = None if st is None or st.mode is None else _take_off(st)
+        if st is None or st.mode is None:
+            return original(*args, **kwargs)
+        # a captured module's backward (Note [Captured modules]: a ``_Graph`` in Dynamo's
+        # ``disable`` wrapper) is ours, not the program's compiled code: counted as the capture's
+        graph = getattr(args[0], "__wrapped__", args[0]) if args else None
+        aside = _take_off(st, "module_capture" if getattr(graph, "captured", False) else "torch_compile")
         if aside is None:  # off, or aside already (the forward of a compiled call)
             return original(*args, **kwargs)
         try:

@@ -13,7 +13,7 @@ from collections import Counter
 from fuser.window import where as _where
 
 from ._source import module_of
-from .reasons import CAPTURE_MISSES, NOT_COMPILED, REASONS, RECOMPILES
+from .reasons import CAPTURE_MISSES, NOT_COMPILED, REASONS, RECOMPILES, REPLAYED
 
 
 def _advice(reason: str) -> str | None:
@@ -51,18 +51,25 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     runs = metrics.get("compiled_runs", 0)
     lines.append(f"{windows} windows, {runs} ran compiled, {metrics.get('replayed_regions', 0)} replayed, "
                  f"{compiles} compiles ({metrics.get('compile_seconds', 0)} s)")
+    captured = metrics.get("module_captured_calls", 0) + metrics.get("optimizer_hot_steps", 0)
+    if captured:
+        lines.append(f"{metrics.get('module_captured_calls', 0)} module calls and "
+                     f"{metrics.get('optimizer_hot_steps', 0)} optimizer steps ran captured "
+                     f"({metrics.get('module_compiled_runs', 0) + metrics.get('optimizer_compiled_runs', 0)} "
+                     f"compiled graph runs, {metrics.get('module_uncompiled_runs', 0) + metrics.get('optimizer_uncompiled_runs', 0)} "
+                     f"op by op while their compile ran)")
     findings = []
     if windows >= 20 and compiles > 0.2 * windows:
         findings.append(f"compile too frequent: {compiles} compiles for {windows} windows. Windows keep "
                         f"changing structure; see the recompile causes and flush sites below")
     recorded = metrics.get("ops_recorded", 0)
-    if windows >= 20 and recorded < 8 * windows:
+    # windows between captured calls (the loss, zero_grad) are short by design
+    if windows >= 20 and recorded < 8 * windows and captured < windows // 4:
         findings.append(f"short windows: {recorded / windows:.1f} ops per window on average, too few to fuse. "
                         f"The flush sites below end them")
     if windows >= 20 and metrics.get("replayed_regions", 0) > 0.5 * windows:
-        findings.append(f"mostly replayed: {metrics['replayed_regions']} of {windows} windows ran op by op. "
-                        f"Windows that never repeat are never compiled: see the flush sites and recompile "
-                        f"causes below (with async_compile, compiles finish in the background)")
+        findings.append(f"mostly replayed: {metrics['replayed_regions']} of {windows} windows ran op by op: "
+                        f"see 'windows replayed, by why' below")
     failed = metrics.get("run_alone", {}).get("compile_failed", 0)
     if failed:
         findings.append(f"compiler failures worked around: {failed} ops run outside compiled code because "
@@ -82,7 +89,13 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     # its first step); expected reasons (leaving the block, optimizer steps) and a library's own
     # reads after
     rare = max(2, windows // 100)
-    ranked = [(n, reason, site, inside) for (reason, site, inside), n in flush_sites.items()]
+    # one entry per reason and line: the library frame under it (``inside``) can differ between
+    # calls of one line (an optimizer's first, cold steps and its captured ones); the commonest is shown
+    merged: dict = {}
+    for (reason, site, inside), n in flush_sites.most_common():
+        total, shown = merged.get((reason, site), (0, inside))
+        merged[(reason, site)] = (total + n, shown)
+    ranked = [(n, reason, site, inside) for (reason, site), (n, inside) in merged.items()]
     ranked.sort(key=lambda x: (_advice(x[1]) is None or x[0] < rare, x[3] is not None, -x[0]))
     if not ranked:
         lines.append("  (none)")
@@ -91,8 +104,8 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         lines.extend(_site_lines(reason, inside))
 
     _counted(lines, "recompiles by cause", metrics.get("recompiles", {}), RECOMPILES)
-    _counted(lines, "windows not compiled, by why (each replayed op by op: eager's values, eager's speed)",
-             metrics.get("not_compiled", {}), NOT_COMPILED)
+    _counted(lines, "windows replayed, by why (op by op: eager's values, eager's speed)",
+             metrics.get("replay_reasons", {}), {**NOT_COMPILED, **REPLAYED})
 
     from ._metrics import METRICS
 

@@ -141,6 +141,20 @@ NOT_COMPILED: dict[str, str] = {
                      "why): it is tried again after a day, or after `python -m neff_cache clear`",
 }
 
+# Why a window ran op by op (``metrics()["replay_reasons"]``) besides ``NOT_COMPILED``'s, for
+# explain(); a key given by fuser/ and missing from both fails tests/test_explain.py.
+REPLAYED: dict[str, str] = {
+    "cold": "a window structure is compiled from its `hot_after`-th sight: its first sights replay (expected)",
+    "compiling": "its compile was running in the background (a worker process, or another process on the same "
+                 "cache): the window replayed until it landed (expected at the start of a run)",
+    "loading": "its compiled artifact was being loaded from the cache (expected once per process)",
+    "fork": "the window ran at a fork (or in a forked child before its first compile), op by op (expected)",
+    "output_mismatch": "a region compiled with symbolic sizes did not fit these sizes: it is compiled for them",
+    "run_failed": "its compiled run failed (the warning says why): it replays from then on",
+    "compile_failed": "the compiler failed on it (the warning says why): it replays from then on",
+    "load_failed": "its artifact from the cache did not load (the warning says why): it replays from then on",
+}
+
 # Why a hot module call ran recorded instead of as its captured call (``metrics()["module_capture_misses"]``,
 # Note [Captured modules] in _capture), for explain().
 CAPTURE_MISSES: dict[str, str] = {

@@ -385,6 +385,16 @@ def _fuser_counter_keys() -> tuple[set, set]:
                 not_compiled.update(strings(node.slice))
             elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_recompile":
                 recompiles.update(strings(node.args[0]))
+            # why a window replayed (``replay_reasons``): explain() prints them with the not-compiled ones
+            elif isinstance(node, ast.Subscript) and getattr(node.value, "attr", None) == "replay_reasons":
+                not_compiled.update(strings(node.slice))
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_replay":
+                not_compiled.update(c.value for c in node.args[1:2] if isinstance(c, ast.Constant))
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_blacklist" and len(node.args) > 2:
+                not_compiled.update(strings(node.args[2]))
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_Plan" and len(node.args) > 1 \
+                    and getattr(node.args[0], "value", None) == "replay":
+                not_compiled.update(c.value for c in node.args[1:2] if isinstance(c, ast.Constant))
             elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["cause"]:
                 recompiles.update(strings(node.value))  # cause = "dynamic" if ... else ...
     return recompiles, not_compiled
@@ -394,12 +404,13 @@ def test_every_reason_and_counter_key_explain_prints_has_text():
     """Every flush reason (at the user's line and inside a library), every recompile cause and
     every not-compiled reason that explain() can print is followed by its explanation."""
     from adaptive_eager._explain import explain
-    from adaptive_eager.reasons import NOT_COMPILED, REASONS, RECOMPILES
+    from adaptive_eager.reasons import NOT_COMPILED, REASONS, RECOMPILES, REPLAYED
 
     recompiles, not_compiled = _fuser_counter_keys()
+    assert {"cold", "compiling", "fork", "run_failed", "compile_failed"} <= not_compiled
     assert {"new_shape", "scalar_lifted", "dynamic"} <= recompiles and {"aliased_inputs", "failed_before"} <= not_compiled
     assert recompiles <= set(RECOMPILES), sorted(recompiles - set(RECOMPILES))
-    assert not_compiled <= set(NOT_COMPILED), sorted(not_compiled - set(NOT_COMPILED))
+    assert not_compiled <= set(NOT_COMPILED) | set(REPLAYED), sorted(not_compiled - set(NOT_COMPILED) - set(REPLAYED))
     assert all(r.does for r in REASONS.values()), [r.name for r in REASONS.values() if not r.does]
 
     def user_code():
@@ -409,8 +420,10 @@ def test_every_reason_and_counter_key_explain_prints_has_text():
         return torch.optim.Optimizer.zero_grad.__code__, 2
 
     site, inside = user_code(), library_code()
-    flush_sites = Counter({(name, site, where): 1 for name in REASONS for where in (None, inside)})
-    metrics = {"windows": 1, "recompiles": dict.fromkeys(recompiles, 1), "not_compiled": dict.fromkeys(not_compiled, 1)}
+    # a site of the user's own and one inside a library, on two lines (one line's are one entry)
+    flush_sites = Counter({(name, (site[0], line), where): 1 for name in REASONS
+                           for line, where in ((1, None), (2, inside))})
+    metrics = {"windows": 1, "recompiles": dict.fromkeys(recompiles, 1), "replay_reasons": dict.fromkeys(not_compiled, 1)}
     text = explain(metrics, flush_sites, Counter(), top=len(flush_sites))
     lines = text.splitlines()
     printed = [(i, line.split()[0]) for i, line in enumerate(lines)
@@ -422,3 +435,26 @@ def test_every_reason_and_counter_key_explain_prints_has_text():
         if follow.startswith("inside "):
             follow = lines[i + 2].strip()
         assert follow.startswith("-> ") and len(follow) > 20 and "no explanation" not in follow, (key, text)
+
+
+def test_a_captured_loop_is_explained_as_captured_with_each_line_once():
+    """A captured model's backward is the capture's, not the program's torch.compile; one line's
+    flushes of one reason are one entry (an optimizer's cold steps and its captured ones); the
+    replayed windows are explained by why."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    ae.reset_metrics()
+    with ae.adaptive_eager():
+        for _ in range(8):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()  # noqa: E702 - one line, several flushes
+    m = ae.metrics()
+    assert m["module_captured_calls"] > 0 and m["compiled_calls"] == 0, m
+    assert "torch_compile" not in m["flushes"], m["flushes"]
+    text = ae.explain()
+    entries = [tuple(line.split()[0::2]) for line in text.splitlines()
+               if line.startswith("  ") and not line.startswith("   ") and "test_explain.py" in line]
+    assert entries and len(entries) == len(set(entries)), text
+    assert "module calls and" in text and "windows replayed, by why" in text, text
