@@ -101,6 +101,10 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         lines.append("  (none)")
     for n, reason, site, inside in ranked[:top]:
         lines.append(f"  {reason:<40}{n:>8}  {_where(site)}")
+        if _advice(reason) and windows >= 20 and n * 8 < windows:
+            # a read every N steps already: the advice would tell the program to do what it does
+            lines.append(f"      -> ends {n} of {windows} windows: too few to matter, nothing to change")
+            continue
         lines.extend(_site_lines(reason, inside))
 
     _counted(lines, "recompiles by cause", metrics.get("recompiles", {}), RECOMPILES)

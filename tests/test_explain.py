@@ -458,3 +458,21 @@ def test_a_captured_loop_is_explained_as_captured_with_each_line_once():
                if line.startswith("  ") and not line.startswith("   ") and "test_explain.py" in line]
     assert entries and len(entries) == len(set(entries)), text
     assert "module calls and" in text and "windows replayed, by why" in text, text
+
+
+def test_a_read_every_n_steps_gets_no_advice_to_read_every_n_steps():
+    """A host read that ends few of the windows (a loss printed every 10 steps) is named, with no
+    advice to do what the program does already."""
+    x = torch.randn(16)
+    ae.reset_metrics()
+    with ae.adaptive_eager(module_capture=False):
+        for step in range(60):
+            y = (x * 2 + 1).relu()
+            ae.sync()
+            if step % 10 == 0:
+                (y * 3).sum().item()
+    text = ae.explain()
+    lines = text.splitlines()
+    at = [i for i, line in enumerate(lines) if line.lstrip().startswith("item ")]
+    assert at, text
+    assert "nothing to change" in lines[at[0] + 1] and "every N" not in lines[at[0] + 1], text
