@@ -246,3 +246,23 @@ def test_as_strided_of_a_view_of_a_computed_value_reads_its_storage(name):
     for g in got:
         assert torch.equal(g, want), (g, want)
     assert m["compiled_runs"] >= 1 and m["blacklisted"] == 0, m
+
+
+def test_a_process_with_compiles_at_first_sight_exits_when_a_window_is_pending(tmp_path):
+    """tests/pytorch_diff.py's first-sight runs (``NEURON_EAGER_HOT_AFTER=1
+    NEURON_EAGER_ASYNC_COMPILE=0``) finished every test and then never exited: at exit the compile
+    thread's hook stops it first, then adaptive eager's own hook flushes the pending window, whose
+    compile was handed to the stopped thread and waited for for ever. The window replays."""
+    env = program_env()
+    env.update(NEURON_EAGER="adaptive", NEURON_EAGER_HOT_AFTER="1", NEURON_EAGER_ASYNC_COMPILE="0",
+               NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import atexit, os, torch
+        x = torch.arange(6.0)
+        print((x * 2 + 1).sum().item())  # a region compiled: the compile thread runs
+        y = torch.ones(3)
+        y.mul_(3).add_(x[:3])  # a new window, pending at exit
+        atexit.register(os.write, 1, b"exiting\\n")  # flushes nothing, unlike print
+        """)], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == ["36.0", "exiting"], r.stdout + r.stderr
