@@ -373,13 +373,13 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
 # [0, 1], 0)`` has ``y`` in every row, ``y[1:].as_strided([3, 4], [1, 6], 1)`` reads ``y``'s storage
 # from element 1. Inductor (torch 2.13; torch.compile alone too) gets this wrong when the input is
 # a view (an expand, a slice) of a value computed in the graph: it gave every element ``y[0]`` for
-# the expand, and read the slice's case from the slice's own offset. (PyTorch's test_view_ops found
-# it: gradcheck's ``as_strided`` of an expand of ``x + eps * u``.) Of an input, or of a computed
-# value that is not a view, it is right. So the graph Inductor gets takes such an ``as_strided``
-# from the value that owns the storage (the first node whose eager value has it), as that value
-# lies in memory in eager: the owner itself when it is contiguous, else the owner permuted to
-# memory order and cloned contiguous. An owner that does not fill its storage densely cannot be
-# written so: such a graph is not compiled (its window replays).
+# the expand, and read the slice's case from the slice's own offset (gradcheck's ``as_strided`` of
+# an expand of ``x + eps * u`` is one). Of an input, or of a computed value that is not a view, it
+# is right. So the graph Inductor gets takes such an ``as_strided`` from the value that owns the
+# storage (the first node whose eager value has it), as that value lies in memory in eager: the
+# owner itself when it is contiguous, else the owner permuted to memory order and cloned
+# contiguous. An owner that does not fill its storage densely cannot be written so: such a graph
+# is not compiled (its window replays).
 _AS_STRIDED = torch.ops.aten.as_strided.default
 
 
