@@ -124,10 +124,16 @@ def abandoned(pkey: str, store) -> bool:
 # flushing thread waits for a result in slices (``_result``, ``regions._collect``): the kernel may deliver a Ctrl-C's
 # SIGINT to the compile thread, which does not wake the main thread from a lock wait, so an
 # unbounded wait would not raise KeyboardInterrupt until the compile ended.
+# Once stopped, the thread is never asked again: a flush after the hook (adaptive eager's own
+# atexit hook, registered at ``import torch``, before the thread's, so it runs after it, flushes
+# what is pending) would wait for ever on a task no thread takes. So after the hook a window that
+# would compile or load replays ("exiting" in ``replay_reasons``), and a wait for a task the
+# stopped thread never finished ends (``compile_thread_stopped``).
 _QUEUE: queue.SimpleQueue | None = None
 _THREAD: threading.Thread | None = None
 _PID = os.getpid()  # the process the thread runs in (a forked child has the queue, not the thread)
 _STOP_S = 30.0  # longer than one step of a compile can hold the thread in C code (one g++ run)
+_STOPPED = False  # the atexit hook stopped the thread: it is never started again in this process
 
 
 class _Shutdown(BaseException):
@@ -152,7 +158,16 @@ def _worker() -> None:
         return
 
 
+def compile_thread_stopped() -> bool:
+    """Whether the interpreter is exiting and the compile thread is stopped (Note [Compile thread]):
+    nothing may be compiled or loaded in this process any more."""
+    return _STOPPED and _PID == os.getpid()
+
+
 def _submit(fn, *args) -> Future:
+    if compile_thread_stopped():
+        raise RuntimeError("adaptive_eager: a compile or load was asked for after the compile thread "
+                           "stopped at exit (Note [Compile thread]); the caller replays instead")
     if _THREAD is None or _PID != os.getpid():
         _start_compile_thread()
     future: Future = Future()
@@ -178,8 +193,12 @@ def _start_compile_thread() -> None:
 
 def _stop_compile_thread() -> None:
     """Note [Compile thread]: no thread of ours may be inside torch when the interpreter finalizes."""
+    global _STOPPED
     thread = _THREAD
-    if thread is None or _PID != os.getpid() or not thread.is_alive():
+    if thread is None or _PID != os.getpid():
+        return
+    _STOPPED = True
+    if not thread.is_alive():
         return
     _QUEUE.put(None)  # an idle thread ends at once; a busy one is interrupted
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Shutdown))

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submit_job
+from .artifacts import _result, _store, _submit, abandoned, compile_thread_stopped, finished_jobs, submit_job
 from .compilable import _checks, _inputs_alias, _not_compilable
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load, cache_fingerprint
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
@@ -62,7 +62,8 @@ _record_function = torch.autograd.profiler.record_function
 #   compile  it was seen ``hot_after`` times: claim its key, compile here or in a worker
 #   replay   with its reason, counted in ``replay_reasons``: "cold" (not hot yet), "loading" (its
 #            artifact loads on the compile thread: ``_obtain``), "compiling" (a compile in
-#            flight, here or in another process), or the entry's memoized failure
+#            flight, here or in another process), "exiting" (the interpreter exits: Note
+#            [Compile thread] in fuser.artifacts), or the entry's memoized failure
 #            (``_Entry.blacklisted``: why it is never compiled; "load_failed" for an artifact
 #            that did not load, evicted: Note [Artifacts from disk] in fuser.compile)
 # ``_execute`` acts. It holds the one replay exit (``_replay``), the one compiled run
@@ -239,6 +240,8 @@ def _execute(plan: _Plan, entry: _Entry, flush: _Flush, backend, options, wait: 
         return _run_or_replay(entry, flush, plan.why)
     if action == "replay":
         return _replay(flush, plan.why, entry.region)
+    if compile_thread_stopped():  # the interpreter is exiting (Note [Compile thread] in fuser.artifacts)
+        return _replay(flush, "exiting", entry.region)
     store = _store(options)
     if action == "compile":
         STATS.cache_misses += 1
@@ -284,6 +287,8 @@ def _obtain(entry: _Entry, store, backend, options, wait: bool, data: bytes | No
     claim its key and compile it, here (``wait``) or in a worker. Afterwards ``entry.run`` is set,
     or a load or compile is in flight (``entry.future``; ``entry.other_process``: in another
     process or a worker), or the entry is blacklisted."""
+    if compile_thread_stopped():  # the interpreter is exiting (Note [Compile thread] in fuser.artifacts)
+        return
     if data is not None:
         entry.other_process = False
         entry.future, entry.loading = _submit(_load, data, backend, store, entry.pkey, entry.dynamic), True
@@ -508,13 +513,17 @@ def _collect(entry: _Entry) -> None:
     if not future.done():
         table.LOCK.release()
         try:
-            while not futures_wait((future,), timeout=0.1).done:
-                pass  # in slices, as ``_result`` (Note [Compile thread]): a Ctrl-C is seen within 0.1 s
+            # in slices, as ``_result`` (Note [Compile thread]): a Ctrl-C is seen within 0.1 s, and
+            # a task the thread stopped at exit never ran is not waited for
+            while not futures_wait((future,), timeout=0.1).done and not compile_thread_stopped():
+                pass
         finally:
             table.LOCK.acquire()
         if entry.future is not future:
             return  # another thread waited for it too, and took the result
     entry.future = None
+    if compile_thread_stopped():
+        return  # at exit, what the stopped thread did is not taken: the window replays (``_execute``)
     try:
         entry.run, lifted_inputs, seconds, how = _result(future)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: replay this key

@@ -8,7 +8,9 @@ their cases: each gives eager's outcome under adaptive eager. Plain eager is the
   and nothing the library does crashes the interpreter on them (a child process each: a crash is
   a segmentation fault, and the lazy backend is process-wide);
 - a warning an op's kernel gives reaches ``warnings`` once per statement, at the user's line, also
-  for an in-place op whose stand-in run fails on its values (Note [Kernel warnings]).
+  for an in-place op whose stand-in run fails on its values (Note [Kernel warnings]);
+- ``as_strided`` of a view of a computed value reads that value's storage in a compiled region too
+  (Note [as_strided over a computed storage] in fuser/backends/inductor.py).
 """
 
 import subprocess
@@ -215,3 +217,52 @@ def test_tolist_of_a_conjugate_or_negative_view_reads_its_values(read):
     with ae.adaptive_eager():
         got = fn()
     assert got == want
+
+
+_X = torch.arange(24.0).reshape(4, 6)
+# each: ``as_strided`` of a view (an expand, a slice, after a transpose) of a value the window computed
+AS_STRIDED_CASES = {
+    # test_view_ops' as_strided_gradients: gradcheck's ``x + eps * u``, expanded
+    "of_expand": lambda x: (x[0] * 1.5).expand(5, 6).as_strided([5, 6], [0, 1], 0) * 2,
+    "of_unsqueeze_expand": lambda x: (x[0] + 1).unsqueeze(0).expand(3, 6).as_strided([3, 4], [0, 1], 2) - 1,
+    "of_slice": lambda x: (x * 1.5)[1:].as_strided([3, 4], [1, 6], 1) * 2,
+    "of_transposed_slice": lambda x: (x * 1.5).t()[1:].as_strided([3, 4], [1, 6], 1) * 2,
+    "of_slice_of_a_transposed_value": lambda x: (x.t() * 1.5)[1:].as_strided([3, 4], [1, 4], 2) * 2,
+    "of_value_itself": lambda x: (x * 1.5).as_strided([3, 4], [1, 6], 1) * 2,
+}
+
+
+@pytest.mark.parametrize("name", list(AS_STRIDED_CASES))
+def test_as_strided_of_a_view_of_a_computed_value_reads_its_storage(name):
+    """Inductor compiled ``y.expand(5, 6).as_strided([5, 6], [0, 1])`` to ``y[0]`` in every element
+    (and a slice's as_strided from the slice's offset): test_view_ops' as_strided_gradients failed
+    compiled from first sight. Each region compiles (no replay) and gives eager's values."""
+    case = AS_STRIDED_CASES[name]
+    want = case(_X)
+    with ae.adaptive_eager(**COMPILED):
+        got = [case(_X) for _ in range(3)]
+        ae.sync()
+        m = ae.metrics()
+    for g in got:
+        assert torch.equal(g, want), (g, want)
+    assert m["compiled_runs"] >= 1 and m["blacklisted"] == 0, m
+
+
+def test_a_process_with_compiles_at_first_sight_exits_when_a_window_is_pending(tmp_path):
+    """tests/pytorch_diff.py's first-sight runs (``NEURON_EAGER_HOT_AFTER=1
+    NEURON_EAGER_ASYNC_COMPILE=0``) finished every test and then never exited: at exit the compile
+    thread's hook stops it first, then adaptive eager's own hook flushes the pending window, whose
+    compile was handed to the stopped thread and waited for for ever. The window replays."""
+    env = program_env()
+    env.update(NEURON_EAGER="adaptive", NEURON_EAGER_HOT_AFTER="1", NEURON_EAGER_ASYNC_COMPILE="0",
+               NEURON_EAGER_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import atexit, os, torch
+        x = torch.arange(6.0)
+        print((x * 2 + 1).sum().item())  # a region compiled: the compile thread runs
+        y = torch.ones(3)
+        y.mul_(3).add_(x[:3])  # a new window, pending at exit
+        atexit.register(os.write, 1, b"exiting\\n")  # flushes nothing, unlike print
+        """)], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == ["36.0", "exiting"], r.stdout + r.stderr

@@ -86,7 +86,8 @@ from collections.abc import Callable
 import torch
 
 from ._common import (
-    BackendCompileError, below_autograd, check_graph, eager_output_meta, op_name, restrided, tensor_meta, trace_lock,
+    BackendCompileError, below_autograd, check_graph, fake_values, op_name, output_nodes, restrided, tensor_meta,
+    trace_lock,
 )
 from ._inductor_artifacts import (
     _FORMAT, _atomic_builds, _build_dir, _collect_triton, _instantiate, _kernel_key, _load_cpp_kernel, _pack,
@@ -96,6 +97,10 @@ from ._inductor_artifacts import (
 log = logging.getLogger(__name__)
 
 _DEVICE_TYPES = ("cpu", "cuda")
+
+# The rewrites the graph gets before Inductor sees it: an artifact compiled without one of them may
+# compute other values (Note [as_strided over a computed storage]), so they are part of the fingerprint.
+_GRAPH_PASSES = ("views_as_reshapes", "as_strided_on_storage")
 
 # Inductor settings that shape the generated code (so they are part of the fingerprint).
 _CONFIG = {
@@ -143,7 +148,9 @@ class InductorBackend:
                 raise BackendCompileError(
                     f"inductor: example input {i} is on {t.device}, this backend compiles for {self.device_type}"
                 )
-        expected = eager_output_meta(self.name, gm, example_inputs)
+        values = fake_values(self.name, gm, example_inputs)
+        expected = [tensor_meta(self.name, values[n]) for n in output_nodes(self.name, gm)]
+        storages = _as_strided_storages(gm, values)
         placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         symbolic = any(isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
                        for v in placeholders)
@@ -152,7 +159,7 @@ class InductorBackend:
         # its duration: one at a time in a process (Note [One trace at a time] in ._common).
         with trace_lock():
             source, cpp_kernels, triton_files, inputs_to_check, relayout, sym_inputs = _run_inductor(
-                gm, example_inputs, expected, self.device_type, symbolic
+                gm, example_inputs, expected, self.device_type, symbolic, storages
             )
         guards = None
         if symbolic:
@@ -227,7 +234,7 @@ def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
 
 def _run_inductor(
     gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], expected: list[tuple], device_type: str,
-    symbolic: bool = False,
+    symbolic: bool = False, storages: dict[str, tuple[str, tuple[int, ...] | None]] | None = None,
 ) -> tuple[str, dict[str, bytes], dict[str, bytes], list[int], list[tuple]]:
     """Compile in an Inductor cache dir of our own; return the wrapper source and the binaries it uses."""
     from torch._inductor import config, standalone_compile
@@ -247,6 +254,8 @@ def _run_inductor(
     # record of the window (it may replay it after a failed compile), so Inductor gets a copy.
     gm = copy.deepcopy(gm)
     _views_as_reshapes(gm)
+    if storages:
+        _as_strided_on_storage(gm, storages)
     # Detached, so AOTAutograd traces an inference graph (outputs 1:1 with ours, no backward), and
     # distinct objects, so a tensor passed for two placeholders is not deduplicated into one input.
     inputs = [t.detach() for t in example_inputs]
@@ -355,6 +364,68 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _VIEWS:
             node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+
+
+# Note [as_strided over a computed storage]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``as_strided`` addresses its input's storage, not its input: ``y.expand(5, 5).as_strided([5, 5],
+# [0, 1], 0)`` has ``y`` in every row, ``y[1:].as_strided([3, 4], [1, 6], 1)`` reads ``y``'s storage
+# from element 1. Inductor (torch 2.13; torch.compile alone too) gets this wrong when the input is
+# a view (an expand, a slice) of a value computed in the graph: it gave every element ``y[0]`` for
+# the expand, and read the slice's case from the slice's own offset (gradcheck's ``as_strided`` of
+# an expand of ``x + eps * u`` is one). Of an input, or of a computed value that is not a view, it
+# is right. So the graph Inductor gets takes such an ``as_strided`` from the value that owns the
+# storage (the first node whose eager value has it), as that value lies in memory in eager: the
+# owner itself when it is contiguous, else the owner permuted to memory order and cloned
+# contiguous. An owner that does not fill its storage densely cannot be written so: such a graph
+# is not compiled (its window replays).
+_AS_STRIDED = torch.ops.aten.as_strided.default
+
+
+def _as_strided_storages(gm: torch.fx.GraphModule, values: dict) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """Note [as_strided over a computed storage]: {as_strided node's name: (its storage's owner's
+    name, the permutation to memory order or None when the owner is contiguous)} for each
+    ``as_strided`` of a view of a computed value; ``values``: each node's eager (fake) value."""
+    found: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    if not any(n.op == "call_function" and n.target is _AS_STRIDED for n in gm.graph.nodes):
+        return found
+    owners: dict[int, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        value = values.get(node)
+        if isinstance(value, torch.Tensor):
+            owners.setdefault(value.untyped_storage()._cdata, node)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not _AS_STRIDED:
+            continue
+        source = node.args[0]
+        owner = owners.get(values[source].untyped_storage()._cdata)
+        if owner is None or owner is source or owner.op == "placeholder":
+            continue
+        base = values[owner]
+        perm = tuple(sorted(range(base.dim()), key=lambda d: -base.stride(d)))
+        if (base.storage_offset() != 0 or not base.permute(perm).is_contiguous()
+                or base.untyped_storage().nbytes() != base.numel() * base.element_size()):
+            raise BackendCompileError(
+                f"inductor: cannot compile as_strided (node {node.name}) of a view of {owner.name}, whose "
+                f"elements do not fill its storage densely (Note [as_strided over a computed storage])")
+        found[node.name] = (owner.name, None if base.is_contiguous() else perm)
+    return found
+
+
+def _as_strided_on_storage(gm: torch.fx.GraphModule, storages: dict[str, tuple[str, tuple[int, ...] | None]]) -> None:
+    """Note [as_strided over a computed storage]: rewrites ``gm`` (a copy of the graph
+    ``_as_strided_storages`` read) in place."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, (owner_name, perm) in storages.items():
+        node, owner = nodes[name], nodes[owner_name]
+        storage = owner
+        if perm is not None:
+            with gm.graph.inserting_before(node):
+                permuted = gm.graph.call_function(torch.ops.aten.permute.default, (owner, list(perm)))
+                storage = gm.graph.call_function(torch.ops.aten.clone.default, (permuted,),
+                                                 {"memory_format": torch.contiguous_format})
+        node.args = (storage, *node.args[1:])
     gm.recompile()
 
 
@@ -495,4 +566,5 @@ def _fingerprint(device_type: str) -> str:
         toolkit = torch.version.cuda or f"hip{torch.version.hip}"
         parts.append(f"cuda-{toolkit}-sm{major}{minor}-triton-{triton_version}")
     parts.append("config-" + hashlib.sha256(json.dumps(_CONFIG, sort_keys=True).encode()).hexdigest()[:16])
+    parts.append("passes-" + ",".join(_GRAPH_PASSES))
     return "|".join(parts)
