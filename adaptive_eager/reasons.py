@@ -152,6 +152,7 @@ REPLAYED: dict[str, str] = {
     "output_mismatch": "a region compiled with symbolic sizes did not fit these sizes: it is compiled for them",
     "run_failed": "its compiled run failed (the warning says why): it replays from then on",
     "compile_failed": "the compiler failed on it (the warning says why): it replays from then on",
+    "exiting": "the interpreter was exiting, after the compile thread stopped: the last windows replayed (expected)",
     "load_failed": "its artifact from the cache did not load (the warning says why): it replays from then on",
 }
 
