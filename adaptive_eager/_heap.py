@@ -38,9 +38,10 @@ says whether it was done.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
+
+from .config import malloc_chosen_by_program
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -60,19 +61,6 @@ def outcome() -> str | None:
     return _done[0]
 
 
-def _chosen_by_program() -> str | None:
-    env = os.environ
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
-        if name in env:
-            return f"{name} is set"
-    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
-        return "GLIBC_TUNABLES sets malloc"
-    preload = env.get("LD_PRELOAD", "")
-    if "malloc" in preload:  # jemalloc, tcmalloc, mimalloc: another allocator serves malloc
-        return "another malloc is preloaded"
-    return None
-
-
 def tune() -> str:
     """Once per process: fix glibc's thresholds at their ceilings (Note [Heap thresholds])."""
     with _lock:
@@ -85,7 +73,7 @@ def tune() -> str:
 def _tune() -> str:
     if not sys.platform.startswith("linux"):
         return "not linux"
-    why = _chosen_by_program()
+    why = malloc_chosen_by_program()
     if why is not None:
         return why
     try:

@@ -1,9 +1,17 @@
 """Every setting of adaptive eager, declared once.
 
-This is the only module that reads ``os.environ``. Each setting has one spelling: the keyword
-``name`` of ``adaptive_eager(name=...)`` / ``enable(name=...)`` and the environment variable
-``NEURON_EAGER_<NAME>``. The environment is read when options are built (at ``enable()`` /
-``adaptive_eager()`` entry), never frozen at import, so a change made before entering takes effect.
+This is the only module of ``adaptive_eager`` that touches ``os.environ`` (tests/test_layers.py
+checks it): every read is here, and the one write, ``pass_to_children``, is a call its caller makes
+on purpose. Reading settings has no side effect: ``emulate`` is a setting like any other, and the
+mode's entry (``adaptive_eager.__init__``) installs the emulated device when it is on. The packages
+below, ``neff_cache`` and ``fuser``, know nothing of this module: ``neff_cache`` reads its own
+command line's settings (``neff_cache.settings.from_environment``) and hands the environment on to
+its compile workers (``neff_cache.jobs``); ``fuser`` reads none.
+
+Each setting has one spelling: the keyword ``name`` of ``adaptive_eager(name=...)`` /
+``enable(name=...)`` and the environment variable ``NEURON_EAGER_<NAME>``. The environment is read
+when options are built (at ``enable()`` / ``adaptive_eager()`` entry), never frozen at import, so a
+change made before entering takes effect.
 """
 
 from __future__ import annotations
@@ -297,24 +305,22 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
             values[name] = _parsed(name, raw, f"{_env(name)}={raw!r}")
     values.update(_defaults)
     values.update(_validate(overrides))
-    if values.get("emulate"):
-        from .neuron_emulation import emulate_neuron
-
-        emulate_neuron()  # before the default device is picked: it is then neuron
+    # emulate: the mode's entry installs the emulated device, which is then the default
+    emulated = bool(values.get("emulate")) or _emulated()
     if "device" not in values:
-        values["device"] = default_device_type()
+        values["device"] = "neuron" if emulated else default_device_type()
     if "backend" not in values:
-        values["backend"] = _default_backend(values["device"])
+        values["backend"] = _default_backend(values["device"], emulated)
     if values["backend"] == "neuron":
-        _check_backend("neuron", values["device"], "neuron")
+        _check_backend("neuron", values["device"], "neuron", emulated)
     if values["backend"] == "inductor" and values["device"] not in ("cpu", "cuda"):
         raise ConfigError(f"backend 'inductor' compiles for cpu and cuda, not {values['device']!r}; use backend='replay'")
     if values["backend"] == "stablehlo":
-        _check_backend("stablehlo", values["device"], "cpu")
+        _check_backend("stablehlo", values["device"], "cpu", emulated)
     return Options(**values)
 
 
-def _default_backend(device: str) -> str:
+def _default_backend(device: str, emulated: bool) -> str:
     """inductor on cpu and cuda; on neuron the neuron backend where its packages are installed (it
     has not run on hardware yet: fuser/backends/neuron.py), else replay (one NEFF per op)."""
     if device in ("cpu", "cuda"):
@@ -323,9 +329,7 @@ def _default_backend(device: str) -> str:
         from fuser.backends.neuron import NeuronBackend
         from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
 
-        from .neuron_emulation import is_emulated
-
-        if is_emulated():
+        if emulated:
             # stablehlo stands in for neuronx-cc on the emulated device
             if not missing_requirements():
                 return "stablehlo"
@@ -337,7 +341,7 @@ def _default_backend(device: str) -> str:
     return "replay"
 
 
-def _check_backend(name: str, device: str, compiles_for: str) -> None:
+def _check_backend(name: str, device: str, compiles_for: str, emulated: bool) -> None:
     # at enable(), not at the first compile: a missing package must not surface in the middle of a run
     from fuser.backends import get_backend_class
     from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
@@ -345,7 +349,7 @@ def _check_backend(name: str, device: str, compiles_for: str) -> None:
     missing = missing_requirements(get_backend_class(name).requirements)
     if missing:
         raise ConfigError(f"backend {name!r} needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}")
-    if device != compiles_for and not (device == "neuron" and compiles_for == "cpu" and _emulated()):
+    if device != compiles_for and not (device == "neuron" and compiles_for == "cpu" and emulated):
         raise ConfigError(f"backend {name!r} compiles for {compiles_for}, not {device!r}; use backend='replay'")
 
 
@@ -375,10 +379,14 @@ def _check_types(values: dict[str, Any]) -> None:
         raise ConfigError(f"option optimizer_capture={capture!r}: expected True or False")
 
 
-def entry_options(base: Options | None, **overrides: Any) -> Options:
+def entry_options(base: Options | None, install_emulation, **overrides: Any) -> Options:
     """The options ``enable()`` / ``adaptive_eager()`` turn on with: ``load_options`` (``base`` None)
-    or ``base`` with the block's keywords, refused for a device this machine lacks."""
+    or ``base`` with the block's keywords, refused for a device this machine lacks. With ``emulate``
+    on, a new activation calls ``install_emulation`` (the mode's entry passes
+    ``neuron_emulation.emulate_neuron``) before the device is checked: it is the device checked."""
     opts = load_options(**overrides) if base is None else with_overrides(base, **overrides)
+    if base is None and opts.emulate:
+        install_emulation()
     if base is None or "device" in overrides:
         check_device(opts.device, keyword="device" in overrides or "device" in _defaults)
     return opts
@@ -404,9 +412,12 @@ def check_device(device: str, keyword: bool) -> None:
 
 
 def _emulated() -> bool:
-    from .neuron_emulation import is_emulated
+    """Whether this process has the emulated neuron device (installed by an earlier entry, or by the
+    program), without importing the emulation (it imports torch) where it was never installed."""
+    import sys
 
-    return is_emulated()
+    emulation = sys.modules.get(__package__ + ".neuron_emulation")
+    return emulation is not None and emulation.is_emulated()
 
 
 _warned: set[str] = set()
@@ -423,6 +434,28 @@ def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     environ = os.environ if environ is None else environ
     raw = environ.get(_env(name))
     return getattr(Options, name) if raw is None else _parsed(name, raw, f"{_env(name)}={raw!r}")
+
+
+def pass_to_children(name: str, value: str) -> None:
+    """Set the setting ``name``'s variable in this process's environment, which the processes it
+    starts afterwards inherit (the emulated device's compile and DataLoader workers): the one write
+    to ``os.environ``, made by its caller on purpose."""
+    os.environ[_env(name)] = value
+
+
+def malloc_chosen_by_program(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why the program's environment keeps glibc malloc's thresholds as they are, or None: a
+    ``MALLOC_*`` threshold variable, ``glibc.malloc.*`` tunables, another malloc preloaded (Note
+    [Heap thresholds] in _heap)."""
+    env = os.environ if environ is None else environ
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        if name in env:
+            return f"{name} is set"
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES sets malloc"
+    if "malloc" in env.get("LD_PRELOAD", ""):  # jemalloc, tcmalloc, mimalloc: another allocator serves malloc
+        return "another malloc is preloaded"
+    return None
 
 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:

@@ -102,11 +102,11 @@ def test_environment_opt_out_and_bad_values():
         ae.adaptive_eager(device="cpu", tune_malloc="yes please").__enter__()
 
 
-def test_other_allocators_are_left_alone(monkeypatch):
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    assert _heap._chosen_by_program() == "another malloc is preloaded"
-    monkeypatch.setenv("LD_PRELOAD", "")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")  # not malloc's: ours to set
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
-        monkeypatch.delenv(name, raising=False)
-    assert _heap._chosen_by_program() is None
+def test_other_allocators_are_left_alone():
+    from adaptive_eager.config import malloc_chosen_by_program
+
+    assert malloc_chosen_by_program({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}) == (
+        "another malloc is preloaded")
+    assert malloc_chosen_by_program({"MALLOC_TRIM_THRESHOLD_": "1"}) == "MALLOC_TRIM_THRESHOLD_ is set"
+    # not malloc's: ours to set
+    assert malloc_chosen_by_program({"LD_PRELOAD": "", "GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) is None

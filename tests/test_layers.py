@@ -55,3 +55,29 @@ def test_fuser_and_neff_cache_never_import_adaptive_eager(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert "ab" * 16 in done.stdout  # the CLI listed the stored region: it found the directory
     assert json.loads(lines[-1]) == []
+
+
+def _environment_uses(path) -> list[str]:
+    """``os.environ``, ``os.getenv``, ``os.putenv`` and ``from os import environ`` in a module's code."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv") \
+                and isinstance(node.value, ast.Name) and node.value.id == "os":
+            found.append(f"{path.name}:{node.lineno} os.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                a.name in ("environ", "getenv", "putenv", "unsetenv") for a in node.names):
+            found.append(f"{path.name}:{node.lineno} from os import")
+    return found
+
+
+def test_config_is_the_only_module_of_adaptive_eager_that_touches_the_environment():
+    """Note in adaptive_eager/config.py's docstring: _heap read MALLOC_* there, neuron_emulation wrote
+    NEURON_EAGER_EMULATE."""
+    import pathlib
+
+    package = pathlib.Path(__file__).resolve().parents[1] / "adaptive_eager"
+    uses = [u for path in sorted(package.glob("*.py")) if path.name != "config.py" for u in _environment_uses(path)]
+    assert uses == [], f"read or write the environment through adaptive_eager.config: {uses}"
+    assert _environment_uses(package / "config.py")  # the check sees what it looks for
