@@ -31,7 +31,8 @@ are set, and has no call that reads them), so it stays after the block's exit; i
 where the program chose for itself: a ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or
 ``MALLOC_TOP_PAD_`` variable, ``glibc.malloc.*`` in ``GLIBC_TUNABLES``, or another allocator in
 ``LD_PRELOAD`` (jemalloc, tcmalloc, mimalloc). Not glibc (musl, macOS, Windows): nothing is done.
-``tune_malloc=False`` / ``NEURON_EAGER_TUNE_MALLOC=0`` opts out. ``metrics()["malloc_tuned"]``
+A program keeps glibc's own behaviour by choosing for itself (those variables); no setting of
+adaptive eager turns it off (benchmarks/RESULTS.md, "Session 23: switches"). ``metrics()["malloc_tuned"]``
 says whether it was done.
 """
 

@@ -389,7 +389,7 @@ def activate(options: Options) -> TracerState:
                 _EAGER_START[0] = options.window if options.eager_start else 0
             elif not options.eager_start:
                 _EAGER_START[0] = 0
-        if options.tune_malloc and options.device == "cpu" and _heap.outcome() is None:
+        if options.device == "cpu" and _heap.outcome() is None:
             _heap.tune()  # once per process: Note [Heap thresholds] in _heap
         _open_caches(options)
         st.periodicity = None  # a new program phase: find its period afresh

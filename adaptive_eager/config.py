@@ -55,15 +55,12 @@ class Options:
     async_compile: bool = True
     compile_after_exit_s: float = 300.0  # Note [Compiles that outlive the program] in neff_cache.jobs
     log: str = "warning"
-    tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
-    tune_malloc: bool = True  # glibc malloc's thresholds at their ceilings (cpu): Note [Heap thresholds] in _heap
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
     # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture] in _optim)
     optimizer_capture: bool = True
     module_capture: bool = True  # a hot outermost module call runs as one guarded call: Note [Captured modules] in _capture
     hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
-    meta_on_disk: bool = True  # first-sight metadata kept in the cache: Note [Meta entries on disk] in _meta_disk
     eager_start: bool = True  # the process's first window runs eagerly: Note [Eager start] in _mode
 
     def replace(self, **changes: Any) -> Options:
@@ -171,14 +168,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
     "hot_windows": (_parse_bool, "record a window whose structure runs compiled against it, not in full (default 1)"),
-    "meta_on_disk": (_parse_bool, "keep op signatures' output metadata in the cache for the next process "
-                     "(default 1; cpu)"),
     "eager_start": (_parse_bool, "the process's first window runs eagerly; recording starts after it (default 1)"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile may go on after the program exits, "
                              "to land in the cache (default 300; 0: stop it at exit)"),
-    "tune_gc": (_parse_bool, "raise gc's generation-0 threshold while on (default 1; restored at exit)"),
-    "tune_malloc": (_parse_bool, "fix glibc malloc's mmap/trim thresholds at their ceilings so freed tensors are not "
-                    "faulted in again each step (default 1; cpu; process-wide; Note [Heap thresholds])"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` (every "
             "flush, compile, recompile, fallback) or `debug`"),
     "emulate": (_parse_bool, "an emulated `neuron` device backed by CPU memory, counting one launch per eager op "
@@ -190,6 +182,41 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                        "by TorchDynamo, its graphs compiled in background workers and kept in the cache (default 1)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, forks) record too (default 0: they run eagerly)"),
 }
+
+
+# Settings no longer offered, each with what it did always done now (benchmarks/RESULTS.md,
+# "Session 23: switches", has the measurements): name -> (the value that asked for that, what to use
+# instead to get the other behaviour). Passing one is never silently ignored: the kept value is
+# warned about once, the other is refused with the replacement (keyword and environment alike).
+REMOVED: dict[str, tuple[bool, str]] = {
+    "tune_gc": (True, "gc's generation-0 threshold is always raised while adaptive eager is on and restored at "
+                "exit (Note [GC threshold] in adaptive_eager._gc); to keep your own, set it with gc.set_threshold() "
+                "(a threshold the program set while on, or 0, is left alone)"),
+    "tune_malloc": (True, "glibc malloc's mmap/trim thresholds are always fixed at their ceilings on cpu (Note [Heap "
+                    "thresholds] in adaptive_eager._heap); to keep glibc's own, set MALLOC_TRIM_THRESHOLD_ or "
+                    "MALLOC_MMAP_THRESHOLD_, or glibc.malloc.* in GLIBC_TUNABLES: a program's own choice is left alone"),
+    "meta_on_disk": (True, "op signatures' output metadata is part of the cache (Note [Meta entries on disk] in "
+                     "adaptive_eager._meta_disk); cache_dir (NEURON_EAGER_CACHE_DIR) decides where it is kept"),
+}
+
+
+def _removed(name: str, value: Any, spelled: str) -> None:
+    kept, instead = REMOVED[name]
+    if isinstance(value, str):
+        try:
+            value = _parse_bool(name, value)
+        except _Invalid:
+            value = None
+    if value is not kept:
+        raise ConfigError(f"{spelled}: {name} is no longer a setting and cannot be changed: {instead}")
+    if name not in _warned_removed:
+        _warned_removed.add(name)
+        from ._source import warn  # not at import: torch imports this module (_autoload)
+
+        warn(f"{spelled}: {name} is no longer a setting (it is always on): {instead}")
+
+
+_warned_removed: set[str] = set()
 
 
 def options_doc() -> str:
@@ -247,8 +274,9 @@ _warned_unknown: set[str] = set()
 
 def _warn_unknown(environ: Mapping[str, str]) -> None:
     valid = {_env(n) for n in SETTINGS}
+    removed = {_env(n) for n in REMOVED}  # load_options says what became of those
     for key in environ:
-        if key.startswith(ENV_PREFIX) and key not in valid and key not in _warned_unknown:
+        if key.startswith(ENV_PREFIX) and key not in valid | removed and key not in _warned_unknown:
             _warned_unknown.add(key)
             # matched without the prefix, which every name shares (NEURON_EAGER_FOO is not close to _LOG)
             close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), list(SETTINGS), n=1)
@@ -278,6 +306,9 @@ def defaults(**options: Any):
 def _validate(overrides: Mapping[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, value in overrides.items():
+        if name in REMOVED:
+            _removed(name, value, f"option {name}={value!r}")
+            continue
         if name not in SETTINGS:
             close = difflib.get_close_matches(name, list(SETTINGS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(SETTINGS)}"
@@ -303,6 +334,10 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
         raw = environ.get(_env(name))
         if raw is not None:
             values[name] = _parsed(name, raw, f"{_env(name)}={raw!r}")
+    for name in REMOVED:
+        raw = environ.get(_env(name))
+        if raw is not None:
+            _removed(name, raw, f"{_env(name)}={raw!r}")
     values.update(_defaults)
     values.update(_validate(overrides))
     # emulate: the mode's entry installs the emulated device, which is then the default
@@ -370,8 +405,7 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "tune_gc", "tune_malloc", "workers", "emulate", "meta_on_disk", "eager_start",
-                 "module_capture"):
+    for name in ("async_compile", "workers", "emulate", "eager_start", "module_capture"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     capture = values.get("optimizer_capture")
