@@ -130,7 +130,7 @@ def gc_in_process(workloads: str, rounds: int, steps: int) -> None:
     import adaptive_eager as ae
     from user_step import WORKLOADS, Variant
 
-    print(f"tune_gc in one process, {rounds} rounds of {steps} steps per copy")
+    print(f"the gc threshold in one process, {rounds} rounds of {steps} steps per copy")
     print("| workload | gen-0 threshold | median ms | mean ms | max ms |")
     print("| --- | --- | ---: | ---: | ---: |")
     for w in workloads.split(","):
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--only", default="blocks8", help="comma-separated workloads: blocks8, rnn, cnn, mlp")
     parser.add_argument("--cold", action="store_true", help="every process on empty caches")
-    parser.add_argument("--gc", action="store_true", help="tune_gc on and off in one process")
+    parser.add_argument("--gc", action="store_true", help="the raised gc threshold against the program's own, in one process")
     args = parser.parse_args()
     if args.gc:
         return gc_in_process(args.only, args.rounds, args.steps)
