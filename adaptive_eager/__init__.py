@@ -31,6 +31,12 @@ def __getattr__(name):
 __version__ = "0.1.0"
 
 
+def _install_emulation() -> None:
+    """The emulated neuron device, installed at the entry of a mode whose ``emulate`` setting is on
+    (reading settings installs nothing: adaptive_eager.config)."""
+    importlib.import_module(".neuron_emulation", __name__).emulate_neuron()
+
+
 def _state_or_none():
     from ._state import current_state
 
@@ -47,7 +53,7 @@ def enable(**options: Any) -> None:
     from ._flush import flush
     from ._mode import activate
 
-    opts = entry_options(None, **options)
+    opts = entry_options(None, _install_emulation, **options)
     st = _state_or_none()
     if st is not None:
         flush(st, "options")
@@ -76,14 +82,14 @@ def adaptive_eager(**options: Any):
 
     st = _state_or_none()
     if st is None:
-        opts = entry_options(None, **options)
+        opts = entry_options(None, _install_emulation, **options)
         st = activate(opts)
         owner = True
         previous = None
     else:
         owner = False
         previous = st.options
-        opts = entry_options(previous, **options)
+        opts = entry_options(previous, _install_emulation, **options)
         if opts != previous:
             flush(st, "options")
             st.set_options(opts)

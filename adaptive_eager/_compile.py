@@ -199,10 +199,9 @@ def install() -> None:
         from torch._dynamo import eval_frame, trace_rules
         from torch._functorch._aot_autograd import runtime_wrappers
 
-        from . import _flush, _mode, _patches, _threads
-
-        for module in (_mode, _patches, _flush, _threads, sys.modules[__name__]):
-            trace_rules.add(module.__name__)
+        # by name: this module sits below the mode (tests/test_layers.py)
+        for module in ("_mode", "_patches", "_flush", "_threads", "_compile"):
+            trace_rules.add(f"{__package__}.{module}")
         eval_frame._TorchDynamoContext.enter_exit_hooks = _with_step_aside(eval_frame.DisableContext)
         eval_frame._maybe_set_eval_frame = _back_after_call(eval_frame._maybe_set_eval_frame)
         runtime_wrappers.call_func_at_runtime_with_args = _graph_aside(runtime_wrappers.call_func_at_runtime_with_args)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import CPU_KERNEL_DEVICES
 
 _Tensor = torch.Tensor
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -13,6 +12,10 @@ _aminmax = torch.aminmax
 _any = torch.any
 _eq = torch.eq
 _item = torch._C.TensorBase.item  # unpatched: these values are real (adaptive_eager._patches)
+
+# device types whose ATen kernels are CPU's (emulate_neuron adds "neuron"): their values can be read
+# here, and their dropout drawn at record time (Note [Dropout drawn at record time] in _ops)
+CPU_KERNEL_DEVICES = {"cpu"}
 
 # Note [Errors from data]
 # ~~~~~~~~~~~~~~~~~~~~~~~

@@ -30,6 +30,8 @@ _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_ea
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
 _pop_dispatch_stack = torch._C._pop_torch_dispatch_stack
 _push_dispatch_stack = torch._C._push_on_torch_dispatch_stack
+_storage_resize = torch.UntypedStorage.resize_  # the C method (``_patches`` wraps it while installed)
+_DEFERRED: dict = {}  # storage ``_cdata`` -> the window whose run frees it (Note [Storage resize] in _patches)
 
 
 class _modes_off:
@@ -96,10 +98,21 @@ def _run(st: TracerState, reason: str, now: bool = False) -> None:
     finally:
         _tls.running = st.running = None
         if window.frees:  # Note [Storage resize] in _patches: the frees that waited for it
-            from ._patches import apply_frees
-
             apply_frees(window)
         METRICS.flush_seconds += time.perf_counter() - t0
+
+
+def apply_frees(window) -> None:
+    """Free the storages whose ``resize_(0)`` waited for ``window`` (Note [Storage resize] in _patches)."""
+    frees = window.frees
+    if not frees:
+        return
+    window.frees = {}
+    with _disable_current_modes():
+        for sid, storage in frees.items():
+            if _DEFERRED.get(sid) is window:
+                del _DEFERRED[sid]
+            _storage_resize(storage, 0)
 
 
 def _run_window(st: TracerState, window: Window, reason: str, now: bool = False) -> None:

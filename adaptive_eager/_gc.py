@@ -16,7 +16,9 @@ the window's op cap: a whole window fits in generation 0, and its objects die th
 temporaries do. Collections still run (every ~16k net new objects instead of 700), so cyclic
 garbage is still freed. The old thresholds come back when the last tracer turns off, unless the
 program set its own meanwhile (those are kept). A threshold already as high, or 0 (automatic
-collection off), is left alone. ``tune_gc=False`` / ``NEURON_EAGER_TUNE_GC=0`` opts out.
+collection off), is left alone: a program that wants its own thresholds sets them. No setting
+turns it off: on the user's loop it costs nothing measurable, and on a recorded step it removes
+the full collections (benchmarks/RESULTS.md, "Session 23: switches").
 """
 
 from __future__ import annotations

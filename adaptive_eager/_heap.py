@@ -31,16 +31,18 @@ are set, and has no call that reads them), so it stays after the block's exit; i
 where the program chose for itself: a ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or
 ``MALLOC_TOP_PAD_`` variable, ``glibc.malloc.*`` in ``GLIBC_TUNABLES``, or another allocator in
 ``LD_PRELOAD`` (jemalloc, tcmalloc, mimalloc). Not glibc (musl, macOS, Windows): nothing is done.
-``tune_malloc=False`` / ``NEURON_EAGER_TUNE_MALLOC=0`` opts out. ``metrics()["malloc_tuned"]``
+A program keeps glibc's own behaviour by choosing for itself (those variables); no setting of
+adaptive eager turns it off (benchmarks/RESULTS.md, "Session 23: switches"). ``metrics()["malloc_tuned"]``
 says whether it was done.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
+
+from .config import malloc_chosen_by_program
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -60,19 +62,6 @@ def outcome() -> str | None:
     return _done[0]
 
 
-def _chosen_by_program() -> str | None:
-    env = os.environ
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
-        if name in env:
-            return f"{name} is set"
-    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
-        return "GLIBC_TUNABLES sets malloc"
-    preload = env.get("LD_PRELOAD", "")
-    if "malloc" in preload:  # jemalloc, tcmalloc, mimalloc: another allocator serves malloc
-        return "another malloc is preloaded"
-    return None
-
-
 def tune() -> str:
     """Once per process: fix glibc's thresholds at their ceilings (Note [Heap thresholds])."""
     with _lock:
@@ -85,7 +74,7 @@ def tune() -> str:
 def _tune() -> str:
     if not sys.platform.startswith("linux"):
         return "not linux"
-    why = _chosen_by_program()
+    why = malloc_chosen_by_program()
     if why is not None:
         return why
     try:

@@ -326,7 +326,7 @@ def meta_entry(cache: dict, f, args, kwargs, dtype, sig, ksig, written, key, ari
     reason (Note [Meta cache key])."""
     _MISSES[0] += 1
     disk = text = None
-    if options is not None and options.meta_on_disk:
+    if options is not None:
         disk = _meta_disk.table_for(options)
         text = None if disk is None else _meta_disk.key_text(f, sig, ksig, dtype)
         value = None if text is None else disk.get(text)

@@ -214,7 +214,7 @@ _LOCK = threading.Lock()
 def table_for(options) -> DiskTable | None:
     """The stored meta entries for ``options``' cache, read at the first call; None where entries
     are not kept (Note [Meta entries on disk])."""
-    if not options.meta_on_disk or options.device != "cpu" or options.backend == "replay":
+    if options.device != "cpu" or options.backend == "replay":
         return None
     from fuser.artifacts import _store
 

@@ -15,9 +15,10 @@ from fuser.window import Window
 
 from . import _gc, _heap, _ops, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target, run_untouched
-from ._flush import _poison, _release, flush
+from ._flush import _poison, _release, apply_frees, flush
 from ._metrics import METRICS
-from ._data_checks import EAGER as _CHECK_EAGER, KEEP as _CHECK_KEEP, check as _data_check
+from ._data_checks import CPU_KERNEL_DEVICES as _CPU_KERNEL_DEVICES, EAGER as _CHECK_EAGER, KEEP as _CHECK_KEEP
+from ._data_checks import check as _data_check
 from ._ops import (
     ALLOC, BATCH_NORM, CHECKED, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for,
     unseeded_facts,
@@ -37,7 +38,7 @@ from ._state import (
     _unregister,
     current_state,
 )
-from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader
+from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader, read_on_host
 from .config import Options
 
 _empty_strided = torch.empty_strided
@@ -105,7 +106,7 @@ def _dropout_now(st: TracerState, args, kwargs):
     x = args[0]
     p = args[1] if len(args) > 1 else kwargs["p"]
     train = args[2] if len(args) > 2 else kwargs.get("train")
-    if (train is False or not _on_target(st, x) or x.device.type not in _ops.CPU_KERNEL_DEVICES
+    if (train is False or not _on_target(st, x) or x.device.type not in _CPU_KERNEL_DEVICES
             or x.numel() == 0 or not _dense(x)):
         return None
     o = getattr(x, "_ae", None)
@@ -287,7 +288,7 @@ class LazyMode(TorchDispatchMode):
                 with self:  # its ops come back here (Note [Ops run inline] in _ops)
                     return f.decomposition(*args, **kwargs)
             if kind == HOST_READ:  # Note [Composites that read memory] in _ops
-                if _ops.read_on_host(func, f.host_read, args, kwargs):
+                if read_on_host(func, f.host_read, args, kwargs):
                     return func(*args, **kwargs)  # the mode is off here: its kernel runs eagerly
                 with self:
                     return f.decomposition(*args, **kwargs)
@@ -388,7 +389,7 @@ def activate(options: Options) -> TracerState:
                 _EAGER_START[0] = options.window if options.eager_start else 0
             elif not options.eager_start:
                 _EAGER_START[0] = 0
-        if options.tune_malloc and options.device == "cpu" and _heap.outcome() is None:
+        if options.device == "cpu" and _heap.outcome() is None:
             _heap.tune()  # once per process: Note [Heap thresholds] in _heap
         _open_caches(options)
         st.periodicity = None  # a new program phase: find its period afresh
@@ -484,7 +485,7 @@ def _after_fork_in_child() -> None:
         for window in broken:
             _poison(window)
             _release(window)
-            _patches.apply_frees(window)  # Note [Storage resize]: they wait for nothing now
+            apply_frees(window)  # Note [Storage resize] in _patches: they wait for nothing now
         st.running = None
     _leave_in_child()
 

@@ -39,6 +39,7 @@ import functools
 import torch
 
 from ._args import _tensors
+from ._data_checks import CPU_KERNEL_DEVICES, data_check_for
 
 RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE, HOST_READ, CHECKED = range(10)
 
@@ -157,28 +158,6 @@ def host_read_args(op):
     if names is None:
         return None
     return tuple((i, a.name) for i, a in enumerate(op._schema.arguments) if a.name in names)
-
-
-def read_on_host(op, where, args, kwargs) -> bool:
-    """Make the values a composite reads on the host real (Note [Composites that read memory]);
-    True when it must run with the mode off, its window run first (it reads what it computes)."""
-    from ._args import _tensors
-    from ._flush import flush
-    from ._state import current_state
-    from ._threads import sync_value
-
-    if where is None:
-        for t in _tensors(args, kwargs):
-            sync_value(t, "host_indices")  # another thread's value
-        st = current_state()
-        if st is not None and st.window.nodes:
-            flush(st, "host_indices")
-        return True
-    for i, name in where:
-        t = args[i] if i < len(args) else kwargs.get(name)
-        if isinstance(t, torch.Tensor):
-            sync_value(t, "host_indices")
-    return False
 
 
 def _backend_kernel(func):
@@ -353,8 +332,6 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         and f.tensor_pos[:1] == (0,) and not f.has_device_kw
     )
     if f.kind == RECORD:
-        from ._data_checks import data_check_for  # it reads this module's CPU_KERNEL_DEVICES
-
         f.data_check = data_check_for(func, base)
         if f.data_check is not None:
             f.kind = CHECKED  # recorded as RECORD is, by the same paths (``fast``, ``fast_inplace``)
@@ -387,8 +364,8 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
 # it rounds unlike ``mul.Tensor`` with the same number). ``train=False``, an empty input and an
 # input whose layout ``empty_like`` would not keep run the kernel, after a flush. Other kernels
 # (CUDA's Philox, torch-neuronx's) draw in ways that cannot be reproduced here, so on those devices
-# the op still ends the window. ``adaptive_eager._mode._dropout_now`` does the drawing.
-CPU_KERNEL_DEVICES = {"cpu"}  # device types whose ATen kernels are CPU's (emulate_neuron adds "neuron")
+# the op still ends the window (``CPU_KERNEL_DEVICES``, in _data_checks, are those whose kernels
+# are CPU's). ``adaptive_eager._mode._dropout_now`` does the drawing.
 
 
 def unseeded_facts(f: OpFacts, args: tuple, kwargs: dict) -> OpFacts | None:

@@ -48,10 +48,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fuser.window import FRESH
 
 from . import _capture, _compile, _optim, _source, _state
-from ._flush import flush
-from ._ops import HOST_READERS, composite_kernel, host_read_args, read_on_host
+from ._flush import _DEFERRED, _storage_resize, apply_frees, flush
+from ._ops import HOST_READERS, composite_kernel, host_read_args
 from ._state import current_state
-from ._threads import _flush_for_reader, pending_mark, sync_value
+from ._threads import _flush_for_reader, pending_mark, read_on_host, sync_value
 
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (the patched one flushes)
 _has_storage = torch._C._has_storage
@@ -315,9 +315,9 @@ def _register_host_readers() -> None:
 # [Placeholders] in fuser.window), and ``Window.written`` every storage they write; a pending
 # value's own storage cannot reach ``resize_`` unflushed (``untyped_storage()`` of it flushes).
 # - A free of a storage the open window holds waits for the window (``Window.frees``): the
-#   storage keeps its memory until the window has run (``_flush``), then is freed as eager freed
+#   storage keeps its memory until the window has run (``_flush.apply_frees``), then is freed as eager freed
 #   it. Meanwhile it says what eager's would: ``nbytes()``, ``size()`` and ``len()`` are 0
-#   (``_DEFERRED``, read by every thread); nothing else of it is observable: its tensors are
+#   (``_flush._DEFERRED``, read by every thread); nothing else of it is observable: its tensors are
 #   views FSDP2 reads only after the next allocation, and ``data_ptr`` of a tensor flushes.
 #   Flushing there instead cost a window per free: 4 of 11 a step in tests/test_fsdp.py's model
 #   (17 in its 4 steps), each followed a few ops later by the next all-gather's (a collective).
@@ -335,9 +335,7 @@ def _register_host_readers() -> None:
 #   growth of a storage the window holds runs it first (the bytes move to new memory).
 # Only the calling thread's window is considered (as for every entry point here); a free of a
 # storage another thread's window holds is not deferred.
-_storage_nbytes = torch.UntypedStorage.nbytes  # the C methods (patched while installed)
-_storage_resize = torch.UntypedStorage.resize_
-_DEFERRED: dict = {}  # storage ``_cdata`` -> the window whose run frees it
+_storage_nbytes = torch.UntypedStorage.nbytes  # the C method (patched while installed)
 
 
 def _holds_storage(window, storage, *_) -> bool:
@@ -376,19 +374,6 @@ def _resize_wrapper(original):
             return original(self, size)
 
     return resize_
-
-
-def apply_frees(window) -> None:
-    """Free the storages whose ``resize_(0)`` waited for ``window`` (Note [Storage resize])."""
-    frees = window.frees
-    if not frees:
-        return
-    window.frees = {}
-    with _disable_current_modes():
-        for sid, storage in frees.items():
-            if _DEFERRED.get(sid) is window:
-                del _DEFERRED[sid]
-            _storage_resize(storage, 0)
 
 
 def _nbytes(self):

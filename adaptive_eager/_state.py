@@ -83,11 +83,8 @@ class TracerState:
             self.sync_gc()
 
     def sync_gc(self) -> None:
-        """Hold or drop this tracer's gc threshold request to match its options (Note [GC threshold])."""
-        if self.options.tune_gc:
-            _gc.hold(self, self.options.window)
-        else:
-            _gc.release(self)
+        """This tracer's gc threshold request, fitting its window (Note [GC threshold])."""
+        _gc.hold(self, self.options.window)
 
 
 _tls = threading.local()

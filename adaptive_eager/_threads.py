@@ -9,8 +9,9 @@ import time
 import torch
 
 from . import _state
+from ._args import _tensors
 from ._flush import _run, flush
-from ._state import TracerState, _on_target, _strided, _tls
+from ._state import TracerState, _on_target, _strided, _tls, current_state
 
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 
@@ -170,3 +171,20 @@ def _flush_for_reader(st: TracerState, t) -> None:
 def is_pending(t: torch.Tensor) -> bool:
     """Whether ``t``'s value is pending in any thread's window (Note [Reads from other threads])."""
     return owner_of(t) is not None
+
+
+def read_on_host(op, where, args, kwargs) -> bool:
+    """Make the values a composite reads on the host real (Note [Composites that read memory] in _ops);
+    True when it must run with the mode off, its window run first (it reads what it computes)."""
+    if where is None:
+        for t in _tensors(args, kwargs):
+            sync_value(t, "host_indices")  # another thread's value
+        st = current_state()
+        if st is not None and st.window.nodes:
+            flush(st, "host_indices")
+        return True
+    for i, name in where:
+        t = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(t, torch.Tensor):
+            sync_value(t, "host_indices")
+    return False

@@ -1,9 +1,17 @@
 """Every setting of adaptive eager, declared once.
 
-This is the only module that reads ``os.environ``. Each setting has one spelling: the keyword
-``name`` of ``adaptive_eager(name=...)`` / ``enable(name=...)`` and the environment variable
-``NEURON_EAGER_<NAME>``. The environment is read when options are built (at ``enable()`` /
-``adaptive_eager()`` entry), never frozen at import, so a change made before entering takes effect.
+This is the only module of ``adaptive_eager`` that touches ``os.environ`` (tests/test_layers.py
+checks it): every read is here, and the one write, ``pass_to_children``, is a call its caller makes
+on purpose. Reading settings has no side effect: ``emulate`` is a setting like any other, and the
+mode's entry (``adaptive_eager.__init__``) installs the emulated device when it is on. The packages
+below, ``neff_cache`` and ``fuser``, know nothing of this module: ``neff_cache`` reads its own
+command line's settings (``neff_cache.settings.from_environment``) and hands the environment on to
+its compile workers (``neff_cache.jobs``); ``fuser`` reads none.
+
+Each setting has one spelling: the keyword ``name`` of ``adaptive_eager(name=...)`` /
+``enable(name=...)`` and the environment variable ``NEURON_EAGER_<NAME>``. The environment is read
+when options are built (at ``enable()`` / ``adaptive_eager()`` entry), never frozen at import, so a
+change made before entering takes effect.
 """
 
 from __future__ import annotations
@@ -47,15 +55,12 @@ class Options:
     async_compile: bool = True
     compile_after_exit_s: float = 300.0  # Note [Compiles that outlive the program] in neff_cache.jobs
     log: str = "warning"
-    tune_gc: bool = True  # raise gc's generation-0 threshold while on: Note [GC threshold]
-    tune_malloc: bool = True  # glibc malloc's thresholds at their ceilings (cpu): Note [Heap thresholds] in _heap
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
     # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture] in _optim)
     optimizer_capture: bool = True
     module_capture: bool = True  # a hot outermost module call runs as one guarded call: Note [Captured modules] in _capture
     hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
-    meta_on_disk: bool = True  # first-sight metadata kept in the cache: Note [Meta entries on disk] in _meta_disk
     eager_start: bool = True  # the process's first window runs eagerly: Note [Eager start] in _mode
 
     def replace(self, **changes: Any) -> Options:
@@ -163,14 +168,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
     "hot_windows": (_parse_bool, "record a window whose structure runs compiled against it, not in full (default 1)"),
-    "meta_on_disk": (_parse_bool, "keep op signatures' output metadata in the cache for the next process "
-                     "(default 1; cpu)"),
     "eager_start": (_parse_bool, "the process's first window runs eagerly; recording starts after it (default 1)"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile may go on after the program exits, "
                              "to land in the cache (default 300; 0: stop it at exit)"),
-    "tune_gc": (_parse_bool, "raise gc's generation-0 threshold while on (default 1; restored at exit)"),
-    "tune_malloc": (_parse_bool, "fix glibc malloc's mmap/trim thresholds at their ceilings so freed tensors are not "
-                    "faulted in again each step (default 1; cpu; process-wide; Note [Heap thresholds])"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` (every "
             "flush, compile, recompile, fallback) or `debug`"),
     "emulate": (_parse_bool, "an emulated `neuron` device backed by CPU memory, counting one launch per eager op "
@@ -182,6 +182,41 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                        "by TorchDynamo, its graphs compiled in background workers and kept in the cache (default 1)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, forks) record too (default 0: they run eagerly)"),
 }
+
+
+# Settings no longer offered, each with what it did always done now (benchmarks/RESULTS.md,
+# "Session 23: switches", has the measurements): name -> (the value that asked for that, what to use
+# instead to get the other behaviour). Passing one is never silently ignored: the kept value is
+# warned about once, the other is refused with the replacement (keyword and environment alike).
+REMOVED: dict[str, tuple[bool, str]] = {
+    "tune_gc": (True, "gc's generation-0 threshold is always raised while adaptive eager is on and restored at "
+                "exit (Note [GC threshold] in adaptive_eager._gc); to keep your own, set it with gc.set_threshold() "
+                "(a threshold the program set while on, or 0, is left alone)"),
+    "tune_malloc": (True, "glibc malloc's mmap/trim thresholds are always fixed at their ceilings on cpu (Note [Heap "
+                    "thresholds] in adaptive_eager._heap); to keep glibc's own, set MALLOC_TRIM_THRESHOLD_ or "
+                    "MALLOC_MMAP_THRESHOLD_, or glibc.malloc.* in GLIBC_TUNABLES: a program's own choice is left alone"),
+    "meta_on_disk": (True, "op signatures' output metadata is part of the cache (Note [Meta entries on disk] in "
+                     "adaptive_eager._meta_disk); cache_dir (NEURON_EAGER_CACHE_DIR) decides where it is kept"),
+}
+
+
+def _removed(name: str, value: Any, spelled: str) -> None:
+    kept, instead = REMOVED[name]
+    if isinstance(value, str):
+        try:
+            value = _parse_bool(name, value)
+        except _Invalid:
+            value = None
+    if value is not kept:
+        raise ConfigError(f"{spelled}: {name} is no longer a setting and cannot be changed: {instead}")
+    if name not in _warned_removed:
+        _warned_removed.add(name)
+        from ._source import warn  # not at import: torch imports this module (_autoload)
+
+        warn(f"{spelled}: {name} is no longer a setting (it is always on): {instead}")
+
+
+_warned_removed: set[str] = set()
 
 
 def options_doc() -> str:
@@ -239,8 +274,9 @@ _warned_unknown: set[str] = set()
 
 def _warn_unknown(environ: Mapping[str, str]) -> None:
     valid = {_env(n) for n in SETTINGS}
+    removed = {_env(n) for n in REMOVED}  # load_options says what became of those
     for key in environ:
-        if key.startswith(ENV_PREFIX) and key not in valid and key not in _warned_unknown:
+        if key.startswith(ENV_PREFIX) and key not in valid | removed and key not in _warned_unknown:
             _warned_unknown.add(key)
             # matched without the prefix, which every name shares (NEURON_EAGER_FOO is not close to _LOG)
             close = difflib.get_close_matches(key[len(ENV_PREFIX):].lower(), list(SETTINGS), n=1)
@@ -270,6 +306,9 @@ def defaults(**options: Any):
 def _validate(overrides: Mapping[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, value in overrides.items():
+        if name in REMOVED:
+            _removed(name, value, f"option {name}={value!r}")
+            continue
         if name not in SETTINGS:
             close = difflib.get_close_matches(name, list(SETTINGS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(SETTINGS)}"
@@ -295,26 +334,28 @@ def load_options(environ: Mapping[str, str] | None = None, **overrides: Any) -> 
         raw = environ.get(_env(name))
         if raw is not None:
             values[name] = _parsed(name, raw, f"{_env(name)}={raw!r}")
+    for name in REMOVED:
+        raw = environ.get(_env(name))
+        if raw is not None:
+            _removed(name, raw, f"{_env(name)}={raw!r}")
     values.update(_defaults)
     values.update(_validate(overrides))
-    if values.get("emulate"):
-        from .neuron_emulation import emulate_neuron
-
-        emulate_neuron()  # before the default device is picked: it is then neuron
+    # emulate: the mode's entry installs the emulated device, which is then the default
+    emulated = bool(values.get("emulate")) or _emulated()
     if "device" not in values:
-        values["device"] = default_device_type()
+        values["device"] = "neuron" if emulated else default_device_type()
     if "backend" not in values:
-        values["backend"] = _default_backend(values["device"])
+        values["backend"] = _default_backend(values["device"], emulated)
     if values["backend"] == "neuron":
-        _check_backend("neuron", values["device"], "neuron")
+        _check_backend("neuron", values["device"], "neuron", emulated)
     if values["backend"] == "inductor" and values["device"] not in ("cpu", "cuda"):
         raise ConfigError(f"backend 'inductor' compiles for cpu and cuda, not {values['device']!r}; use backend='replay'")
     if values["backend"] == "stablehlo":
-        _check_backend("stablehlo", values["device"], "cpu")
+        _check_backend("stablehlo", values["device"], "cpu", emulated)
     return Options(**values)
 
 
-def _default_backend(device: str) -> str:
+def _default_backend(device: str, emulated: bool) -> str:
     """inductor on cpu and cuda; on neuron the neuron backend where its packages are installed (it
     has not run on hardware yet: fuser/backends/neuron.py), else replay (one NEFF per op)."""
     if device in ("cpu", "cuda"):
@@ -323,9 +364,7 @@ def _default_backend(device: str) -> str:
         from fuser.backends.neuron import NeuronBackend
         from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
 
-        from .neuron_emulation import is_emulated
-
-        if is_emulated():
+        if emulated:
             # stablehlo stands in for neuronx-cc on the emulated device
             if not missing_requirements():
                 return "stablehlo"
@@ -337,7 +376,7 @@ def _default_backend(device: str) -> str:
     return "replay"
 
 
-def _check_backend(name: str, device: str, compiles_for: str) -> None:
+def _check_backend(name: str, device: str, compiles_for: str, emulated: bool) -> None:
     # at enable(), not at the first compile: a missing package must not surface in the middle of a run
     from fuser.backends import get_backend_class
     from fuser.backends.stablehlo import INSTALL_HINT, missing_requirements
@@ -345,7 +384,7 @@ def _check_backend(name: str, device: str, compiles_for: str) -> None:
     missing = missing_requirements(get_backend_class(name).requirements)
     if missing:
         raise ConfigError(f"backend {name!r} needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}")
-    if device != compiles_for and not (device == "neuron" and compiles_for == "cpu" and _emulated()):
+    if device != compiles_for and not (device == "neuron" and compiles_for == "cpu" and emulated):
         raise ConfigError(f"backend {name!r} compiles for {compiles_for}, not {device!r}; use backend='replay'")
 
 
@@ -366,8 +405,7 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "tune_gc", "tune_malloc", "workers", "emulate", "meta_on_disk", "eager_start",
-                 "module_capture"):
+    for name in ("async_compile", "workers", "emulate", "eager_start", "module_capture"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     capture = values.get("optimizer_capture")
@@ -375,10 +413,14 @@ def _check_types(values: dict[str, Any]) -> None:
         raise ConfigError(f"option optimizer_capture={capture!r}: expected True or False")
 
 
-def entry_options(base: Options | None, **overrides: Any) -> Options:
+def entry_options(base: Options | None, install_emulation, **overrides: Any) -> Options:
     """The options ``enable()`` / ``adaptive_eager()`` turn on with: ``load_options`` (``base`` None)
-    or ``base`` with the block's keywords, refused for a device this machine lacks."""
+    or ``base`` with the block's keywords, refused for a device this machine lacks. With ``emulate``
+    on, a new activation calls ``install_emulation`` (the mode's entry passes
+    ``neuron_emulation.emulate_neuron``) before the device is checked: it is the device checked."""
     opts = load_options(**overrides) if base is None else with_overrides(base, **overrides)
+    if base is None and opts.emulate:
+        install_emulation()
     if base is None or "device" in overrides:
         check_device(opts.device, keyword="device" in overrides or "device" in _defaults)
     return opts
@@ -404,9 +446,12 @@ def check_device(device: str, keyword: bool) -> None:
 
 
 def _emulated() -> bool:
-    from .neuron_emulation import is_emulated
+    """Whether this process has the emulated neuron device (installed by an earlier entry, or by the
+    program), without importing the emulation (it imports torch) where it was never installed."""
+    import sys
 
-    return is_emulated()
+    emulation = sys.modules.get(__package__ + ".neuron_emulation")
+    return emulation is not None and emulation.is_emulated()
 
 
 _warned: set[str] = set()
@@ -423,6 +468,28 @@ def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     environ = os.environ if environ is None else environ
     raw = environ.get(_env(name))
     return getattr(Options, name) if raw is None else _parsed(name, raw, f"{_env(name)}={raw!r}")
+
+
+def pass_to_children(name: str, value: str) -> None:
+    """Set the setting ``name``'s variable in this process's environment, which the processes it
+    starts afterwards inherit (the emulated device's compile and DataLoader workers): the one write
+    to ``os.environ``, made by its caller on purpose."""
+    os.environ[_env(name)] = value
+
+
+def malloc_chosen_by_program(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why the program's environment keeps glibc malloc's thresholds as they are, or None: a
+    ``MALLOC_*`` threshold variable, ``glibc.malloc.*`` tunables, another malloc preloaded (Note
+    [Heap thresholds] in _heap)."""
+    env = os.environ if environ is None else environ
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        if name in env:
+            return f"{name} is set"
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES sets malloc"
+    if "malloc" in env.get("LD_PRELOAD", ""):  # jemalloc, tcmalloc, mimalloc: another allocator serves malloc
+        return "another malloc is preloaded"
+    return None
 
 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:

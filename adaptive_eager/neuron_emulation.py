@@ -45,7 +45,6 @@ copies into placeholders do, as they would launch on the device.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
@@ -54,6 +53,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._threads import sync_value
+from .config import pass_to_children
 
 DEVICE = "neuron"
 _lock = threading.Lock()
@@ -322,10 +322,10 @@ def emulate_neuron() -> None:
         from fuser.backends.stablehlo import register_host_device
 
         register_host_device(DEVICE, cpu_data, on_device)  # Note [Host-memory devices] there
-        from ._ops import CPU_KERNEL_DEVICES
+        from ._data_checks import CPU_KERNEL_DEVICES
 
-        CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] there
-        os.environ["NEURON_EAGER_EMULATE"] = "1"
+        CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] in _ops
+        pass_to_children("emulate", "1")
         _installed = True
 
 

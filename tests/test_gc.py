@@ -25,11 +25,20 @@ def test_raised_while_on_and_restored_at_exit():
     assert gc.get_threshold() == (700, 10, 10)
 
 
-def test_opt_out_leaves_thresholds_alone():
-    with ae.adaptive_eager(device="cpu", backend="replay", tune_gc=False):
-        assert gc.get_threshold() == (700, 10, 10)
-    with pytest.raises(ConfigError, match="option tune_gc='maybe': expected 1/0"):  # the keyword, as spelled
-        ae.adaptive_eager(device="cpu", tune_gc="maybe").__enter__()
+def test_the_removed_setting_is_refused_or_warned_naming_gc_set_threshold(monkeypatch):
+    """``tune_gc`` is no longer a setting: turning it off is refused, naming what keeps the
+    program's thresholds; asking for it on is said once (keyword and environment alike)."""
+    from adaptive_eager import config
+
+    for spelled in ({"tune_gc": False}, {"tune_gc": "maybe"}):
+        with pytest.raises(ConfigError, match=r"tune_gc is no longer a setting .*gc\.set_threshold\(\)"):
+            ae.adaptive_eager(device="cpu", **spelled).__enter__()
+    with pytest.raises(ConfigError, match="NEURON_EAGER_TUNE_GC='0'"):
+        config.load_options({"NEURON_EAGER_TUNE_GC": "0"})
+    monkeypatch.setattr(config, "_warned_removed", set())
+    with pytest.warns(UserWarning, match="option tune_gc=True: tune_gc is no longer a setting"):
+        with ae.adaptive_eager(device="cpu", backend="replay", tune_gc=True):
+            assert gc.get_threshold()[0] > 700
 
 
 def test_the_programs_own_thresholds_win():
@@ -52,10 +61,8 @@ def test_enable_with_new_window_follows_and_disable_restores():
     assert gc.get_threshold()[0] == 1600
     ae.enable(window=500)
     assert gc.get_threshold()[0] == 8000
-    ae.enable(tune_gc=False)
-    assert gc.get_threshold() == (700, 10, 10)
-    ae.enable(tune_gc=True, window=500)  # enable() starts from the defaults again
-    assert gc.get_threshold()[0] == 8000
+    ae.enable()  # enable() starts from the defaults again
+    assert gc.get_threshold()[0] == 16 * 1024
     ae.disable()
     assert gc.get_threshold() == (700, 10, 10)
 
@@ -83,7 +90,8 @@ def test_threads_share_the_raise_until_the_last_one_leaves():
 
 
 def _young_collections(tune: bool) -> int:
-    """Generation-0 collections while recording 4 windows of 900 ops (the op cap is 1000)."""
+    """Generation-0 collections while recording 4 windows of 900 ops (the op cap is 1000); not
+    ``tune``: the program sets CPython's default threshold itself once on, which is then kept."""
     count = [0]
 
     def cb(phase, info):
@@ -94,7 +102,9 @@ def _young_collections(tune: bool) -> int:
     gc.collect()
     gc.callbacks.append(cb)
     try:
-        with ae.adaptive_eager(device="cpu", backend="replay", window=1000, tune_gc=tune):
+        with ae.adaptive_eager(device="cpu", backend="replay", window=1000):
+            if not tune:
+                gc.set_threshold(700, 10, 10)
             for _ in range(4):
                 y = x
                 for _ in range(900):

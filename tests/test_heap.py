@@ -78,11 +78,9 @@ needs_glibc = pytest.mark.skipif(not _glibc(), reason="the thresholds are glibc'
 
 @needs_glibc
 def test_freed_memory_is_not_faulted_in_again():
-    tuned = _run()
-    control = _run('{"tune_malloc": false}')
+    tuned = _run()  # glibc's own thresholds, for comparison: test_the_programs_own_malloc_settings_win
     assert tuned["outcome"] == "tuned" and tuned["tuned"] is True
-    assert control["outcome"] is None and control["tuned"] is False
-    assert control["own_mapping"] == 1 and tuned["own_mapping"] == 0, (control, tuned)
+    assert tuned["own_mapping"] == 0, tuned
     assert tuned["faults"] < 20, tuned  # the median round's: none, where glibc's own fault in some processes
 
 
@@ -95,18 +93,23 @@ def test_the_programs_own_malloc_settings_win(env):
     assert out["own_mapping"] == 1, out  # glibc's behavior, as the program asked for it
 
 
-def test_environment_opt_out_and_bad_values():
-    out = _run(NEURON_EAGER_TUNE_MALLOC="0")
-    assert out["outcome"] is None and out["tuned"] is False
-    with pytest.raises(ConfigError, match="option tune_malloc='yes please': expected 1/0"):
-        ae.adaptive_eager(device="cpu", tune_malloc="yes please").__enter__()
+def test_the_removed_setting_names_glibcs_own_variables():
+    """``tune_malloc`` is no longer a setting: a program keeps glibc's thresholds with glibc's own
+    variables, which the error names (keyword and environment alike)."""
+    from adaptive_eager.config import load_options
+
+    for spelled in ({"tune_malloc": False}, {"tune_malloc": "yes please"}):
+        with pytest.raises(ConfigError, match="tune_malloc is no longer a setting .*MALLOC_TRIM_THRESHOLD_"):
+            load_options({}, **spelled)
+    with pytest.raises(ConfigError, match="NEURON_EAGER_TUNE_MALLOC='0': tune_malloc is no longer"):
+        load_options({"NEURON_EAGER_TUNE_MALLOC": "0"})
 
 
-def test_other_allocators_are_left_alone(monkeypatch):
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    assert _heap._chosen_by_program() == "another malloc is preloaded"
-    monkeypatch.setenv("LD_PRELOAD", "")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")  # not malloc's: ours to set
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
-        monkeypatch.delenv(name, raising=False)
-    assert _heap._chosen_by_program() is None
+def test_other_allocators_are_left_alone():
+    from adaptive_eager.config import malloc_chosen_by_program
+
+    assert malloc_chosen_by_program({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}) == (
+        "another malloc is preloaded")
+    assert malloc_chosen_by_program({"MALLOC_TRIM_THRESHOLD_": "1"}) == "MALLOC_TRIM_THRESHOLD_ is set"
+    # not malloc's: ours to set
+    assert malloc_chosen_by_program({"LD_PRELOAD": "", "GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) is None

@@ -259,7 +259,7 @@ def test_a_logging_threads_warnings_all_reach_the_program():
         warnings.simplefilter("always")
         t = threading.Thread(target=logger)
         t.start()
-        with ae.adaptive_eager(backend="replay", meta_on_disk=False):
+        with ae.adaptive_eager(backend="replay"):  # replay keeps no metadata on disk
             for i in range(1, 150):
                 y = torch.ones(i).cumsum(0) * 2  # a new shape each step: meta-cache misses
             ae.sync()

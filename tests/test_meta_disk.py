@@ -153,15 +153,14 @@ def test_a_table_of_another_version_of_the_library_is_not_read(cache, monkeypatc
     assert ae.cache_info()["meta_disk_hits"] == 0 and second == first
 
 
-def test_meta_on_disk_off_neither_reads_nor_writes(cache):
-    record(cache, meta_on_disk=False)
-    a_new_process()
-    with ArtifactStore(cache) as store:
-        assert store.get(_meta_disk._store_key(_meta_disk.fingerprint())) is None
-    record(cache)
-    a_new_process()
-    record(cache, meta_on_disk=False)
-    assert ae.cache_info()["meta_disk_hits"] == 0
+def test_meta_on_disk_is_no_longer_a_setting():
+    """The metadata is part of the cache: turning it off is refused, naming cache_dir."""
+    from adaptive_eager.config import ConfigError, load_options
+
+    with pytest.raises(ConfigError, match="meta_on_disk is no longer a setting .*cache_dir"):
+        load_options({}, meta_on_disk=False)
+    with pytest.raises(ConfigError, match="NEURON_EAGER_META_ON_DISK='0'"):
+        load_options({"NEURON_EAGER_META_ON_DISK": "0"})
 
 
 def test_the_key_text_keeps_number_types_apart():

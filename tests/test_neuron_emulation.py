@@ -65,6 +65,22 @@ def _child(code: str, tmp_path, env: dict | None = None, script: str | None = No
     return out.stdout + out.stderr
 
 
+def test_reading_settings_installs_nothing_the_entry_installs_the_emulation(tmp_path):
+    """Building options from NEURON_EAGER_EMULATE=1 installed the emulated device as a side effect;
+    it is installed by the mode's entry, which then records on it."""
+    out = _child("""
+        opts = ae.load_options()
+        assert opts.emulate and opts.device == "neuron" and not ne.is_emulated(), opts
+        with ae.adaptive_eager(backend="replay"):
+            assert ne.is_emulated() and torch.neuron.is_available()
+            y = torch.ones(3, device="neuron") * 2
+            assert ae.is_lazy(y)
+        assert y.cpu().tolist() == [2.0, 2.0, 2.0]
+        print("ok")
+        """, tmp_path, {"NEURON_EAGER_EMULATE": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})  # not at import torch
+    assert "ok" in out
+
+
 def test_device_factories_copies_and_device_module(tmp_path):
     out = _child("""
         ae.emulate_neuron(); ne.emulate_neuron()  # the public name; idempotent
