@@ -137,6 +137,9 @@ NOT_COMPILED: dict[str, str] = {
     "grad_mode_op": "an op whose results depend on grad mode (`nn.LSTM`'s CPU kernel, `mkldnn_rnn_layer`) runs in "
                     "the window: a compiled region runs with grad mode off, so the window replays (correct, not "
                     "fused); nothing to change in your code",
+    "conj_or_neg_input": "an input of the window has the conjugate or negative bit (`t.conj()`, `t.conj().imag`) "
+                         "kept from outside it: compiled code would read its memory unresolved, so the window "
+                         "replays (correct, not fused); `.resolve_conj()` / `.resolve_neg()` it once outside the loop",
     "failed_before": "compiling it failed in an earlier process (remembered in the cache directory; the warning said "
                      "why): it is tried again after a day, or after `python -m neff_cache clear`",
 }
