@@ -194,8 +194,11 @@ def _hot_slot(window: Window, a, slot: int, n0: int) -> str | None:
     if not isinstance(a, _Tensor) or window.slots.get(id(a)) is not None or slot != len(real):
         return "binding"
     shape, stride, dtype = window.hot.slot_meta[slot]
-    if a.dtype is not dtype or not a.is_cpu or a.layout is not _strided or a.shape != shape or a.stride() != stride:
-        return "metadata"  # a sparse tensor too: Note [Tensors the mode leaves alone] in _state
+    if a.dtype is not dtype or not a.is_cpu or a.layout is not _strided or a.shape != shape or a.stride() != stride \
+            or a.is_conj() or a.is_neg():
+        # a sparse tensor too: Note [Tensors the mode leaves alone] in _state; a bit: Note
+        # [Conjugate and negative bits] in fuser.compilable (recorded in full, the window replays)
+        return "metadata"
     window.slots[id(a)] = slot
     real.append(a)
     return None

@@ -41,20 +41,21 @@ def _checks(window: Window) -> bool:
 GRAD_MODE_OPS = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
 
 
+# Note [Conjugate and negative bits]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A tensor with the conjugate or negative bit (``t.conj()``, ``t.conj().imag``, ``x._neg_view()``)
 # holds its values unconjugated or unnegated in memory; eager's kernels see the bit (its fallback
 # resolves it first), compiled code reads the memory: as a real input of a compiled region,
-# ``t.conj().imag * 1`` came back negated. The replay runs eager's kernels on the real tensors, so
-# such windows replay.
-def _bit_inputs(window: Window) -> bool:
-    return any(t.is_conj() or t.is_neg() for t in window.real_inputs)
+# ``t.conj().imag * 1`` came back negated. The bit is not in a window's key (a real input is keyed
+# by shape, strides and dtype), so it is checked per window, not per structure: ``Window.bits``,
+# set where a real input gets its slot (``Window.slot_of``; a hot window's slot check,
+# ``_fast._hot_slot``, demotes on it), and such a window replays (``fuser.regions.run``), counted
+# ``conj_or_neg_input``, while the same structure without the bit runs compiled.
 
 
 def _not_compilable(window: Window) -> str | None:
     if _inputs_alias(window):
         return "aliased_inputs"
-    if _bit_inputs(window):
-        return "conj_or_neg_input"
     if _writes_overlapping(window):
         return "overlapping_write"
     if any(n.func in GRAD_MODE_OPS for n in window.nodes):

@@ -110,11 +110,22 @@ def run(window: Window, live: list[Out], backend, options) -> FlushResult:
     with table.LOCK:  # Note [One lock for the region tables] in fuser.table
         if window.passed and window.mutated and _inputs_alias(window):
             return _replay_aliased(window, live)
+        if window.bits:
+            return _replay_bits(window, live)
         if window.hot is not None:
             done = _run_validated(window, live)
             if done is not None:
                 return done
         return _run_window(_Flush(window, live), backend, options)
+
+
+def _replay_bits(window: Window, live: list[Out]) -> FlushResult:
+    """A window with a real input holding the conjugate or negative bit: replayed, whatever its
+    key (Note [Conjugate and negative bits] in fuser.compilable)."""
+    if window.hot is not None:
+        window.hot.demote(window, "conj_or_neg_input")
+    STATS.not_compiled["conj_or_neg_input"] += 1
+    return _replay(_Flush(window, live), "conj_or_neg_input", None)
 
 
 def _replay_aliased(window: Window, live: list[Out]) -> FlushResult:
@@ -148,6 +159,8 @@ def run_now(window: Window, live: list[Out]) -> FlushResult:
     with table.LOCK:
         if window.passed and window.mutated and _inputs_alias(window):
             return _replay_aliased(window, live)
+        if window.bits:
+            return _replay_bits(window, live)
         if window.hot is not None:
             done = _run_validated(window, live)
             if done is not None:

@@ -214,7 +214,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard", "hot_counted", "passed", "kept")
+                 "discard", "hot_counted", "passed", "kept", "bits")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -264,12 +264,17 @@ class Window:
         # results of ops that may raise from values still pending, held so that the flush finds
         # them live and computes them, dropped or not (Note [Errors from data] in adaptive_eager._data_checks)
         self.kept: list = []
+        # a real input has the conjugate or negative bit: the window replays (Note [Conjugate and
+        # negative bits] in fuser.compilable)
+        self.bits = False
 
     def slot_of(self, t) -> int:
         slot = self.slots.get(id(t))
         if slot is None:
             slot = self.slots[id(t)] = len(self.real_inputs)
             self.real_inputs.append(t)
+            if t.is_conj() or t.is_neg():
+                self.bits = True  # Note [Conjugate and negative bits] in fuser.compilable
         return slot
 
     def __len__(self) -> int:
