@@ -137,6 +137,9 @@ NOT_COMPILED: dict[str, str] = {
     "grad_mode_op": "an op whose results depend on grad mode (`nn.LSTM`'s CPU kernel, `mkldnn_rnn_layer`) runs in "
                     "the window: a compiled region runs with grad mode off, so the window replays (correct, not "
                     "fused); nothing to change in your code",
+    "compile_limit": "its compile took more memory (half the machine's) or time (15 minutes) than a compile worker "
+                     "may, and was abandoned; remembered in the cache directory for a day. Worth reporting with "
+                     "NEURON_EAGER_LOG=info's line for the region",
     "failed_before": "compiling it failed in an earlier process (remembered in the cache directory; the warning said "
                      "why): it is tried again after a day, or after `python -m neff_cache clear`",
 }

@@ -27,6 +27,7 @@ from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
 import torch
+from neff_cache import LIMIT_EXCEEDED
 
 from .artifacts import _result, _store, _submit, abandoned, finished_jobs, submit_job
 from .compilable import _checks, _inputs_alias, _not_compilable
@@ -481,15 +482,18 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
             entry.group.lifted = ()
             entry.group.keep = None
         return
+    over_limit = reason.startswith(LIMIT_EXCEEDED)  # Note [Compile limits] in neff_cache._worker
     if attempted:
         STATS.compile_failures += 1
-    else:
+    if over_limit:
+        STATS.not_compiled["compile_limit"] += 1
+    elif not attempted:
         STATS.not_compiled["failed_before"] += 1
     log.debug("adaptive_eager: region %s: %s: %s", entry.region, what, detail or reason)
     first_line = reason.strip().partition("\n")[0]
     _blacklist(entry, f"region {entry.region}: {what}: {first_line} "
                "(correct, only slower; NEURON_EAGER_LOG=debug prints the whole error, worth reporting)",
-               "compile_failed" if attempted else "failed_before")
+               "compile_limit" if over_limit else "compile_failed" if attempted else "failed_before")
 
 
 def _blacklist(entry: _Entry, why: str, reason: str) -> None:

@@ -323,6 +323,46 @@ def test_background_compile_never_blocks_the_program(tmp_path):
     torch.testing.assert_close(y, ((x * 1.5).cos() - 0.25).tanh())
 
 
+def test_a_compile_over_its_memory_bound_is_abandoned_counted_remembered_and_replayed(tmp_path, monkeypatch,
+                                                                                      fresh_regions):
+    """Note [Compile limits] in neff_cache._worker: a background compile past its memory bound
+    (here below any torch process) is killed, not retried; the region replays with eager's values,
+    counted under ``compile_limit``; a later run reads the remembered failure and compiles nothing."""
+    import time
+
+    import neff_cache.jobs
+
+    monkeypatch.setattr(neff_cache.jobs, "default_memory_limit", lambda: 64 << 20)
+    x = torch.randn(256)
+    want = ((x * 1.5).cos() - 0.25).tanh()
+    fuser.artifacts.finished_jobs()  # earlier tests' background compiles are theirs, not this one's
+    ae.reset_metrics()
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=True, cache_dir=str(tmp_path)):
+        deadline = time.monotonic() + 120
+        while not ae.metrics()["not_compiled"] and time.monotonic() < deadline:
+            y = ((x * 1.5).cos() - 0.25).tanh()
+            ae.sync()
+            time.sleep(0.05)
+        y = ((x * 1.5).cos() - 0.25).tanh()
+        ae.sync()
+    m = ae.metrics()
+    assert m["not_compiled"] == {"compile_limit": 1} and m["compile_failures"] == 1 and m["compiles"] == 0, m
+    assert m["compiled_runs"] == 0 and m["replay_reasons"]["compile_limit"] >= 1, m
+    torch.testing.assert_close(y, want, rtol=0, atol=0)  # replayed: bitwise eager
+
+    monkeypatch.undo()
+    fuser.cache_clear()  # a fresh process's view of the regions; the cache directory remembers
+    ae.reset_metrics()
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=True, cache_dir=str(tmp_path)):
+        for _ in range(3):
+            y = ((x * 1.5).cos() - 0.25).tanh()
+            ae.sync()
+    m = ae.metrics()
+    assert m["not_compiled"] == {"compile_limit": 1} and m["compile_failures"] == 0 and m["compiles"] == 0, m
+    assert m["replay_reasons"] == {"compile_limit": 3}, m
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
 def test_flush_result_outcome_and_region_for_the_flush_log(monkeypatch):
     seen = []
     real_run = fuser.regions.run
