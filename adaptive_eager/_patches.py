@@ -230,6 +230,15 @@ def _breakpointhook_wrapper(original):
     return breakpointhook
 
 
+def _optimizer_step_pre_hook(optimizer, args, kwargs) -> None:
+    # Note [Scalar lifting] in fuser.scalars: the floats the step records from here on (its
+    # hyperparameters, its bias corrections from the step count, a schedule's learning rate) are
+    # runtime inputs of the window's region from its first compile
+    st = current_state()
+    if st is not None and st.window.lift_from is None:
+        st.window.lift_from = len(st.window.scalars)
+
+
 def _optimizer_step_hook(optimizer, args, kwargs) -> None:
     # Note [Step alignment]
     # A training loop that never syncs would otherwise be cut only by the
@@ -479,9 +488,10 @@ def install() -> None:
         builtins.print = _print_wrapper(builtins.print)
         _saved["breakpointhook"] = sys.breakpointhook
         sys.breakpointhook = _breakpointhook_wrapper(sys.breakpointhook)
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
+        _saved["optimizer_pre_hook"] = register_optimizer_step_pre_hook(_optimizer_step_pre_hook)
         _optim.install()  # Note [Optimizer capture]
         _capture.install()  # Note [Captured modules]
         _compile.install()  # Note [User torch.compile]: now if Dynamo is loaded, else at torch.compile's first call
@@ -525,6 +535,8 @@ def uninstall() -> None:
                 value.remove()
                 _optim.uninstall()
                 _capture.uninstall()
+            elif key == "optimizer_pre_hook":
+                value.remove()
             elif key[0] == "attr":
                 if value is _MISSING:
                     delattr(key[1], key[2])

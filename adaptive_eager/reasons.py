@@ -140,6 +140,9 @@ NOT_COMPILED: dict[str, str] = {
     "conj_or_neg_input": "an input of the window has the conjugate or negative bit (`t.conj()`, `t.conj().imag`) "
                          "kept from outside it: compiled code would read its memory unresolved, so the window "
                          "replays (correct, not fused); `.resolve_conj()` / `.resolve_neg()` it once outside the loop",
+    "compile_limit": "its compile took more memory (half the machine's) or time (15 minutes) than a compile worker "
+                     "may, and was abandoned; remembered in the cache directory for a day. Worth reporting with "
+                     "NEURON_EAGER_LOG=info's line for the region",
     "failed_before": "compiling it failed in an earlier process (remembered in the cache directory; the warning said "
                      "why): it is tried again after a day, or after `python -m neff_cache clear`",
 }
@@ -156,6 +159,8 @@ REPLAYED: dict[str, str] = {
     "run_failed": "its compiled run failed (the warning says why): it replays from then on",
     "compile_failed": "the compiler failed on it (the warning says why): it replays from then on",
     "exiting": "the interpreter was exiting, after the compile thread stopped: the last windows replayed (expected)",
+    "scalars_baked": "an optimizer float lifted as a runtime input is needed by the compiled graph as a number: it is "
+                     "baked from then on and the next window compiles (expected once per structure)",
     "load_failed": "its artifact from the cache did not load (the warning says why): it replays from then on",
 }
 

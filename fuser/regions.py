@@ -27,6 +27,7 @@ from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
 import torch
+from neff_cache import LIMIT_EXCEEDED
 
 from .artifacts import _result, _store, _submit, abandoned, compile_thread_stopped, finished_jobs, submit_job
 from .compilable import _checks, _inputs_alias, _not_compilable
@@ -34,7 +35,7 @@ from .compile import _Unverified, _compile_and_store, _failure_reason, _load, ca
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, replay_window
 from .program import Program
-from .scalars import _LIFT_ERROR, _scalar_key, lift_cause
+from .scalars import _LIFT_ERROR, _scalar_key, lift_cause, unlift
 from .shapes import _classify, _fits, _guards_fail, _plan, _static_cause, _with_symbols
 from .partition import is_check
 from .stats import STATS, _recompile
@@ -182,7 +183,7 @@ def _entry_of(flush: _Flush) -> _Entry | None:
     if not flush.live and not flush.mutated and not _checks(window):
         return None
     structure = (tuple(window.sigs), tuple(o.uid for o in flush.live), flush.mutated)
-    group, flush.lifted, baked = _scalar_key(structure, window.scalars)
+    group, flush.lifted, baked = _scalar_key(structure, window.scalars, window)
     entry = CACHE.get((group, flush.lifted, baked))  # the group stands for the structure: Note [Region key]
     entry.group = group
     return entry
@@ -488,6 +489,13 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
     """``entry``'s compile failed with ``reason`` (``_failure_reason``), in this process or, when not
     ``attempted`` here, in an earlier one. The warning is one line, once per region (a compiler's
     error can run to twenty lines in the middle of training); ``detail``, the traceback, is DEBUG."""
+    if reason.startswith(_LIFT_ERROR) and entry.group is not None and unlift(entry.group, reason):
+        # floats lifted before they were seen to change (an optimizer step's) that the graph needs
+        # as numbers: baked from now on, the others stay inputs; this window replays, the next
+        # one (a new key) compiles
+        log.info("adaptive_eager: floats stay compile-time constants: %s", reason)
+        entry.blacklisted = "scalars_baked"
+        return
     if reason.startswith(_LIFT_ERROR):
         # The floats cannot be graph inputs: from now on windows of this structure are keyed by
         # their values (each value compiles once it is hot) instead.
@@ -499,15 +507,18 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
             entry.group.lifted = ()
             entry.group.keep = None
         return
+    over_limit = reason.startswith(LIMIT_EXCEEDED)  # Note [Compile limits] in neff_cache._worker
     if attempted:
         STATS.compile_failures += 1
-    else:
+    if over_limit:
+        STATS.not_compiled["compile_limit"] += 1
+    elif not attempted:
         STATS.not_compiled["failed_before"] += 1
     log.debug("adaptive_eager: region %s: %s: %s", entry.region, what, detail or reason)
     first_line = reason.strip().partition("\n")[0]
     _blacklist(entry, f"region {entry.region}: {what}: {first_line} "
                "(correct, only slower; NEURON_EAGER_LOG=debug prints the whole error, worth reporting)",
-               "compile_failed" if attempted else "failed_before")
+               "compile_limit" if over_limit else "compile_failed" if attempted else "failed_before")
 
 
 def _blacklist(entry: _Entry, why: str, reason: str) -> None:

@@ -13,7 +13,16 @@ output shape (``arange``, ``interpolate``, ...) keep them in the signature inste
 At the flush, ``_scalar_key`` finds the structure's ``_Group`` and compares the values with those of
 its last window: a position whose value changed ``LIFT_AFTER`` times is lifted (a compile of the
 group after one with fewer floats lifted counts as a ``scalar_lifted`` recompile: ``lift_cause``;
-a float lifted before anything of the group compiled recompiles nothing). The region key is (group, lifted positions, the values not lifted):
+a float lifted before anything of the group compiled recompiles nothing). An optimizer's step is
+known to pass new floats every step (bias corrections from the step count, a schedule's learning
+rate) and its hyperparameters beside them: waiting for changes compiled a training step three times
+before the steady one (baked, baked again, lifted). So the floats recorded between an optimizer
+step's pre-hook and its end (``Window.lift_from``) are lifted at the group's first window
+(``optimizer_floats``), before any compile, and a training loop compiles its step once. Some ops
+record a float that their decomposition needs as a number (lerp's weight becomes a ``full``):
+those (``NUMBERS``, seeded and learned) stay baked; a LiftError that names others bakes them
+(``unlift``: the window replays, the next compiles) instead of making the group unliftable.
+The region key is (group, lifted positions, the values not lifted):
 values that stay put are still baked in, so a constant ``0.9`` costs nothing at run time.
 In the Program a lifted float is ``_Lifted(index)``; the graph is traced with a quiet-NaN sentinel
 carrying the index in its payload (``_sentinel``), and ``lift`` turns each sentinel into a 0-dim
@@ -27,6 +36,7 @@ dtype the compile chose (``launch._inputs``), one per run, after the real inputs
 
 from __future__ import annotations
 
+import re
 import struct
 from collections import Counter
 from itertools import compress as _compress
@@ -46,7 +56,8 @@ LIFT_AFTER = 2  # a float argument that changed this many times becomes a runtim
 class _Group:
     """What windows of one structure (scalar values aside) have shown: Note [Scalar lifting]."""
 
-    __slots__ = ("last", "changes", "lifted", "unliftable", "keep", "compiled_lifted")
+    __slots__ = ("last", "changes", "lifted", "unliftable", "keep", "compiled_lifted", "speculative", "baked",
+                 "origin")
 
     def __init__(self):
         self.last: tuple | None = None
@@ -55,17 +66,49 @@ class _Group:
         self.unliftable = False  # the compiled graph could not take these floats as inputs
         self.keep: list[bool] | None = None  # per scalar: not lifted (the baked ones), for compress
         self.compiled_lifted: tuple[int, ...] | None = None  # ``lifted`` at its last compile; None: none yet
+        self.speculative: set[int] = set()  # lifted before any change was seen (an optimizer's floats)
+        self.baked: set[int] = set()  # of those, the ones the graph could not take as inputs
+        self.origin: dict[int, tuple] = {}  # speculative float -> (its op, its position): ``unlift``
 
 
 GROUPS = LRU(_Group)  # structure -> its scalar group; as many as the region LRU holds regions
 
 
-def _scalar_key(structure, scalars: list) -> tuple:
-    """The part of a region key that scalar values contribute, after lifting the ones that vary."""
+# (op, float position) of floats that a compiled graph needs as Python numbers although the op
+# records them as liftable: an optimizer step's are not lifted before they change. Learned from
+# LiftErrors (``unlift``); seeded with lerp's weight (AdamW's ``1 - beta1``), which its
+# decomposition passes to ``full``.
+NUMBERS: set[tuple] = {(op, pos) for op in (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp_.Scalar)
+                       for pos in (2, "weight")}
+
+
+def optimizer_floats(window) -> dict[int, tuple]:
+    """The floats of ``window``'s optimizer step that become runtime inputs before any change is
+    seen (Note [Scalar lifting]): index -> (op, position)."""
+    start, found = window.lift_from, {}
+    if start is None or window.hot is not None:
+        return found  # a hot window's group has seen windows already
+    for node in window.nodes:
+        if node.fpos and node.fbase + len(node.fpos) > start:
+            for j, pos in enumerate(node.fpos):
+                if node.fbase + j >= start and (node.func, pos) not in NUMBERS:
+                    found[node.fbase + j] = (node.func, pos)
+    return found
+
+
+def _scalar_key(structure, scalars: list, window=None) -> tuple:
+    """The part of a region key that scalar values contribute, after lifting the ones that vary
+    (and, at the group's first window, the floats of ``window``'s optimizer step)."""
     group = GROUPS.get(structure)
     values = tuple(scalars)
     last = group.last
     baked = None
+    if (last is None and window is not None and window.lift_from is not None and not group.lifted
+            and not group.unliftable):
+        group.origin = {i: o for i, o in optimizer_floats(window).items() if i not in group.baked}
+        group.speculative = set(group.origin)
+        group.lifted = tuple(sorted(group.speculative))
+        group.keep = None
     if last is not None and values != last and len(values) == len(last) and not group.unliftable:
         if group.lifted:  # the lifted values change every window: look further only if others do
             keep = _keep(group, len(values))
@@ -89,6 +132,25 @@ def _scalar_key(structure, scalars: list) -> tuple:
     if baked is None:
         baked = tuple(_compress(values, _keep(group, len(values))))
     return (group, group.lifted, baked)
+
+
+def unlift(group: _Group, reason: str) -> bool:
+    """After a LiftError (``reason``, as ``_failure_reason`` gives it) in a compile of ``group``:
+    bake the floats lifted before any change was seen that the graph could not take as inputs (those
+    the error names, else all such) and return True; False when the error concerns no such float
+    (the group is then unliftable: Note [Scalar lifting])."""
+    if not group.speculative:
+        return False
+    match = _FLOATS.search(reason)
+    named = {int(k) for k in match.group(1).split()} if match else set()
+    dropped = (named & group.speculative) or set(group.speculative)
+    NUMBERS.update(group.origin[i] for i in dropped if i in named)  # other groups do not try them
+    group.baked |= dropped
+    group.speculative -= dropped
+    group.lifted = tuple(i for i in group.lifted if i not in dropped)
+    group.keep = None
+    group.compiled_lifted = None  # the compile that failed compiled nothing: the next is not a recompile
+    return True
 
 
 def lift_cause(group: _Group | None) -> str | None:
@@ -130,6 +192,7 @@ class LiftError(Exception):
 
 
 _LIFT_ERROR = f"{LiftError.__module__}.{LiftError.__qualname__}:"  # how a LiftError's reason begins
+_FLOATS = re.compile(r"\(floats ([\d ]+)\)")  # the indices a LiftError names: ``unlift``
 
 
 def lift(gm: torch.fx.GraphModule, lifted) -> list[tuple[int, torch.dtype]]:
@@ -142,6 +205,7 @@ def lift(gm: torch.fx.GraphModule, lifted) -> list[tuple[int, torch.dtype]]:
     for name, buf in list(gm.named_buffers()) + list(gm.named_parameters()):
         if buf.is_floating_point() and torch.isnan(buf).any():
             raise LiftError(f"a lifted float was folded into the constant {name}")
+    numbers: dict[int, str] = {}  # floats an op needs as Python numbers: index -> the op
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -159,7 +223,8 @@ def lift(gm: torch.fx.GraphModule, lifted) -> list[tuple[int, torch.dtype]]:
                         argument = a
             alpha = where == "alpha" and node.target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
             if not alpha and (argument is None or str(argument.type) not in ("Tensor", "Optional[Tensor]")):
-                raise LiftError(f"{node.target} needs a lifted float as a Python number")
+                numbers.setdefault(k, str(node.target))
+                continue
             first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
             other = first.meta.get("val") if first is not None else None
             dtype = torch.float64 if getattr(other, "dtype", None) is torch.float64 else torch.float32
@@ -180,6 +245,9 @@ def lift(gm: torch.fx.GraphModule, lifted) -> list[tuple[int, torch.dtype]]:
                 node.update_kwarg(where, ph)
             else:
                 node.update_arg(where, ph)
+    if numbers:
+        raise LiftError(f"{', '.join(sorted(set(numbers.values())))} needs a lifted float as a Python number "
+                        f"(floats {' '.join(str(k) for k in sorted(numbers))})")
     found = {k for k, _ in spec}
     if found != set(lifted):
         raise LiftError("a lifted float disappeared from the graph")

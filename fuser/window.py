@@ -214,7 +214,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard", "hot_counted", "passed", "kept", "bits")
+                 "discard", "hot_counted", "passed", "kept", "bits", "lift_from")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -233,6 +233,9 @@ class Window:
         self.real_inputs: list = []  # the real tensors the window reads or writes, by slot
         self.mutated: set[int] = set()  # slots of real inputs written by pending in-place ops
         self.scalars: list[float] = []  # float arguments of the nodes, in order (not in ``sigs``)
+        # where an optimizer's step began in ``scalars``: its floats are runtime inputs from the
+        # first compile (Note [Scalar lifting] in fuser.scalars); None: no step in this window
+        self.lift_from: int | None = None
         self.fresh: list[Out] = []  # the FRESH Outs (placeholders whose liveness decides outputs)
         # their ``Out.storage`` handles, in the same order: the flush reads their liveness and frees
         # them in one pass of C calls each, not one Python iteration per value (Note [Window release])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-_NAMES = {"CompileJobs": "jobs", "JobResult": "jobs", "FORMAT_VERSION": "store", "ArtifactStore": "store"}
+_NAMES = {"CompileJobs": "jobs", "JobResult": "jobs", "LIMIT_EXCEEDED": "_worker", "FORMAT_VERSION": "store", "ArtifactStore": "store"}
 
 
 def __getattr__(name: str):
@@ -20,4 +20,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f"neff_cache.{module}"), name)
 
 
-__all__ = ["FORMAT_VERSION", "ArtifactStore", "CompileJobs", "JobResult"]
+__all__ = ["FORMAT_VERSION", "LIMIT_EXCEEDED", "ArtifactStore", "CompileJobs", "JobResult"]

@@ -1,10 +1,12 @@
-"""The compile worker process: receives ("module:function", payload, destination), replies with the
-result.
+"""The compile worker process: receives ("module:function", payload, destination, bounds), replies
+with the result.
 
-Started by ``neff_cache.jobs`` as ``python -c BOOTSTRAP <fd> <sys.path as JSON> <parent pid>``; see
-Note [Compile worker processes] there. It imports nothing heavy itself: the compile function's module does. With a
-destination (the store the parent uses), the worker stores the artifact, or the failure, itself, so
-that a compile that outlives its program still lands (Note [Compiles that outlive the program]).
+Started by ``neff_cache.jobs`` as ``python -c BOOTSTRAP <fd> <sys.path as JSON> <parent pid>
+<limits fd>``; see Note [Compile worker processes] there. It imports nothing heavy itself: the
+compile function's module does. With a destination (the store the parent uses), the worker stores
+the artifact, or the failure, itself, so that a compile that outlives its program still lands (Note
+[Compiles that outlive the program]). A watchdog process bounds each job's memory and time (Note
+[Compile limits]).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from typing import Any, Callable
 
 BOOTSTRAP = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
-    "from neff_cache._worker import serve; serve(int(sys.argv[1]), int(sys.argv[3]))"
+    "from neff_cache._worker import serve; serve(int(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4]))"
 )
 
 _PARENT_POLL_S = 0.2
+_LIMIT_POLL_S = 0.1  # how often the watchdog reads the compile's memory and time
+LIMIT_EXCEEDED = "CompileLimitExceeded"  # how an abandoned compile's failure begins (Note [Compile limits])
 WARM = "warm"  # a message's destination that asks for a warm-up: Note [Warm workers] in neff_cache.jobs
 
 
@@ -66,13 +70,117 @@ def _watch_parent(parent: int, running: _Job) -> None:
         time.sleep(_PARENT_POLL_S)
 
 
-def serve(fd: int, parent: int) -> None:
-    """Run jobs sent over the connection on ``fd`` one at a time until the parent closes it.
+# Note [Compile limits]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A compiler can run away: torch-mlir lowering a ``slice_scatter`` that ends at INT64_MAX took
+# ~20 GB over 58 s before failing with ``std::bad_alloc``, and a 24 GB machine running the program
+# beside it has no such room. Each job therefore runs under a memory bound (the resident memory of
+# the worker and every process it started: Inductor's and neuronx-cc's compilers) and a wall-time
+# bound, both sent with the job. They cannot be watched by a thread of the worker: the compiler
+# holds the GIL through its C++ passes (19 s without a switch, measured on that lowering), and
+# ``RLIMIT_AS`` bounds address space, which XLA and torch reserve far beyond what they touch. So a
+# watchdog process, forked before the worker imports anything heavy, reads the worker's memory and
+# the job's age every ``_LIMIT_POLL_S``; past a bound it remembers the failure in the destination
+# store (as a compile that raised is: Note [Remembered failures] in neff_cache.store), writes it on
+# the parent's limits pipe, and kills the process group (worker, compilers, itself). The parent,
+# seeing the worker die, reads that pipe: a job named there is not retried but reported failed with
+# the reason, which begins with ``LIMIT_EXCEEDED``. The program never waits for the compile: its
+# window replays, as for any failed compile. A compile in the program's own process (the fuser's
+# ``async_compile=False``, or no worker could start) is not bounded: it cannot be killed alone.
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` and of its descendants (0 for those gone meanwhile)."""
+    total, todo, page = 0, [pid], os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * page
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _watchdog(jobs: int, limits: int, worker: int) -> None:
+    """The watchdog process's loop (Note [Compile limits]): ``jobs`` carries the worker's
+    "start <JSON>" / "end" lines, ``limits`` goes to the parent; ends at the worker's end."""
+    import json
+    import select
+
+    job, started, pending = None, 0.0, b""
+    while True:
+        ready, _, _ = select.select([jobs], [], [], _LIMIT_POLL_S)
+        if ready:
+            data = os.read(jobs, 65536)
+            if not data:
+                os._exit(0)  # the worker is gone
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                job, started = (json.loads(line[6:]), time.monotonic()) if line.startswith(b"start ") else (None, 0.0)
+        if job is None:
+            continue
+        age, rss = time.monotonic() - started, _tree_rss(worker)
+        memory, seconds = job.get("memory_bytes"), job.get("seconds")
+        if memory is not None and rss > memory:
+            why = (f"the compile used {rss / 2**30:.2f} GiB of memory, over its bound of {memory / 2**30:.2f} GiB, "
+                   f"after {age:.1f} s")
+        elif seconds is not None and age > seconds:
+            why = f"the compile ran for {age:.0f} s, over its bound of {seconds:.0f} s"
+        else:
+            continue
+        failure = f"{LIMIT_EXCEEDED}: {why}; abandoned (the region runs uncompiled)"
+        destination = job.get("destination")
+        stored = destination is not None and _store(destination, [False, failure, age, failure])
+        try:
+            os.write(limits, json.dumps({"key": job["key"], "failure": failure, "seconds": age,
+                                         "stored": stored}).encode() + b"\n")
+        finally:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _start_watchdog(limits: int, connection: int) -> int:
+    """Fork the watchdog (Note [Compile limits]); the pipe to it, for ``_tell``."""
+    jobs_read, jobs_write = os.pipe()
+    worker = os.getpid()
+    if os.fork() == 0:
+        try:
+            os.close(jobs_write)
+            os.close(connection)  # the parent sees the worker's end as EOF, not the watchdog's
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # a reader of the program's output waits for the worker only (_watch_parent)
+                os.dup2(devnull, fd)
+            _watchdog(jobs_read, limits, worker)
+        finally:
+            os._exit(0)
+    os.close(jobs_read)
+    os.close(limits)
+    return jobs_write
+
+
+def _tell(watchdog: int, line: str) -> None:
+    try:
+        os.write(watchdog, line.encode() + b"\n")
+    except OSError:
+        pass  # no watchdog: the job runs unbounded
+
+
+def serve(fd: int, parent: int, limits: int) -> None:
+    """Run jobs sent over the connection on ``fd`` one at a time until the parent closes it, each
+    under the memory and time bounds it comes with (Note [Compile limits]; ``limits``: the pipe on
+    which an abandoned job is reported).
 
     Each reply is ``(True, artifact bytes, seconds, None, stored)`` or ``(False, traceback text,
     seconds, exception text, stored)``; ``stored`` says whether the worker put the result in the
     destination store itself.
     """
+    import json
+
+    watchdog = _start_watchdog(limits, fd)  # before any thread: it forks
     connection = Connection(fd)
     running = _Job()
     # the parent's pid from the parent: it may have exited before this process got here
@@ -80,7 +188,7 @@ def serve(fd: int, parent: int) -> None:
     functions: dict[str, Callable[[bytes], bytes]] = {}
     while True:
         try:
-            fn_path, payload, destination = connection.recv()
+            fn_path, payload, destination, bounds = connection.recv()
         except (EOFError, ConnectionError):
             # the parent closed its end: an exit with a reply of ours unread resets the connection
             return
@@ -95,6 +203,7 @@ def serve(fd: int, parent: int) -> None:
             running.after_exit_s = destination["after_exit_s"] if destination is not None else 0.0
         start = time.perf_counter()
         failure = None
+        _tell(watchdog, "start " + json.dumps({**bounds, "destination": destination}))
         try:
             function = functions.get(fn_path)
             if function is None:
@@ -108,6 +217,7 @@ def serve(fd: int, parent: int) -> None:
         except Exception as error:
             failure = "".join(traceback.format_exception_only(error)).strip()
             reply = [False, traceback.format_exc(), time.perf_counter() - start, failure]
+        _tell(watchdog, "end")
         stored = destination is not None and _store(destination, reply)
         with running.lock:
             running.after_exit_s = None

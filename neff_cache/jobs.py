@@ -76,6 +76,29 @@ log = logging.getLogger("neff_cache")
 
 _FN_PATH_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _ATTEMPTS = 2  # a job whose worker dies is retried once
+# Note [Compile limits] in neff_cache._worker: the bounds a job runs under unless CompileJobs is
+# given others. Memory: a share of the machine's (or the cgroup's) memory, so that the program
+# beside the compile keeps the rest: 11.5 GiB on a 23 GiB machine, where the compile worker of the
+# test suite's GPT-2 and Llama training steps on stablehlo peaked at 0.68 and 0.60 GiB resident
+# (the runaway lowering of Note [Slice bounds] in fuser.backends._stablehlo_lowering reached
+# ~20 GB). Time: None: the claim's ttl (15 minutes by default), after which other processes
+# would take the key anyway; those compiles took 20-35 s each on 2 shared cores.
+COMPILE_MEMORY_SHARE = 0.5
+COMPILE_TIME_LIMIT_S: float | None = None
+
+
+def default_memory_limit() -> int:
+    """``COMPILE_MEMORY_SHARE`` of the memory this process may use: the machine's, or its cgroup's
+    limit when lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                total = min(total, int(f.read().strip()))
+            break
+        except (OSError, ValueError):
+            continue
+    return int(total * COMPILE_MEMORY_SHARE)
 
 
 class JobResult(NamedTuple):
@@ -107,29 +130,52 @@ class _Job:
 class _Worker:
     """One worker process and the pipe to it; it runs at most one job at a time."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], bounds: dict) -> None:
         connection, child_end = multiprocessing.Pipe()
+        limits, limits_end = os.pipe()  # Note [Compile limits] in neff_cache._worker
+        os.set_blocking(limits, False)
         parent_sys_path = json.dumps([str(entry) for entry in sys.path])
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", BOOTSTRAP, str(child_end.fileno()), parent_sys_path, str(os.getpid())],
-                pass_fds=(child_end.fileno(),),
+                [sys.executable, "-c", BOOTSTRAP, str(child_end.fileno()), parent_sys_path, str(os.getpid()),
+                 str(limits_end)],
+                pass_fds=(child_end.fileno(), limits_end),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 env={**os.environ, **env} if env else None,  # Note [Compile worker processes]
             )
         except BaseException:
             connection.close()
+            os.close(limits)
             raise
         finally:
             child_end.close()  # else the worker's death would not show as EOF on our end
+            os.close(limits_end)
         self.connection = connection
+        self.limits = limits
+        self.bounds = bounds
         self.job: _Job | None = None
 
     def start(self, job: _Job) -> None:
         job.attempts += 1
         self.job = job
-        self.connection.send((job.fn_path, job.payload, job.destination))
+        self.connection.send((job.fn_path, job.payload, job.destination, {"key": job.key, **self.bounds}))
+
+    def abandoned(self, key: str) -> dict | None:
+        """What the watchdog reported when it abandoned job ``key`` (Note [Compile limits] in
+        neff_cache._worker), or None: the worker died otherwise."""
+        try:
+            data = os.read(self.limits, 1 << 20)
+        except (BlockingIOError, OSError):
+            return None
+        for line in data.splitlines():
+            try:
+                report = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(report, dict) and report.get("key") == key and isinstance(report.get("failure"), str):
+                return report
+        return None
 
     def kill(self) -> None:
         try:
@@ -141,6 +187,12 @@ class _Worker:
             self.process.wait(timeout=5.0)  # reap it; SIGKILL takes effect at once unless the kernel is stuck
         except subprocess.TimeoutExpired:
             pass
+        self._close_limits()
+
+    def _close_limits(self) -> None:
+        if self.limits >= 0:
+            os.close(self.limits)
+            self.limits = -1
 
     def stop(self, timeout_s: float) -> None:
         """Let an idle worker exit on end-of-input; kill it if it does not within ``timeout_s``."""
@@ -149,6 +201,7 @@ class _Worker:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
+        self._close_limits()
 
     def exit_description(self) -> str:
         returncode = self.process.poll()
@@ -176,6 +229,7 @@ class CompileJobs:
     def __init__(
         self, store: ArtifactStore, max_workers: int = 1, *, claim_ttl_s: float = 900.0,
         finish_after_exit_s: float = 0.0, worker_env: Mapping[str, str] | None = None,
+        memory_limit_bytes: int | None = None, time_limit_s: float | None = None,
     ):
         if type(max_workers) is not int or max_workers < 1:
             raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
@@ -188,6 +242,12 @@ class CompileJobs:
         self.claim_ttl_s = claim_ttl_s
         self.finish_after_exit_s = float(finish_after_exit_s)
         self.worker_env = dict(worker_env or {})  # set in each worker's environment: Note [Compile worker processes]
+        # Note [Compile limits] in neff_cache._worker
+        memory = default_memory_limit() if memory_limit_bytes is None else memory_limit_bytes
+        seconds = (COMPILE_TIME_LIMIT_S or claim_ttl_s) if time_limit_s is None else time_limit_s
+        if not memory > 0 or not seconds > 0:
+            raise ValueError(f"compile limits must be positive, got {memory!r} bytes and {seconds!r} s")
+        self.bounds = {"memory_bytes": int(memory), "seconds": float(seconds)}
         self._queue: collections.deque[_Job] = collections.deque()
         self._workers: list[_Worker] = []
         self._finished: list[JobResult] = []
@@ -229,12 +289,12 @@ class CompileJobs:
             if self._shut_down or self._workers:
                 return False
             try:
-                worker = _Worker(self.worker_env)
+                worker = _Worker(self.worker_env, self.bounds)
             except OSError as error:
                 log.info("no compile worker was started ahead of the first compile: %s", error)
                 return False
             try:
-                worker.connection.send((fn_path, bytes(payload), WARM))
+                worker.connection.send((fn_path, bytes(payload), WARM, {}))
             except OSError:
                 worker.kill()
                 return False
@@ -310,6 +370,7 @@ class CompileJobs:
         for worker in [w for w in self._workers if w.job is None and w.process.poll() is not None]:
             self._workers.remove(worker)  # died while idle (OOM killer, a stray kill)
             worker.connection.close()
+            worker._close_limits()
         while self._queue:
             busy = [worker.job for worker in self._workers if worker.job is not None]
             job = self._queue[0]
@@ -319,7 +380,7 @@ class CompileJobs:
             worker = next((w for w in self._workers if w.job is None), None)
             if worker is None:
                 try:
-                    worker = _Worker(self.worker_env)
+                    worker = _Worker(self.worker_env, self.bounds)
                 except OSError as error:
                     self._finish(job, f"could not start a compile worker: {type(error).__name__}: {error}")
                     continue
@@ -359,7 +420,16 @@ class CompileJobs:
     def _worker_died(self, worker: _Worker) -> None:
         job, worker.job = worker.job, None
         self._workers.remove(worker)
+        abandoned = worker.abandoned(job.key)
         worker.kill()  # its compilers too, if the worker died before them
+        if abandoned is not None:  # over a bound: never retried (Note [Compile limits] in neff_cache._worker)
+            failure = abandoned["failure"]
+            if not abandoned.get("stored") or self.store.in_memory or self.store.read_only:
+                self.store.put_failure(job.key, failure, fingerprint=job.failure_fingerprint or job.fingerprint,
+                                       backend=job.backend)
+            self._finish(job, f"{job.fn_path} was abandoned: {failure}", seconds=float(abandoned.get("seconds", 0.0)),
+                         failure=failure)
+            return
         how = worker.exit_description()
         if job.attempts < _ATTEMPTS:
             log.warning(
@@ -371,7 +441,12 @@ class CompileJobs:
             job.alone = True
             self._queue.appendleft(job)
         else:
-            self._finish(job, f"compile worker died {job.attempts} times running {job.fn_path} (last: {how})")
+            # remembered as a raised compile is: a job that kills its worker twice (most often the
+            # kernel's OOM killer, before the watchdog saw the memory) would kill it in every process
+            failure = f"compile worker died {job.attempts} times running {job.fn_path} (last: {how})"
+            self.store.put_failure(job.key, failure, fingerprint=job.failure_fingerprint or job.fingerprint,
+                                   backend=job.backend)
+            self._finish(job, failure, failure=failure)
 
     def _finish(
         self, job: _Job, error: str | None, level: int = logging.WARNING, seconds: float = 0.0,

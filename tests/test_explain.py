@@ -395,6 +395,8 @@ def _fuser_counter_keys() -> tuple[set, set]:
             elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_Plan" and len(node.args) > 1 \
                     and getattr(node.args[0], "value", None) == "replay":
                 not_compiled.update(c.value for c in node.args[1:2] if isinstance(c, ast.Constant))
+            elif isinstance(node, ast.Assign) and [getattr(t, "attr", None) for t in node.targets] == ["blacklisted"]:
+                not_compiled.update(strings(node.value))  # entry.blacklisted = "...": its windows replay for it
             elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["cause"]:
                 recompiles.update(strings(node.value))  # cause = "dynamic" if ... else ...
     return recompiles, not_compiled

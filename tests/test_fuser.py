@@ -1,5 +1,6 @@
 """Compiled regions: where compilation changes the picture (DESIGN.md, the fuser issue)."""
 
+import contextlib
 import math
 import re
 import subprocess
@@ -139,6 +140,89 @@ def test_cosine_schedule_compiles_each_region_once():
     assert m["compiled_runs"] >= 95
     for a, b in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", [False, True])
+def test_an_adamw_training_loop_compiles_its_step_once(fresh_regions, windows_not_captured, schedule):
+    """Note [Scalar lifting]: the optimizer step's floats (bias corrections from the step count, the
+    schedule's learning rate, the hyperparameters) are runtime inputs from the first compile: the
+    first step (whose window creates the optimizer state) and the steady step compile once each,
+    with no ``scalar_lifted`` recompile (4 compiles when the floats were lifted after changing)."""
+
+    def train(options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 20) if schedule else None
+        x, y = torch.randn(16, 12), torch.randint(0, 3, (16,))
+        losses = []
+        with adaptive_eager(**options) if options else contextlib.nullcontext():
+            for _ in range(8):
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                if sched is not None:
+                    sched.step()
+                losses.append(loss.detach())
+        return torch.stack(losses), list(model.parameters())
+
+    want = train(None)
+    got = train(dict(SYNC, cache_dir=str(_fresh_dir())))
+    m = ae.metrics()
+    assert m["compiles"] == 2 and m["recompiles"] == {} and m["compiled_runs"] == 8, m
+    # one window of its own replays (it writes tensors whose views it reads), none for the floats
+    assert m["replay_reasons"] == {"aliased_inputs": 1}, m
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+class _ClampedSGD(torch.optim.Optimizer):
+    """SGD whose step clamps the parameters: ``clamp_``'s bound reaches the graph as a number."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+                p.clamp_(min=-0.25, max=0.25)
+
+
+def test_an_optimizer_float_the_graph_needs_as_a_number_is_baked_and_the_others_stay_inputs(
+        fresh_regions, windows_not_captured, monkeypatch):
+    """Note [Scalar lifting]: ``clamp_``'s bounds, lifted with the step's other floats, cannot be
+    graph inputs: that window replays, the bounds are baked (and learned for other groups), the
+    learning rate stays an input, and the group is not given up (no ``unliftable_scalars``)."""
+    import fuser.scalars
+
+    monkeypatch.setattr(fuser.scalars, "NUMBERS", set(fuser.scalars.NUMBERS))
+
+    def train(options):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = _ClampedSGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        x = torch.randn(16, 8)
+        with adaptive_eager(**options) if options else contextlib.nullcontext():
+            for _ in range(8):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+                sched.step()
+        return list(model.parameters())
+
+    want = train(None)
+    got = train(dict(SYNC, cache_dir=str(_fresh_dir())))
+    m = ae.metrics()
+    assert m["replay_reasons"].get("scalars_baked") == 1 and "unliftable_scalars" not in m["not_compiled"], m
+    assert m["compiles"] <= 3 and m["recompiles"] == {}, m
+    assert {(torch.ops.aten.clamp_.default, 1), (torch.ops.aten.clamp_.default, 2)} <= fuser.scalars.NUMBERS
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_scalar_that_starts_changing_after_another_was_lifted_is_lifted_too(fresh_regions):
@@ -321,6 +405,46 @@ def test_background_compile_never_blocks_the_program(tmp_path):
     # imports: the backend's fingerprint names the compiler's version)
     assert max(step_times[1:-1]) < 1.0, step_times
     torch.testing.assert_close(y, ((x * 1.5).cos() - 0.25).tanh())
+
+
+def test_a_compile_over_its_memory_bound_is_abandoned_counted_remembered_and_replayed(tmp_path, monkeypatch,
+                                                                                      fresh_regions):
+    """Note [Compile limits] in neff_cache._worker: a background compile past its memory bound
+    (here below any torch process) is killed, not retried; the region replays with eager's values,
+    counted under ``compile_limit``; a later run reads the remembered failure and compiles nothing."""
+    import time
+
+    import neff_cache.jobs
+
+    monkeypatch.setattr(neff_cache.jobs, "default_memory_limit", lambda: 64 << 20)
+    x = torch.randn(256)
+    want = ((x * 1.5).cos() - 0.25).tanh()
+    fuser.artifacts.finished_jobs()  # earlier tests' background compiles are theirs, not this one's
+    ae.reset_metrics()
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=True, cache_dir=str(tmp_path)):
+        deadline = time.monotonic() + 120
+        while not ae.metrics()["not_compiled"] and time.monotonic() < deadline:
+            y = ((x * 1.5).cos() - 0.25).tanh()
+            ae.sync()
+            time.sleep(0.05)
+        y = ((x * 1.5).cos() - 0.25).tanh()
+        ae.sync()
+    m = ae.metrics()
+    assert m["not_compiled"] == {"compile_limit": 1} and m["compile_failures"] == 1 and m["compiles"] == 0, m
+    assert m["compiled_runs"] == 0 and m["replay_reasons"]["compile_limit"] >= 1, m
+    torch.testing.assert_close(y, want, rtol=0, atol=0)  # replayed: bitwise eager
+
+    monkeypatch.undo()
+    fuser.cache_clear()  # a fresh process's view of the regions; the cache directory remembers
+    ae.reset_metrics()
+    with adaptive_eager(backend="inductor", hot_after=1, async_compile=True, cache_dir=str(tmp_path)):
+        for _ in range(3):
+            y = ((x * 1.5).cos() - 0.25).tanh()
+            ae.sync()
+    m = ae.metrics()
+    assert m["not_compiled"] == {"compile_limit": 1} and m["compile_failures"] == 0 and m["compiles"] == 0, m
+    assert m["replay_reasons"] == {"compile_limit": 3}, m
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 
 def test_flush_result_outcome_and_region_for_the_flush_log(monkeypatch):

@@ -736,6 +736,41 @@ def test_crashing_worker_is_retried_once_then_reported_and_later_jobs_work(store
         jobs.shutdown()
 
 
+@pytest.mark.parametrize("bound", ["memory", "time"])
+def test_a_job_over_its_bound_is_abandoned_and_remembered_without_a_retry(store, tmp_path, bound):
+    """Note [Compile limits]: a compile past its memory or time bound, holding the GIL as a
+    compiler's pass does, is killed by the watchdog, not retried, reported with the reason that
+    the store remembers; the next job gets a fresh worker."""
+    limits = {"memory_limit_bytes": 400 << 20} if bound == "memory" else {"time_limit_s": 1.0}
+    jobs = CompileJobs(store, **limits)
+    start = time.monotonic()
+    try:
+        assert jobs.submit(KEY_A, FN + "allocate_and_hold", b"600" if bound == "memory" else b"1",
+                           fingerprint="fp", backend="b")
+        (result,) = finished_within(jobs, 40, with_seconds=True)
+        assert time.monotonic() - start < 30  # not the job's 60 s
+        assert not result.ok and result.failure.startswith("CompileLimitExceeded: the compile ")
+        assert ("GiB of memory, over its bound of 0.39 GiB" if bound == "memory" else "over its bound of 1 s") \
+            in result.failure, result.failure
+        assert ArtifactStore(store.directory).failure(KEY_A, fingerprint="fp") == result.failure
+        assert not store.is_claimed(KEY_A)
+        assert jobs.submit(KEY_B, FN + "compile_upper", b"later", fingerprint="fp", backend="b")
+        assert finished_within(jobs, 30) == [(KEY_B, True, None)]
+    finally:
+        jobs.shutdown()
+
+
+def test_a_job_that_kills_its_worker_twice_is_remembered(store, tmp_path):
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.submit(KEY_A, FN + "kill_self", bytes(tmp_path / "calls"), fingerprint="fp", backend="b")
+        (result,) = finished_within(jobs, 30, with_seconds=True)
+    finally:
+        jobs.shutdown()
+    assert ArtifactStore(store.directory).failure(KEY_A, fingerprint="fp") == result.failure
+    assert "died 2 times" in result.failure and "killed by SIGKILL" in result.failure
+
+
 def test_worker_that_dies_once_succeeds_on_the_retry(store, tmp_path):
     calls = tmp_path / "calls"
     jobs = CompileJobs(store)

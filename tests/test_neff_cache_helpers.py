@@ -159,3 +159,13 @@ def remember(payload: bytes) -> bytes:
 def remembered(payload: bytes) -> bytes:
     """What the worker's warm-up left, if any."""
     return _REMEMBERED[0]
+
+
+def allocate_and_hold(payload: bytes) -> bytes:
+    """Touches ``payload`` (an int, as text) MiB of memory and holds it longer than any test, in
+    C code that keeps the GIL (a compiler's pass), so that only a process outside can stop it."""
+    import ctypes
+
+    block = bytearray(int(payload) << 20)  # touched: zero-filled
+    ctypes.PyDLL(None).sleep(60)  # PyDLL keeps the GIL through the call (CDLL releases it)
+    return bytes(block[:1])

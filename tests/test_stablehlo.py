@@ -550,3 +550,38 @@ def test_a_split_region_stores_its_inputs_in_one_last_launch(fresh_regions):
         torch.testing.assert_close(g, w)
     assert [o is None for o in got_outs] == [o is None for o in want_outs] == [False, False, False, True, False]
     torch.testing.assert_close([o for o in got_outs if o is not None], [o for o in want_outs if o is not None])
+
+
+def _rotate_half_step(x: torch.Tensor, w: torch.Tensor):
+    """Llama's ``rotate_half`` forward and backward: slices to the end of the last dimension."""
+    x = x.detach().requires_grad_()
+    half = x.shape[-1] // 2
+    y = torch.cat((-x[..., half:], x[..., :half]), dim=-1) * w
+    y.sum().backward()
+    return y.detach(), x.grad
+
+
+@needs_stablehlo
+def test_slices_to_the_end_lower_with_the_dimension_as_their_end(fresh_regions, monkeypatch):
+    """Note [Slice bounds]: ``x[..., k:]`` and its backward's ``slice_scatter`` end at INT64_MAX,
+    on which torch-mlir allocated until ``std::bad_alloc``; lowered with the dimension as the end
+    they compile, and the StableHLO holds no INT64_MAX."""
+    import fuser.backends.stablehlo as stablehlo
+
+    texts = []
+    lower = stablehlo._lower
+
+    def recording(*args, **kwargs):
+        texts.append(lower(*args, **kwargs))
+        return texts[-1]
+
+    monkeypatch.setattr(stablehlo, "_lower", recording)
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    want = _rotate_half_step(x, w)
+    with ae.adaptive_eager(**STABLEHLO):
+        got = _rotate_half_step(x, w)
+        ae.sync()
+    m = ae.metrics()
+    torch.testing.assert_close(got, want)
+    assert m["compiled_runs"] >= 1 and m["compile_failures"] == 0 and not m["run_alone"], m
+    assert texts and all(str(2**63 - 1) not in t for t in texts)

@@ -166,6 +166,48 @@ def _crashes_torch_mlir(graph: torch.fx.Graph) -> str | None:
     return None
 
 
+# Note [Slice bounds]
+# ~~~~~~~~~~~~~~~~~~
+# Python's ``x[..., k:]`` reaches ATen as ``slice(x, -1, k, 9223372036854775807)`` (INT64_MAX: "to
+# the end"), and autograd's ``slice_backward`` decomposes to ``slice_scatter`` with the same end
+# (Llama's ``rotate_half``). torch-mlir (20261001) does not clamp such a bound when it lowers
+# ``slice_scatter``: it allocated ~20 GB over 58 s and failed with ``std::bad_alloc`` on Llama's
+# backward, where the clamped end lowers in 1.5-3 s. ATen clamps every bound to the dimension
+# (a negative one counted from the end, then into [0, size], the end no less than the start), so
+# the decomposed graph's slices get the bounds ATen uses, as plain ints, before the import.
+_SLICES = {torch.ops.aten.slice.Tensor: (1, 2, 3), torch.ops.aten.slice_scatter.default: (2, 3, 4)}
+
+
+def _clamp_slices(graph: torch.fx.Graph) -> None:
+    """Every slice bound of ``graph`` as ATen clamps it to its dimension (Note [Slice bounds])."""
+    for node in graph.nodes:
+        places = _SLICES.get(node.target) if node.op == "call_function" else None
+        if places is None:
+            continue
+        names = ("dim", "start", "end")
+        args = list(node.args) + [None] * (places[2] + 1 - len(node.args))
+        for name, place in zip(names, places):
+            if name in node.kwargs:
+                args[place] = node.kwargs[name]
+        dim, start, end = (args[p] for p in places)
+        base = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(base, torch.Tensor) or base.dim() == 0:
+            continue
+        size = base.shape[(0 if dim is None else dim) % base.dim()]
+        if not isinstance(size, int) or not all(b is None or isinstance(b, int) for b in (start, end)):
+            continue  # a symbolic size or bound: nothing to clamp at compile time
+
+        def clamp(bound, default):
+            bound = default if bound is None else bound
+            return min(max(bound + size if bound < 0 else bound, 0), size)
+
+        start = clamp(start, 0)
+        args[places[0]] = 0 if dim is None else dim
+        args[places[1]], args[places[2]] = start, max(clamp(end, size), start)
+        node.args = tuple(args)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in names}
+
+
 def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_64bit: bool) -> str:
     """StableHLO text of ``gm`` (Note [StableHLO lowering]); BackendCompileError if it does not lower.
 
@@ -191,6 +233,7 @@ def _lower(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_
         device = node.kwargs.get("device") if node.op == "call_function" else None
         if isinstance(device, torch.device) and device.type not in ("cpu", "cuda"):
             node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    _clamp_slices(decomposed.graph)
     crash = _crashes_torch_mlir(decomposed.graph)
     if crash is not None:
         raise BackendCompileError(f"stablehlo: torch-mlir would crash lowering {crash} (Note [Lowerings that crash])")
