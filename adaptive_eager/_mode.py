@@ -94,6 +94,7 @@ def _random_fill(st: TracerState, f, args, kwargs):
 
 
 _native_dropout = torch.ops.aten.native_dropout.default
+_lift_fresh = torch.ops.aten.lift_fresh.default
 _bernoulli_ = torch.ops.aten.bernoulli_.float
 _mul = torch.ops.aten.mul.Tensor
 _mul_scalar_ = torch.ops.aten.mul_.Scalar
@@ -257,6 +258,10 @@ class LazyMode(TorchDispatchMode):
             if kind == CHECKED:
                 return _record_checked(st, f, args, kwargs)
             if kind == VIEW_OP:
+                if func is _lift_fresh and args[0].device.type != "cpu":
+                    # ``torch.tensor(data, device=...)``: its copy from the host ran below this mode
+                    METRICS.launches += 1
+                    METRICS.eager_equivalent_launches += 1
                 window = st.window
                 if args and view_of_unwritten(st, window, args[0]):  # Note [Views of unwritten memory] in _record
                     return f.call(*args, **kwargs) if kwargs else f.call(*args)

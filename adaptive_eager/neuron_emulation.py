@@ -37,10 +37,15 @@ throughout, factories included, as on the real device.
 Note [Emulated launches]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 On Trainium each eager op that computes is one NEFF launch; views, metadata and allocations are
-not (they change no device memory). ``launches()`` counts the ops reaching ``__torch_dispatch__``
-that are none of these. Under adaptive eager, the ops a compiled region runs never reach it (the
-backend's callable runs on the CPU data: ``cpu_data`` / ``on_device``), while replayed ops and
-copies into placeholders do, as they would launch on the device.
+not (they change no device memory). ``launches()`` counts what reaches the device: the ops reaching
+``__torch_dispatch__`` that are none of these (``ops_run()``), and each run of a compiled executable
+(``executables_run()``), which the stablehlo backend reports at the boundary where it runs one on the
+CPU data (``_ran``, passed to ``register_host_device``). The ops a compiled executable runs never
+reach ``__torch_dispatch__`` (they run on the CPU data: ``cpu_data`` / ``on_device``), while
+everything adaptive eager does around them does, as it would launch on the device: replayed ops,
+ops a split region runs alone, copies into placeholders and written inputs, clones, casts, random
+draws. This count is the device's, taken without the library's: a test holds
+``metrics()["launches"]`` to it.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ DEVICE = "neuron"
 _lock = threading.Lock()
 _installed = False
 _launches = 0
+_executables = 0
 
 
 class NeuronEmulationError(RuntimeError):
@@ -185,8 +191,14 @@ _storage_of = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._
 _OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _SET_STORAGE = (torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Storage)
-# Note [Emulated launches]: ops that change no device memory
-_NO_LAUNCH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+# Note [Emulated launches]: ops that change no device memory: allocations, and questions about a
+# tensor's layout that torch and adaptive eager ask (``_debug_has_internal_overlap``: before each
+# recorded in-place op), which read metadata, not data
+_NO_LAUNCH = frozenset((
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten._debug_has_internal_overlap.default, torch.ops.aten.is_same_size.default,
+    torch.ops.aten.is_set_to.default, torch.ops.aten._has_compatible_shallow_copy_type.default,
+))
 
 
 def _share_storage(view: EmulatedNeuronTensor, base: EmulatedNeuronTensor) -> None:
@@ -253,9 +265,26 @@ def on_device(x):
 
 
 def launches() -> int:
-    """Ops that ran on the emulated device since the process started, each one NEFF launch on
+    """NEFF launches on the emulated device since the process started: ops that ran on it and
+    compiled executables run (Note [Emulated launches])."""
+    return _launches + _executables
+
+
+def ops_run() -> int:
+    """Ops that ran on the emulated device outside compiled executables, each one NEFF launch on
     Trainium (Note [Emulated launches])."""
     return _launches
+
+
+def executables_run() -> int:
+    """Compiled executables run on the emulated device (Note [Emulated launches])."""
+    return _executables
+
+
+def _ran() -> None:
+    """A compiled executable ran on the device's data (the stablehlo backend's report)."""
+    global _executables
+    _executables += 1
 
 
 def is_emulated() -> bool:
@@ -321,7 +350,7 @@ def emulate_neuron() -> None:
         torch.UntypedStorage.__new__ = _storage_new  # Note [Emulated storage]
         from fuser.backends.stablehlo import register_host_device
 
-        register_host_device(DEVICE, cpu_data, on_device)  # Note [Host-memory devices] there
+        register_host_device(DEVICE, cpu_data, on_device, _ran)  # Note [Host-memory devices] there
         from ._ops import CPU_KERNEL_DEVICES
 
         CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] there

@@ -528,3 +528,80 @@ def test_a_large_value_of_a_compiled_region_on_the_device_runs_compiled(tmp_path
         """, tmp_path)
     got = json.loads(out.strip().splitlines()[-1])
     assert got == {"close": True, "compiled_runs": 3, "blacklisted": 0}, out
+
+
+# A training loop's steady steps under adaptive eager (hot_after=1, compiled in the step): per step,
+# metrics()["launches"] and the device's own count (ops reaching it, executables run on it: Note
+# [Emulated launches]), printed as JSON. ``make`` builds (model, loss of model) on the device.
+_STEADY = """
+    import json
+    def steady(make, steps=6, warm=3):
+        model, loss_of = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rows = []
+        with ae.adaptive_eager(hot_after=1, async_compile=False):
+            for i in range(steps):
+                m0, d0, x0 = ae.metrics()["launches"], ne.launches(), ne.executables_run()
+                loss = loss_of(model)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                loss.item()
+                if i >= warm:
+                    rows.append((ae.metrics()["launches"] - m0, ne.launches() - d0, ne.executables_run() - x0))
+        return rows
+"""
+
+
+@needs_stablehlo
+def test_launches_per_step_are_what_reaches_the_device(tmp_path):
+    """Note [Launches of a compiled callable]: metrics()["launches"] counts every executable run on the
+    device and every op reaching it outside one (a split region's pieces and ops run alone, clones
+    before its stores, binding and input copies, index checks, dropout masks), per steady step equal
+    to the emulated device's own count. It counted each compiled run as one launch: the CNN's
+    3 pieces and its clones were missing (19 counted of 57)."""
+    out = _child(textwrap.dedent(_STEADY) + textwrap.dedent("""
+        ne.emulate_neuron()
+        def make_mlp():
+            model = mlp().to("neuron")
+            x, y = torch.randn(5, 4), torch.randn(5, 2)
+            return model, lambda m: torch.nn.functional.mse_loss(m(x.to("neuron")), y.to("neuron"))
+        def make_cnn():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                torch.nn.Flatten(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 10)).to("neuron")
+            x, y = torch.randn(4, 3, 16, 16).to("neuron"), torch.randint(0, 10, (4,)).to("neuron")
+            return model, lambda m: torch.nn.functional.cross_entropy(m(x), y)
+        print(json.dumps({"mlp": steady(make_mlp), "cnn": steady(make_cnn)}))
+        """), tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    for name, rows in r.items():
+        assert all(lib == device for lib, device, _ in rows), (name, rows)
+    assert all(executables == 1 for _, _, executables in r["mlp"]), r
+    assert all(executables > 1 for _, _, executables in r["cnn"]), r  # a split region: its pieces
+
+
+@needs_stablehlo
+@pytest.mark.slow
+def test_gpt2_launches_per_step_are_what_reaches_the_device(tmp_path):
+    """As above for a stock GPT-2 (a tiny config): embeddings, gathers and index_put run alone and
+    split its region, its dropout masks are drawn, and clones precede the split region's stores (the
+    library counted 40 launches a step of the 146 that reached the device)."""
+    pytest.importorskip("transformers")
+    out = _child(textwrap.dedent(_STEADY) + textwrap.dedent("""
+        import transformers
+        ne.emulate_neuron()
+        def make_gpt2():
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+            model = model.to("neuron")
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+            return model, lambda m: m(input_ids=ids.to("neuron"), labels=ids.to("neuron")).loss
+        print(json.dumps(steady(make_gpt2, steps=6, warm=4)))
+        """), tmp_path)
+    rows = json.loads(next(line for line in out.splitlines() if line.startswith("[[")))  # transformers warns after it
+    assert all(lib == device for lib, device, _ in rows) and all(x > 1 for _, _, x in rows), rows
+

@@ -46,6 +46,33 @@ def trace_lock():
     return compile_lock
 
 
+# Note [Launches of a compiled callable]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``metrics()["launches"]`` counts what reaches the device, and a compiled callable is not always
+# one launch: a split region runs its pieces and the ops that run alone (Note [Partitions] in
+# fuser.partition); the stablehlo backend's caller casts inputs and results, copies results into
+# eager's strides and clones a new value that is a view of an input before its store; the replay
+# backend runs every op of its graph. A callable that makes more than one says how many a call
+# makes as ``run.launches`` (known when it is loaded: they do not depend on the values); one that
+# does not say makes one (Inductor's callable: one call of its compiled code). Wrappers carry the
+# count on (``below_autograd``, ``restrided``: plus its copies). On the emulated neuron device a
+# test holds this count to the device's own (Note [Emulated launches] in
+# adaptive_eager.neuron_emulation).
+def launches_of(run) -> int:
+    """The device launches one call of a compiled callable makes (Note [Launches of a compiled callable])."""
+    return getattr(run, "launches", 1)
+
+
+# allocations: they reserve memory and compute nothing (torch's factories decompose to these)
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
+
+
+def launches_op(target) -> bool:
+    """Whether a graph's call of ``target``, run op by op, is a device launch: an ATen op that is
+    neither a view nor an allocation (Note [Launches of a compiled callable])."""
+    return isinstance(target, torch._ops.OpOverload) and not target.is_view and target not in _ALLOCATIONS
+
+
 def restrided(run, fixes: list):
     """``run`` with the outputs ``fixes`` names ((index, shape, stride) each) copied into that
     layout: eager's, where a compiled output came back in another; with no shape and stride, into
@@ -67,6 +94,7 @@ def restrided(run, fixes: list):
         return fix(run(inputs))
 
     restrided_run.fix = fix
+    restrided_run.launches = launches_of(run) + len(fixes)  # a copy each
     return restrided_run
 
 
@@ -204,6 +232,8 @@ def below_autograd(
         finally:
             _set_grad_enabled(grad)
 
+    if hasattr(fn, "launches"):
+        run.launches = fn.launches  # Note [Launches of a compiled callable]
     return run
 
 
