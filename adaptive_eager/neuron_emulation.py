@@ -348,6 +348,10 @@ def emulate_neuron() -> None:
         lib.impl("_copy_from", _copy_from, "PrivateUse1")
         _LIBRARIES.append(lib)
         torch.UntypedStorage.__new__ = _storage_new  # Note [Emulated storage]
+        # Note [Module conversions keep parameters]
+        torch.nn.Module._apply = _apply
+        torch.nn.Module.to = _onto_device(_module_to)
+        torch.nn.Module.neuron = _onto_device(torch.nn.Module.neuron)
         from fuser.backends.stablehlo import register_host_device
 
         register_host_device(DEVICE, cpu_data, on_device, _ran)  # Note [Host-memory devices] there
@@ -359,6 +363,62 @@ def emulate_neuron() -> None:
 
 
 _LIBRARIES: list = []
+
+
+# Note [Module conversions keep parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``model.to("cuda")`` keeps each parameter object (``Module._apply`` sets ``param.data``: a CPU and
+# a CUDA tensor have compatible TensorImpls), so a weight tied between two modules (GPT-2's
+# embedding and LM head, BERT's decoder) stays one parameter, and an optimizer made before the move
+# holds the moved parameters. A tensor of the emulated device is a wrapper subclass, not compatible
+# with a CPU tensor (``torch._has_compatible_shallow_copy_type``) and not traceable (no
+# ``__tensor_flatten__``: Note [Emulated storage]), so ``_apply`` made a new Parameter per module:
+# a tied weight became two (GPT-2 29 parameters instead of 28), trained apart, and the losses left
+# CPU's by 1e-3..1e-2. A conversion onto the device (``Module.to``, ``Module.neuron``) or of a module
+# holding its tensors therefore runs with torch's swap path
+# (``torch.__future__.set_swap_module_params_on_conversion``, ``torch.utils.swap_tensors``), which
+# keeps every parameter object, as the real device's conversion does; other conversions are untouched.
+_module_apply = torch.nn.Module._apply
+_module_to = torch.nn.Module.to
+_conversion = threading.local()
+
+
+def _holds_device_tensors(module: torch.nn.Module) -> bool:
+    return any(type(t) is EmulatedNeuronTensor for t in (*module.parameters(), *module.buffers()))
+
+
+def _apply(self, fn, recurse=True):
+    """``Module._apply`` keeping parameter objects where the emulated device is involved (Note
+    [Module conversions keep parameters])."""
+    if getattr(_conversion, "swapping", False) or torch.__future__.get_swap_module_params_on_conversion() or not (
+            getattr(_conversion, "onto", False) or _holds_device_tensors(self)):
+        return _module_apply(self, fn, recurse)
+    _conversion.swapping = True
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return _module_apply(self, fn, recurse)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        _conversion.swapping = False
+
+
+def _onto_device(convert):
+    """``convert`` (``Module.to``, ``Module.neuron``) with its ``_apply`` told when it moves onto the device."""
+
+    def converted(self, *args, **kwargs):
+        if convert is _module_to:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is None or device.type != DEVICE:
+                return convert(self, *args, **kwargs)
+        onto = getattr(_conversion, "onto", False)
+        _conversion.onto = True
+        try:
+            return convert(self, *args, **kwargs)
+        finally:
+            _conversion.onto = onto
+
+    converted.__doc__ = convert.__doc__
+    return converted
 
 
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):

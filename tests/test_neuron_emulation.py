@@ -605,3 +605,89 @@ def test_gpt2_launches_per_step_are_what_reaches_the_device(tmp_path):
     rows = json.loads(next(line for line in out.splitlines() if line.startswith("[[")))  # transformers warns after it
     assert all(lib == device for lib, device, _ in rows) and all(x > 1 for _, _, x in rows), rows
 
+
+_TIED = """
+    import json
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(16, 8)
+            self.mid = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight  # tied, as a language model's head and embedding
+
+        def forward(self, ids):
+            return torch.nn.functional.cross_entropy(self.head(torch.tanh(self.mid(self.emb(ids)))).flatten(0, 1), ids.flatten())
+
+    def losses_of(model, device, steps=4, adaptive=None):
+        held = model.emb.weight if hasattr(model, "emb") else None
+        model = model.to(device)
+        n = len(list(model.parameters()))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))
+        losses = []
+        import contextlib
+        with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+            for _ in range(steps):
+                loss = model(ids.to(device))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return n, losses, held is None or held is model.emb.weight
+"""
+
+
+def test_tied_weights_stay_tied_on_the_device(tmp_path):
+    """Note [Module conversions keep parameters]: ``.to("neuron")`` keeps a tied weight one parameter
+    (and the parameter object the program held), as ``.to("cuda")`` does: eager and adaptive eager on
+    the emulated device train to CPU eager's losses. It made two parameters, trained apart."""
+    out = _child(textwrap.dedent(_TIED) + textwrap.dedent("""
+        ne.emulate_neuron()
+        cpu = losses_of(Tied(), "cpu")
+        eager = losses_of(Tied(), "neuron")
+        adaptive = losses_of(Tied(), "neuron", adaptive={"hot_after": 1, "async_compile": False, "backend": "replay"})
+        back = Tied().to("neuron").to("cpu")
+        print(json.dumps({"cpu": cpu, "eager": eager, "adaptive": adaptive,
+                          "back": [len(list(back.parameters())), back.head.weight is back.emb.weight,
+                                   type(back.emb.weight.data) is torch.Tensor]}))
+        """), tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["cpu"][0] == 3 and r["cpu"][2], r
+    for name in ("eager", "adaptive"):
+        n, losses, kept = r[name]
+        assert n == 3 and kept, (name, r)
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, r["cpu"][1])), (name, r)
+    assert r["back"] == [3, True, True], r
+
+
+def test_a_stock_gpt2_keeps_its_tied_weights_on_the_device(tmp_path):
+    """GPT-2's LM head is its token embedding: 28 parameters after ``.to("neuron")`` as on CPU (29
+    before), and eager on the emulated device trains to CPU eager's losses without ``tie_weights()``."""
+    pytest.importorskip("transformers")
+    out = _child("""
+        import json, transformers
+        ne.emulate_neuron()
+        def run(device):
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+            model = model.to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+            losses = []
+            for _ in range(4):
+                torch.manual_seed(2)  # dropout's masks: the same draws on both devices (cpu's generator)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return len(list(model.parameters())), losses
+        print(json.dumps({"cpu": run("cpu"), "neuron": run("neuron")}))
+        """, tmp_path)
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert r["neuron"][0] == r["cpu"][0] == 28, r
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["neuron"][1], r["cpu"][1])), r
