@@ -348,6 +348,14 @@ def emulate_neuron() -> None:
         lib.impl("_copy_from", _copy_from, "PrivateUse1")
         _LIBRARIES.append(lib)
         torch.UntypedStorage.__new__ = _storage_new  # Note [Emulated storage]
+        # torch.optim and clip_grad_norm_ take their foreach path on a device of the foreach list (PrivateUse1's
+        # name is on it) only for tensors of these types: an emulated tensor is one, as a real device's is
+        from torch.optim.optimizer import _foreach_supported_types as optim_types
+        from torch.utils._foreach_utils import _foreach_supported_types as util_types
+
+        for types in (optim_types, util_types):
+            if EmulatedNeuronTensor not in types:
+                types.append(EmulatedNeuronTensor)
         # Note [Module conversions keep parameters]
         torch.nn.Module._apply = _apply
         torch.nn.Module.to = _onto_device(_module_to)

@@ -691,3 +691,48 @@ def test_a_stock_gpt2_keeps_its_tied_weights_on_the_device(tmp_path):
     r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert r["neuron"][0] == r["cpu"][0] == 28, r
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["neuron"][1], r["cpu"][1])), r
+
+
+@needs_stablehlo
+def test_adamw_takes_the_foreach_path_on_the_device_with_cpus_values(tmp_path):
+    """torch.optim takes its foreach path on a device of its foreach list (PrivateUse1's name is on
+    it) only for tensor types it knows: the emulated tensor is one of them, as a real device's tensor
+    is, so AdamW's default step is a few foreach ops, not 6-8 ops per parameter; eager and adaptive
+    eager on the device train to CPU's values."""
+    out = _child("""
+        import json
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+        from torch.utils._python_dispatch import TorchDispatchMode
+        ne.emulate_neuron()
+
+        class Names(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.names = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.names.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        params = list(mlp().to("neuron").parameters())
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        opt.step()  # the state is made at the first step
+        names = Names()
+        with names:
+            opt.step()
+        cpu_losses, cpu_state = train("cpu", steps=4)
+        losses, state = train("neuron", steps=4)
+        ae_losses, ae_state = train("neuron", steps=4, adaptive={"hot_after": 1, "async_compile": False})
+        print(json.dumps({
+            "default": _default_to_fused_or_foreach(params, False, False),
+            "foreach_ops": sum(n.startswith("_foreach_") for n in names.names), "ops": len(names.names),
+            "eager": [losses == cpu_losses, close(state, cpu_state, 0.0)],
+            "adaptive": [all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ae_losses, cpu_losses)),
+                         close(ae_state, cpu_state, 1e-5)]}))
+        """, tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["default"] == [False, True], r
+    assert r["foreach_ops"] > 0 and r["ops"] < 5 * 6, r  # 6 parameters: the single-tensor path makes 6-8 ops each
+    assert r["eager"] == [True, True] and r["adaptive"] == [True, True], r
