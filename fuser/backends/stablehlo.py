@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _FORMAT = 1
 # What the lowering lowers (Note [Our decompositions]): in the fingerprint, so a cached split region
 # whose ops ran alone before a decomposition existed is compiled again, whole. Bump on such a change.
-_LOWERING = 2
+_LOWERING = 3
 _MAGIC = b"adaptive-eager stablehlo\n"
 _DEVICE_TYPES = ("cpu",)
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "jax": "jax", "jaxlib": "jaxlib"}
