@@ -94,6 +94,7 @@ def _random_fill(st: TracerState, f, args, kwargs):
 
 
 _native_dropout = torch.ops.aten.native_dropout.default
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
 _lift_fresh = torch.ops.aten.lift_fresh.default
 _bernoulli_ = torch.ops.aten.bernoulli_.float
 _mul = torch.ops.aten.mul.Tensor
@@ -224,7 +225,11 @@ class LazyMode(TorchDispatchMode):
         if types and _composite(types):  # empty for plain tensors: Note [Tensor subclasses]
             return NotImplemented
         if _EAGER_START[0] and _eager_start_op(func):  # the process's first window: Note [Eager start]
-            return func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            if not func.is_view and func not in _ALLOCATIONS and _touches_target(self.state, facts_for(func), args, kwargs):
+                METRICS.launches += 1  # as an op run eagerly is counted
+                METRICS.eager_equivalent_launches += 1
+            return func(*args, **kwargs)
         if _profiler._is_profiler_enabled and not self.profiling:
             # torch.profiler is recording: show each op's recording as a range
             self.profiling = True

@@ -298,15 +298,17 @@ def real_device_present() -> bool:
     return not _installed and torch._C._get_privateuse1_backend_name() == DEVICE
 
 
-def sizing_report(m: dict, steps: int, eager_launches: int | None = None) -> str:
+def sizing_report(m: dict, steps: int, eager_launches: int | None = None, device_launches: int | None = None) -> str:
     """Per training step: NEFF launches eagerly and under adaptive eager, compiles, compile
     seconds, cache hits, and ops the backend could not lower. ``m`` is ``adaptive_eager.metrics()``
     of ``steps`` steps; ``eager_launches``, the emulation's count for the same steps run eagerly
-    (else the tracer's estimate, ``eager_equivalent_launches``, is used)."""
+    (else the tracer's estimate, ``eager_equivalent_launches``, is used); ``device_launches``, the
+    emulation's count (``launches()``) of the adaptive steps, printed beside the library's."""
     eager = m["eager_equivalent_launches"] if eager_launches is None else eager_launches
     rows = [
         ("NEFF launches, eager" + ("" if eager_launches is not None else " (estimated)"), eager / steps),
         ("NEFF launches, adaptive eager", m["launches"] / steps),
+        *([("  counted by the emulated device", device_launches / steps)] if device_launches is not None else []),
         ("compiles", m.get("compiles", 0) / steps),
         ("compile seconds", m.get("compile_seconds", 0.0) / steps),
         ("cache hits", (m.get("cache_hits_memory", 0) + m.get("cache_hits_disk", 0)) / steps),
