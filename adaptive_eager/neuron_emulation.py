@@ -388,6 +388,9 @@ _LIBRARIES: list = []
 # holding its tensors therefore runs with torch's swap path
 # (``torch.__future__.set_swap_module_params_on_conversion``, ``torch.utils.swap_tensors``), which
 # keeps every parameter object, as the real device's conversion does; other conversions are untouched.
+# Under adaptive eager such a conversion runs eagerly, after a flush: the swap refuses a tensor with
+# weak references, and a recorded result has them (the window's placeholders); moving a model is a
+# setup step, where one sync point costs nothing that matters.
 _module_apply = torch.nn.Module._apply
 _module_to = torch.nn.Module.to
 _conversion = threading.local()
@@ -403,10 +406,14 @@ def _apply(self, fn, recurse=True):
     if getattr(_conversion, "swapping", False) or torch.__future__.get_swap_module_params_on_conversion() or not (
             getattr(_conversion, "onto", False) or _holds_device_tensors(self)):
         return _module_apply(self, fn, recurse)
+    from . import sync
+
+    sync()
     _conversion.swapping = True
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        return _module_apply(self, fn, recurse)
+        with _disable_current_modes():
+            return _module_apply(self, fn, recurse)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
         _conversion.swapping = False
