@@ -226,7 +226,8 @@ class LazyMode(TorchDispatchMode):
             return NotImplemented
         if _EAGER_START[0] and _eager_start_op(func):  # the process's first window: Note [Eager start]
             kwargs = kwargs or {}
-            if not func.is_view and func not in _ALLOCATIONS and _touches_target(self.state, facts_for(func), args, kwargs):
+            if (not func.is_view and func not in _ALLOCATIONS
+                    and _touches_target(self.state, facts_for(func), args, kwargs)):
                 METRICS.launches += 1  # as an op run eagerly is counted
                 METRICS.eager_equivalent_launches += 1
             return func(*args, **kwargs)

@@ -619,7 +619,8 @@ _TIED = """
             self.head.weight = self.emb.weight  # tied, as a language model's head and embedding
 
         def forward(self, ids):
-            return torch.nn.functional.cross_entropy(self.head(torch.tanh(self.mid(self.emb(ids)))).flatten(0, 1), ids.flatten())
+            logits = self.head(torch.tanh(self.mid(self.emb(ids))))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
 
     def losses_of(model, device, steps=4, adaptive=None):
         held = model.emb.weight if hasattr(model, "emb") else None
