@@ -163,11 +163,17 @@ def metrics() -> dict:
 def reset_metrics() -> None:
     import fuser
 
+    from . import neuron_emulation
     from ._state import hot_ops_counted
 
     METRICS.reset()
     hot_ops_counted()
     fuser.reset_metrics()
+    _DEVICE_LAUNCHES[0] = neuron_emulation.launches()
+
+
+# the emulated neuron device's own count of its launches at the last ``reset_metrics()`` (``report``)
+_DEVICE_LAUNCHES = [0]
 
 
 def cache_info() -> dict:
@@ -191,7 +197,15 @@ def report(explain: bool = False) -> str:
     followed by ``explain()``."""
     import fuser
 
-    lines = [format_report(metrics())]
+    from . import neuron_emulation
+
+    m = metrics()
+    lines = [format_report(m)]
+    if neuron_emulation.is_emulated():
+        # Note [Emulated launches]: what reached the device, counted by it (eager ops outside
+        # adaptive eager included), beside the library's ``launches``
+        lines.append(f"{'emulated neuron device launches':<32}{neuron_emulation.launches() - _DEVICE_LAUNCHES[0]:>8} "
+                     f"(counted by the device since reset_metrics(); the library counted {m['launches']})")
     for store in fuser.stores():
         s = store.stats()
         lines.append(f"cache {s['directory']}: {s['entries']} entries, {s['bytes'] / 2**20:.1f} MiB, {s['hits']} hits"

@@ -23,6 +23,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fuser.backends._common import launches_of
+
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
@@ -414,18 +416,21 @@ class _Graph:
             return self.gm.forward(*args)
         for slot in copies:
             args[slot].copy_(inputs[slot])
-        written = 0
+        written = 2 * len(copies)  # a clone and a copy back each
         if not self.inplace:
             for slot, r in zip(mutated, outs[self.n_live:]):
                 args[slot].copy_(r)
-            written = len(mutated)
+            written += len(mutated)
+        # Note [Launches of a compiled callable] in fuser.backends._common: a split graph's pieces...
+        launched = launches_of(run)
         if self.who == "module":
             METRICS.module_compiled_runs += 1
-            METRICS.launches += 1 + written
+            METRICS.launches += launched + written
             METRICS.eager_equivalent_launches += self.ops
         else:
             METRICS.optimizer_compiled_runs += 1
-            METRICS.launches += written  # the step itself is one launch (``_optim._count_launches``)
+            # the step itself is one launch (``_optim._count_launches``)
+            METRICS.launches += launched - 1 + written
         return [None if how is None else (args[how[1]] if how[0] == "in" else outs[how[1]]) for how in self.plan]
 
     def _check(self, outs) -> None:

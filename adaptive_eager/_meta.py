@@ -11,6 +11,7 @@ from fuser.window import ARITY
 from . import _meta_disk, _signatures
 from ._kernel_warnings import kernel_warnings, warnings_of
 from ._log import log
+from ._metrics import METRICS
 from ._source import warn
 from ._overlap import _Raises, _extent, _has_internal_overlap, _overlap_error
 
@@ -263,6 +264,8 @@ def _eager_layouts(f, args, kwargs, specs: list):
     if all(s is None for s in specs) and _written_bytes(f, args, kwargs) > PROBE_WRITTEN_BYTES:
         return specs, None  # Note [Errors at the statement]: what its meta kernel checks stands
 
+    launched = [0]  # on an accelerator each fill and each run reaches it: counted as launches
+
     def stand_in(t, written: bool, fill):
         if not isinstance(t, _Tensor):
             return t
@@ -270,9 +273,15 @@ def _eager_layouts(f, args, kwargs, specs: list):
             if not written and (t.is_floating_point() or t.is_complex()):
                 return t
             fill = 0
+        if t.device.type != "cpu":
+            launched[0] += 1
         return torch.full((_extent(t),), fill, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
+    device = next((t.device.type for a in (*args, *kwargs.values()) for t in (a if type(a) in (list, tuple) else (a,))
+                   if isinstance(t, _Tensor)), "cpu")
     for fill in (None, 1):
+        if device != "cpu":
+            launched[0] += 1
         try:
             rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)
                      else stand_in(a, i in written, fill) for i, a in enumerate(args)]
@@ -284,7 +293,9 @@ def _eager_layouts(f, args, kwargs, specs: list):
         except Exception as e:  # noqa: BLE001 - try the other fill, then raise (the signature runs eagerly)
             error = e
     else:
+        METRICS.launches += launched[0]
         raise error
+    METRICS.launches += launched[0]
     outs = res if isinstance(res, (tuple, list)) else (res,)
     return [spec if spec is None or not (isinstance(r, _Tensor) and tuple(r.shape) == spec[0] and r.dtype == spec[2])
             else (spec[0], tuple(r.stride()), spec[2]) for spec, r in zip(specs, outs)], (_texts(caught), run)

@@ -95,6 +95,8 @@ def _random_fill(st: TracerState, f, args, kwargs):
 
 
 _native_dropout = torch.ops.aten.native_dropout.default
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+_lift_fresh = torch.ops.aten.lift_fresh.default
 _bernoulli_ = torch.ops.aten.bernoulli_.float
 _mul = torch.ops.aten.mul.Tensor
 _mul_scalar_ = torch.ops.aten.mul_.Scalar
@@ -224,7 +226,12 @@ class LazyMode(TorchDispatchMode):
         if types and _composite(types):  # empty for plain tensors: Note [Tensor subclasses]
             return NotImplemented
         if _EAGER_START[0] and _eager_start_op(func):  # the process's first window: Note [Eager start]
-            return func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            if (not func.is_view and func not in _ALLOCATIONS
+                    and _touches_target(self.state, facts_for(func), args, kwargs)):
+                METRICS.launches += 1  # as an op run eagerly is counted
+                METRICS.eager_equivalent_launches += 1
+            return func(*args, **kwargs)
         if _profiler._is_profiler_enabled and not self.profiling:
             # torch.profiler is recording: show each op's recording as a range
             self.profiling = True
@@ -258,6 +265,10 @@ class LazyMode(TorchDispatchMode):
             if kind == CHECKED:
                 return _record_checked(st, f, args, kwargs)
             if kind == VIEW_OP:
+                if func is _lift_fresh and args[0].device.type != "cpu":
+                    # ``torch.tensor(data, device=...)``: its copy from the host ran below this mode
+                    METRICS.launches += 1
+                    METRICS.eager_equivalent_launches += 1
                 window = st.window
                 if args and view_of_unwritten(st, window, args[0]):  # Note [Views of unwritten memory] in _record
                     return f.call(*args, **kwargs) if kwargs else f.call(*args)

@@ -37,10 +37,15 @@ throughout, factories included, as on the real device.
 Note [Emulated launches]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 On Trainium each eager op that computes is one NEFF launch; views, metadata and allocations are
-not (they change no device memory). ``launches()`` counts the ops reaching ``__torch_dispatch__``
-that are none of these. Under adaptive eager, the ops a compiled region runs never reach it (the
-backend's callable runs on the CPU data: ``cpu_data`` / ``on_device``), while replayed ops and
-copies into placeholders do, as they would launch on the device.
+not (they change no device memory). ``launches()`` counts what reaches the device: the ops reaching
+``__torch_dispatch__`` that are none of these (``ops_run()``), and each run of a compiled executable
+(``executables_run()``), which the stablehlo backend reports at the boundary where it runs one on the
+CPU data (``_ran``, passed to ``register_host_device``). The ops a compiled executable runs never
+reach ``__torch_dispatch__`` (they run on the CPU data: ``cpu_data`` / ``on_device``), while
+everything adaptive eager does around them does, as it would launch on the device: replayed ops,
+ops a split region runs alone, copies into placeholders and written inputs, clones, casts, random
+draws. This count is the device's, taken without the library's: a test holds
+``metrics()["launches"]`` to it.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ DEVICE = "neuron"
 _lock = threading.Lock()
 _installed = False
 _launches = 0
+_executables = 0
 
 
 class NeuronEmulationError(RuntimeError):
@@ -185,8 +191,14 @@ _storage_of = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._
 _OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _SET_STORAGE = (torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Storage)
-# Note [Emulated launches]: ops that change no device memory
-_NO_LAUNCH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+# Note [Emulated launches]: ops that change no device memory: allocations, and questions about a
+# tensor's layout that torch and adaptive eager ask (``_debug_has_internal_overlap``: before each
+# recorded in-place op), which read metadata, not data
+_NO_LAUNCH = frozenset((
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten._debug_has_internal_overlap.default, torch.ops.aten.is_same_size.default,
+    torch.ops.aten.is_set_to.default, torch.ops.aten._has_compatible_shallow_copy_type.default,
+))
 
 
 def _share_storage(view: EmulatedNeuronTensor, base: EmulatedNeuronTensor) -> None:
@@ -253,9 +265,26 @@ def on_device(x):
 
 
 def launches() -> int:
-    """Ops that ran on the emulated device since the process started, each one NEFF launch on
+    """NEFF launches on the emulated device since the process started: ops that ran on it and
+    compiled executables run (Note [Emulated launches])."""
+    return _launches + _executables
+
+
+def ops_run() -> int:
+    """Ops that ran on the emulated device outside compiled executables, each one NEFF launch on
     Trainium (Note [Emulated launches])."""
     return _launches
+
+
+def executables_run() -> int:
+    """Compiled executables run on the emulated device (Note [Emulated launches])."""
+    return _executables
+
+
+def _ran() -> None:
+    """A compiled executable ran on the device's data (the stablehlo backend's report)."""
+    global _executables
+    _executables += 1
 
 
 def is_emulated() -> bool:
@@ -269,15 +298,17 @@ def real_device_present() -> bool:
     return not _installed and torch._C._get_privateuse1_backend_name() == DEVICE
 
 
-def sizing_report(m: dict, steps: int, eager_launches: int | None = None) -> str:
+def sizing_report(m: dict, steps: int, eager_launches: int | None = None, device_launches: int | None = None) -> str:
     """Per training step: NEFF launches eagerly and under adaptive eager, compiles, compile
     seconds, cache hits, and ops the backend could not lower. ``m`` is ``adaptive_eager.metrics()``
     of ``steps`` steps; ``eager_launches``, the emulation's count for the same steps run eagerly
-    (else the tracer's estimate, ``eager_equivalent_launches``, is used)."""
+    (else the tracer's estimate, ``eager_equivalent_launches``, is used); ``device_launches``, the
+    emulation's count (``launches()``) of the adaptive steps, printed beside the library's."""
     eager = m["eager_equivalent_launches"] if eager_launches is None else eager_launches
     rows = [
         ("NEFF launches, eager" + ("" if eager_launches is not None else " (estimated)"), eager / steps),
         ("NEFF launches, adaptive eager", m["launches"] / steps),
+        *([("  counted by the emulated device", device_launches / steps)] if device_launches is not None else []),
         ("compiles", m.get("compiles", 0) / steps),
         ("compile seconds", m.get("compile_seconds", 0.0) / steps),
         ("cache hits", (m.get("cache_hits_memory", 0) + m.get("cache_hits_disk", 0)) / steps),
@@ -319,9 +350,21 @@ def emulate_neuron() -> None:
         lib.impl("_copy_from", _copy_from, "PrivateUse1")
         _LIBRARIES.append(lib)
         torch.UntypedStorage.__new__ = _storage_new  # Note [Emulated storage]
+        # torch.optim and clip_grad_norm_ take their foreach path on a device of the foreach list (PrivateUse1's
+        # name is on it) only for tensors of these types: an emulated tensor is one, as a real device's is
+        from torch.optim.optimizer import _foreach_supported_types as optim_types
+        from torch.utils._foreach_utils import _foreach_supported_types as util_types
+
+        for types in (optim_types, util_types):
+            if EmulatedNeuronTensor not in types:
+                types.append(EmulatedNeuronTensor)
+        # Note [Module conversions keep parameters]
+        torch.nn.Module._apply = _apply
+        torch.nn.Module.to = _onto_device(_module_to)
+        torch.nn.Module.neuron = _onto_device(torch.nn.Module.neuron)
         from fuser.backends.stablehlo import register_host_device
 
-        register_host_device(DEVICE, cpu_data, on_device)  # Note [Host-memory devices] there
+        register_host_device(DEVICE, cpu_data, on_device, _ran)  # Note [Host-memory devices] there
         from ._data_checks import CPU_KERNEL_DEVICES
 
         CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] in _ops
@@ -330,6 +373,72 @@ def emulate_neuron() -> None:
 
 
 _LIBRARIES: list = []
+
+
+# Note [Module conversions keep parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``model.to("cuda")`` keeps each parameter object (``Module._apply`` sets ``param.data``: a CPU and
+# a CUDA tensor have compatible TensorImpls), so a weight tied between two modules (GPT-2's
+# embedding and LM head, BERT's decoder) stays one parameter, and an optimizer made before the move
+# holds the moved parameters. A tensor of the emulated device is a wrapper subclass, not compatible
+# with a CPU tensor (``torch._has_compatible_shallow_copy_type``) and not traceable (no
+# ``__tensor_flatten__``: Note [Emulated storage]), so ``_apply`` made a new Parameter per module:
+# a tied weight became two (GPT-2 29 parameters instead of 28), trained apart, and the losses left
+# CPU's by 1e-3..1e-2. A conversion onto the device (``Module.to``, ``Module.neuron``) or of a module
+# holding its tensors therefore runs with torch's swap path
+# (``torch.__future__.set_swap_module_params_on_conversion``, ``torch.utils.swap_tensors``), which
+# keeps every parameter object, as the real device's conversion does; other conversions are untouched.
+# Under adaptive eager such a conversion runs eagerly, after a flush: the swap refuses a tensor with
+# weak references, and a recorded result has them (the window's placeholders); moving a model is a
+# setup step, where one sync point costs nothing that matters.
+_module_apply = torch.nn.Module._apply
+_module_to = torch.nn.Module.to
+_conversion = threading.local()
+
+
+def _holds_device_tensors(module: torch.nn.Module) -> bool:
+    return any(type(t) is EmulatedNeuronTensor for t in (*module.parameters(), *module.buffers()))
+
+
+def _apply(self, fn, recurse=True):
+    """``Module._apply`` keeping parameter objects where the emulated device is involved (Note
+    [Module conversions keep parameters])."""
+    if getattr(_conversion, "swapping", False) or torch.__future__.get_swap_module_params_on_conversion() or not (
+            getattr(_conversion, "onto", False) or _holds_device_tensors(self)):
+        return _module_apply(self, fn, recurse)
+    from ._flush import flush
+    from ._state import current_state
+
+    st = current_state()
+    if st is not None and st.window.nodes:
+        flush(st, "sync")  # the conversion reads and swaps the parameters' data
+    _conversion.swapping = True
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with _disable_current_modes():
+            return _module_apply(self, fn, recurse)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        _conversion.swapping = False
+
+
+def _onto_device(convert):
+    """``convert`` (``Module.to``, ``Module.neuron``) with its ``_apply`` told when it moves onto the device."""
+
+    def converted(self, *args, **kwargs):
+        if convert is _module_to:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is None or device.type != DEVICE:
+                return convert(self, *args, **kwargs)
+        onto = getattr(_conversion, "onto", False)
+        _conversion.onto = True
+        try:
+            return convert(self, *args, **kwargs)
+        finally:
+            _conversion.onto = onto
+
+    converted.__doc__ = convert.__doc__
+    return converted
 
 
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):

@@ -1,21 +1,26 @@
 """NEFF launches per step on the ``neuron`` device: plain eager, adaptive eager, and what
 torch-neuronx's own op concatenation would make of the same op stream at best.
 
-    python benchmarks/neuron_launches.py [--only mlp_train,gpt] [--steps 3]
+    python benchmarks/neuron_launches.py [--only mlp_train,gpt,cnn] [--steps 3]
 
-Runs the suite's workloads (``workloads.py``) on ``neuron``: the real device where torch-neuronx is
-installed, else the emulated one (``adaptive_eager.emulate_neuron()``, the stablehlo backend standing
-in for neuronx-cc). These are counts, not times, so the machine's load does not change them.
+Runs the suite's workloads (``workloads.py``, and its ``cnn``) on ``neuron``: the real device where
+torch-neuronx is installed, else the emulated one (``adaptive_eager.emulate_neuron()``, the stablehlo
+backend standing in for neuronx-cc). These are counts, not times, so the machine's load does not
+change them. Per step:
 
 - eager: the ops of one eager step that compute (Note [Emulated launches] in
   ``adaptive_eager.neuron_emulation``: views, metadata and allocations launch nothing);
-- adaptive: ``metrics()['launches']`` per steady-state step (compiled region runs, replayed ops and
-  copies), after warm-up steps that compile every region in place;
 - concatenation: the same eager op stream cut as torch-neuronx's concatenation engine cuts it
   (``../shared/TRAINIUM.md``): a fused segment ends at a matmul-family op and includes it; a copy,
   an in-place op (dead intermediates are pruned by default) or any op it cannot compile ends the
   open segment and runs alone; a step's end (its sync) ends the open segment. This is its best case:
-  it ignores the 1024-op buffer limit and the unfused flush when the device queue runs low.
+  it ignores the 1024-op buffer limit and the unfused flush when the device queue runs low;
+- adaptive, library: ``metrics()['launches']`` per steady-state step, after warm-up steps that
+  compile every region in place (``hot_after=1, async_compile=False``);
+- adaptive, device: the same steps counted by the emulated device itself (``launches()``: the ops that
+  reached it and the compiled executables run on it), with the executables among them; the two
+  adaptive counts are equal (``tests/test_neuron_emulation.py`` holds them so). On a real device
+  only the library's count is printed.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager import neuron_emulation as ne  # noqa: E402
-from workloads import BUILDERS  # noqa: E402
+from workloads import BUILDERS, build_cnn  # noqa: E402
+
+WORKLOADS = {**BUILDERS, "cnn": build_cnn}
 
 # torch-neuronx ends a fused segment at these (forward and backward: their ATen ops)
 MATMUL_FAMILY = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul", "convolution",
@@ -70,7 +77,7 @@ def concatenated_launches(ops: list[str]) -> int:
 
 
 def measure(key: str, steps: int) -> dict:
-    w = BUILDERS[key]("neuron")
+    w = WORKLOADS[key]("neuron")
     w.eager()  # warm: lazily made state (AdamW's moments) launches only on the first step
     stream = OpStream()
     before = ne.launches()
@@ -81,11 +88,11 @@ def measure(key: str, steps: int) -> dict:
         for _ in range(3):  # first sight, compile in place, compiled hits
             out = w.adaptive()  # held over the sync: what nobody holds is rightly not computed
             ae.sync()
-        m0 = ae.metrics()
+        m0, d0, x0 = ae.metrics(), ne.launches(), ne.executables_run()
         for _ in range(steps):
             out = w.adaptive()
             ae.sync()
-        m1 = ae.metrics()
+        m1, d1, x1 = ae.metrics(), ne.launches(), ne.executables_run()
     del out
     return {
         "title": w.title,
@@ -93,6 +100,8 @@ def measure(key: str, steps: int) -> dict:
         "stream": len(stream.ops),
         "concatenation": concatenated_launches(stream.ops),
         "adaptive": (m1["launches"] - m0["launches"]) / steps,
+        "device": (d1 - d0) / steps if ne.is_emulated() else None,
+        "executables": (x1 - x0) / steps if ne.is_emulated() else None,
         "compiles": m1["compiles"],
         "run_alone": (sum(m1["run_alone"].values()) - sum(m0["run_alone"].values())) / steps,
         "eager_run": (m1["ops_eager"] - m0["ops_eager"]) / steps,
@@ -102,27 +111,30 @@ def measure(key: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
+    parser.add_argument("--only", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--steps", type=int, default=3, help="steady-state steps counted per workload")
     args = parser.parse_args()
     keys = [k for k in args.only.split(",") if k]
-    unknown = [k for k in keys if k not in BUILDERS]
+    unknown = [k for k in keys if k not in WORKLOADS]
     if unknown:
-        parser.error(f"unknown workload(s) {unknown}; choose from {', '.join(BUILDERS)}")
+        parser.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
     device = "the real neuron device"
     if not ne.real_device_present():
         ne.emulate_neuron()
         device = "the emulated neuron device (stablehlo backend)"
     print(f"python benchmarks/neuron_launches.py --only {','.join(keys)} --steps {args.steps}; {device}, "
           f"backend {ae.load_options().backend}, torch {torch.__version__}")
-    print("| workload | eager launches / step | torch-neuronx concatenation, at best | adaptive eager "
-          "| eager / adaptive | concatenation / adaptive | of adaptive's: ops run alone, ops run eagerly, windows replayed |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| workload | eager launches / step | torch-neuronx concatenation, at best | adaptive eager, library count "
+          "| adaptive eager, device count (executables) | eager / adaptive | concatenation / adaptive "
+          "| of adaptive's: ops run alone, ops run eagerly, windows replayed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for key in keys:
         r = measure(key, args.steps)
         a = max(r["adaptive"], 1e-9)
-        print(f"| {key} | {r['eager']} | {r['concatenation']} | {r['adaptive']:.1f} | {r['eager'] / a:.1f}x "
-              f"| {r['concatenation'] / a:.1f}x | {r['run_alone']:g}, {r['eager_run']:g}, {r['replayed']:g} |", flush=True)
+        device_count = "n/a" if r["device"] is None else f"{r['device']:.1f} ({r['executables']:g})"
+        print(f"| {key} | {r['eager']} | {r['concatenation']} | {r['adaptive']:.1f} | {device_count} "
+              f"| {r['eager'] / a:.1f}x | {r['concatenation'] / a:.1f}x "
+              f"| {r['run_alone']:g}, {r['eager_run']:g}, {r['replayed']:g} |", flush=True)
 
 
 if __name__ == "__main__":

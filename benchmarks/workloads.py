@@ -111,16 +111,16 @@ def build_mlp_train(device: str) -> Workload:
     )
 
 
-def _training_workload(name: str, title: str, base: nn.Module, x, target, make_opt) -> Workload:
-    """One MSE training step (zero_grad, forward, backward, optimizer step) on three copies of
-    ``base``: eager, adaptive and torch.compile."""
+def _training_workload(name: str, title: str, base: nn.Module, x, target, make_opt, loss_fn=F.mse_loss) -> Workload:
+    """One training step (zero_grad, forward, backward, optimizer step; MSE unless ``loss_fn``) on
+    three copies of ``base``: eager, adaptive and torch.compile."""
 
     def make(model):
         opt = make_opt(model.parameters())
 
         def step():
             opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(x), target)
+            loss = loss_fn(model(x), target)
             loss.backward()
             opt.step()
             return loss
@@ -197,6 +197,21 @@ def build_gpt(device: str) -> Workload:
         lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
 
+
+
+def build_cnn(device: str) -> Workload:
+    """Not in the suite (``BUILDERS``): the small CNN of ``user_step.py``, for ``neuron_launches.py``."""
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(32, 10)).to(device)
+    x = torch.randn(16, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (16,), device=device)
+    return _training_workload(
+        "cnn", "CNN train step (2 conv blocks with BatchNorm, batch 16 of 3x32x32, cross-entropy, AdamW)",
+        base, x, y, lambda params: torch.optim.AdamW(params, lr=1e-3), F.cross_entropy,
+    )
 
 
 def tiny_ops(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:

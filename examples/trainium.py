@@ -62,13 +62,17 @@ def main() -> None:
 
     ae.reset_metrics()
     start = time.perf_counter()
+    before = neuron_emulation.launches()
     adaptive = train(args.steps, "neuron", adaptive=True)
+    device_launches = neuron_emulation.launches() - before
     seconds = time.perf_counter() - start
     m = ae.metrics()
 
     print(f"losses, eager:    {' '.join(f'{v:.5f}' for v in eager)}")
     print(f"losses, adaptive: {' '.join(f'{v:.5f}' for v in adaptive)}")
-    print(neuron_emulation.sizing_report(m, args.steps, eager_launches if emulated else None))
+    # on the emulated device the device counts its launches too (executables run, ops reaching it)
+    print(neuron_emulation.sizing_report(m, args.steps, eager_launches if emulated else None,
+                                         device_launches if emulated else None))
     print(f"adaptive run: {seconds:.1f} s, backend {ae.load_options().backend}")
 
 

@@ -14,7 +14,7 @@ import zipfile
 import torch
 
 from . import partition
-from .backends._common import BackendCompileError, pack_sections, trace_lock, unpack_sections
+from .backends._common import BackendCompileError, launches_of, pack_sections, trace_lock, unpack_sections
 from ._library import library_digest
 from .program import FORMAT, Program, _In
 
@@ -46,6 +46,10 @@ class _Unverified:
 
     def __call__(self, inputs):
         return self.run(inputs)
+
+    @property
+    def launches(self) -> int:
+        return launches_of(self.run)  # Note [Launches of a compiled callable] in fuser.backends._common
 
 
 def compile_job(payload: bytes) -> bytes:

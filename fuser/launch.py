@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backends._common import restrided
+from .backends._common import launches_of, restrided
 from .replay import _bind, as_recorded, release_placeholders, restore_placeholders
 from .scalars import _scalar_tensor
 from .stats import STATS
@@ -75,7 +75,7 @@ def _run_compiled(entry: _Entry, window: Window, live: list[Out], check: bool = 
             real = window.real_inputs
             for slot in copies:
                 real[slot].copy_(inputs[slot])
-            return _write(entry, window, live, outs) + len(copies)
+            return _write(entry, window, live, outs) + 2 * len(copies)  # a clone and a copy back each
         except BaseException:  # the replay, or the NaN of a failed flush, writes the placeholders
             restore_placeholders(released)
             raise
@@ -92,7 +92,8 @@ def _inputs(entry: _Entry, window: Window) -> list[torch.Tensor]:
 
 def _write(entry: _Entry, window: Window, live: list[Out], outs) -> int:
     """Bind a compiled run's outputs and write back the inputs it does not write itself; return
-    the launches (the run and its copies). Called under ``as_recorded``."""
+    the launches (the run's, Note [Launches of a compiled callable] in fuser.backends._common, and
+    its copies). Called under ``as_recorded``."""
     copies = 0
     for o, r in zip(live, outs):
         copies += _bind(o, r)
@@ -104,7 +105,7 @@ def _write(entry: _Entry, window: Window, live: list[Out], outs) -> int:
             real[slot].copy_(r)  # write-back of parameters, optimizer state, buffers
         copies += len(entry.mutated)  # the copies are launches too
     STATS.compiled_runs += 1
-    return 1 + copies
+    return launches_of(entry.run) + copies
 
 
 def _check_outputs(entry: _Entry, window: Window, live: list[Out], outs) -> None:

@@ -39,7 +39,8 @@ import torch
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .backends._common import (
-    BackendCompileError, below_autograd, decode_arg, encode_arg, op_name, pack_sections, resolve_op, unpack_sections,
+    BackendCompileError, below_autograd, decode_arg, encode_arg, launches_of, launches_op, op_name, pack_sections,
+    resolve_op, unpack_sections,
 )
 
 _CHECK_OPS: dict = {}
@@ -181,6 +182,7 @@ def load(artifact: bytes, backend):
     header, pieces = unpack_sections(artifact, "split")
     parts = [backend.load(a) for a in pieces]
     graph = torch.fx.Graph()
+    launches = 0  # Note [Launches of a compiled callable]: each piece's, and each op run alone that computes
     try:
         plan = header["plan"]
         values = [graph.placeholder(f"in{i}") for i in range(plan["inputs"])]
@@ -190,14 +192,17 @@ def load(artifact: bytes, backend):
                 if type(piece) is not int or not 0 <= piece < len(parts):
                     raise IndexError(f"piece {piece!r} of {len(parts)}")
                 values.append(graph.call_function(parts[piece], (decode_arg(node["args"], values, "split"),)))
+                launches += launches_of(parts[piece])
             else:
                 kwargs = {k: decode_arg(v, values, "split") for k, v in node["kwargs"].items()}
-                values.append(graph.call_function(resolve_op(node["op"], "split"),
-                                                  decode_arg(node["args"], values, "split"), kwargs))
+                op = resolve_op(node["op"], "split")
+                values.append(graph.call_function(op, decode_arg(node["args"], values, "split"), kwargs))
+                launches += launches_op(op)
         graph.output(tuple(decode_arg(o, values, "split") for o in plan["outputs"]))
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, AssertionError) as e:  # FX asserts
         raise BackendCompileError(f"split: the artifact's plan is malformed: {type(e).__name__}: {e}") from e
     forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
     run = below_autograd(lambda inputs: forward(*inputs))
     run.guards = None
+    run.launches = launches
     return run

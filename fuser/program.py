@@ -229,7 +229,10 @@ class Program:
             # lets a lifted float become a graph input
             from torch._decomp import core_aten_decompositions
 
-            decompositions = core_aten_decompositions()
+            from .backends._common import foreach_decompositions
+
+            # and a foreach op's list of floats is none (Note [Foreach ops] in fuser.backends._common)
+            decompositions = {**core_aten_decompositions(), **foreach_decompositions()}
         examples = self.example_inputs()
         mode = None
         if self.dims:

@@ -544,3 +544,218 @@ def test_a_large_value_of_a_compiled_region_on_the_device_runs_compiled(tmp_path
         """, tmp_path)
     got = json.loads(out.strip().splitlines()[-1])
     assert got == {"close": True, "compiled_runs": 3, "blacklisted": 0}, out
+
+
+# A training loop's steady steps under adaptive eager (hot_after=1, compiled in the step): per step,
+# metrics()["launches"] and the device's own count (ops reaching it, executables run on it: Note
+# [Emulated launches]), printed as JSON. ``make`` builds (model, loss of model) on the device.
+_STEADY = """
+    import json
+    def steady(make, steps=6, warm=3):
+        model, loss_of = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rows = []
+        with ae.adaptive_eager(hot_after=1, async_compile=False):
+            for i in range(steps):
+                m0, d0, x0 = ae.metrics()["launches"], ne.launches(), ne.executables_run()
+                loss = loss_of(model)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                loss.item()
+                if i >= warm:
+                    rows.append((ae.metrics()["launches"] - m0, ne.launches() - d0, ne.executables_run() - x0))
+        return rows
+"""
+
+
+@needs_stablehlo
+def test_launches_per_step_are_what_reaches_the_device(tmp_path):
+    """Note [Launches of a compiled callable]: metrics()["launches"] counts every executable run on the
+    device and every op reaching it outside one (a split region's pieces and ops run alone, clones
+    before its stores, binding and input copies, index checks, dropout masks), per steady step equal
+    to the emulated device's own count. It counted each compiled run as one launch: the CNN's
+    3 pieces and its clones were missing (19 counted of 57)."""
+    out = _child(textwrap.dedent(_STEADY) + textwrap.dedent("""
+        ne.emulate_neuron()
+        def make_mlp():
+            model = mlp().to("neuron")
+            x, y = torch.randn(5, 4), torch.randn(5, 2)
+            return model, lambda m: torch.nn.functional.mse_loss(m(x.to("neuron")), y.to("neuron"))
+        def make_cnn():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                torch.nn.Flatten(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 10)).to("neuron")
+            x, y = torch.randn(4, 3, 16, 16).to("neuron"), torch.randint(0, 10, (4,)).to("neuron")
+            return model, lambda m: torch.nn.functional.cross_entropy(m(x), y)
+        print(json.dumps({"mlp": steady(make_mlp), "cnn": steady(make_cnn)}))
+        """), tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    for name, rows in r.items():
+        assert all(lib == device for lib, device, _ in rows), (name, rows)
+    assert all(executables == 1 for _, _, executables in r["mlp"]), r
+    assert all(executables > 1 for _, _, executables in r["cnn"]), r  # a split region: its pieces
+
+
+@needs_stablehlo
+@pytest.mark.slow
+def test_gpt2_launches_per_step_are_what_reaches_the_device(tmp_path):
+    """As above for a stock GPT-2 (a tiny config): embeddings, gathers and index_put run alone and
+    split its region, its dropout masks are drawn, and clones precede the split region's stores (the
+    library counted 40 launches a step of the 146 that reached the device)."""
+    pytest.importorskip("transformers")
+    out = _child(textwrap.dedent(_STEADY) + textwrap.dedent("""
+        import transformers
+        ne.emulate_neuron()
+        def make_gpt2():
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+            model = model.to("neuron")
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+            return model, lambda m: m(input_ids=ids.to("neuron"), labels=ids.to("neuron")).loss
+        print(json.dumps(steady(make_gpt2, steps=6, warm=4)))
+        """), tmp_path)
+    rows = json.loads(next(line for line in out.splitlines() if line.startswith("[[")))  # transformers warns after it
+    assert all(lib == device for lib, device, _ in rows) and all(x > 1 for _, _, x in rows), rows
+
+
+_TIED = """
+    import json
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(16, 8)
+            self.mid = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight  # tied, as a language model's head and embedding
+
+        def forward(self, ids):
+            logits = self.head(torch.tanh(self.mid(self.emb(ids))))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    def losses_of(model, device, steps=4, adaptive=None):
+        held = model.emb.weight if hasattr(model, "emb") else None
+        model = model.to(device)
+        n = len(list(model.parameters()))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))
+        losses = []
+        import contextlib
+        with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+            for _ in range(steps):
+                loss = model(ids.to(device))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return n, losses, held is None or held is model.emb.weight
+"""
+
+
+def test_tied_weights_stay_tied_on_the_device(tmp_path):
+    """Note [Module conversions keep parameters]: ``.to("neuron")`` keeps a tied weight one parameter
+    (and the parameter object the program held), as ``.to("cuda")`` does: eager and adaptive eager on
+    the emulated device train to CPU eager's losses. It made two parameters, trained apart."""
+    out = _child(textwrap.dedent(_TIED) + textwrap.dedent("""
+        ne.emulate_neuron()
+        cpu = losses_of(Tied(), "cpu")
+        eager = losses_of(Tied(), "neuron")
+        adaptive = losses_of(Tied(), "neuron", adaptive={"hot_after": 1, "async_compile": False, "backend": "replay"})
+        back = Tied().to("neuron").to("cpu")
+        print(json.dumps({"cpu": cpu, "eager": eager, "adaptive": adaptive,
+                          "back": [len(list(back.parameters())), back.head.weight is back.emb.weight,
+                                   type(back.emb.weight.data) is torch.Tensor]}))
+        """), tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["cpu"][0] == 3 and r["cpu"][2], r
+    for name in ("eager", "adaptive"):
+        n, losses, kept = r[name]
+        assert n == 3 and kept, (name, r)
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, r["cpu"][1])), (name, r)
+    assert r["back"] == [3, True, True], r
+
+
+def test_a_stock_gpt2_keeps_its_tied_weights_on_the_device(tmp_path):
+    """GPT-2's LM head is its token embedding: 28 parameters after ``.to("neuron")`` as on CPU (29
+    before), and eager on the emulated device trains to CPU eager's losses without ``tie_weights()``."""
+    pytest.importorskip("transformers")
+    out = _child("""
+        import json, transformers
+        ne.emulate_neuron()
+        def run(device):
+            torch.manual_seed(0)
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+            model = model.to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+            losses = []
+            for _ in range(4):
+                torch.manual_seed(2)  # dropout's masks: the same draws on both devices (cpu's generator)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return len(list(model.parameters())), losses
+        print(json.dumps({"cpu": run("cpu"), "neuron": run("neuron")}))
+        """, tmp_path)
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert r["neuron"][0] == r["cpu"][0] == 28, r
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["neuron"][1], r["cpu"][1])), r
+
+
+@needs_stablehlo
+def test_adamw_takes_the_foreach_path_on_the_device_with_cpus_values(tmp_path):
+    """torch.optim takes its foreach path on a device of its foreach list (PrivateUse1's name is on
+    it) only for tensor types it knows: the emulated tensor is one of them, as a real device's tensor
+    is, so AdamW's default step is a few foreach ops, not 6-8 ops per parameter; eager and adaptive
+    eager on the device train to CPU's values, with the foreach ops inside the compiled step."""
+    out = _child("""
+        import json
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+        from torch.utils._python_dispatch import TorchDispatchMode
+        ne.emulate_neuron()
+
+        class Names(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.names = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.names.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        params = list(mlp().to("neuron").parameters())
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        opt.step()  # the state is made at the first step
+        names = Names()
+        with names:
+            opt.step()
+        cpu_losses, cpu_state = train("cpu", steps=8)
+        losses, state = train("neuron", steps=8)
+        ae.reset_metrics()
+        ae_losses, ae_state = train("neuron", steps=8, adaptive={"hot_after": 1, "async_compile": False})
+        m = ae.metrics()
+        print(json.dumps({
+            "default": _default_to_fused_or_foreach(params, False, False),
+            "foreach_ops": sum(n.startswith("_foreach_") for n in names.names), "ops": len(names.names),
+            "eager": [losses == cpu_losses, close(state, cpu_state, 0.0)],
+            "adaptive": [all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ae_losses, cpu_losses)),
+                         close(ae_state, cpu_state, 1e-5)],
+            "compiles": m["compiles"], "run_alone": m["run_alone"]}))
+        """, tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["default"] == [False, True], r
+    assert r["foreach_ops"] > 0 and r["ops"] < 5 * 6, r  # 6 parameters: the single-tensor path makes 6-8 ops each
+    assert r["eager"] == [True, True] and r["adaptive"] == [True, True], r
+    # Note [Foreach ops]: the foreach ops lower (none runs alone), and the per-step floats of their
+    # lists are lifted, so the step compiles as the single-tensor one does, not once a step
+    assert not r["run_alone"] and r["compiles"] <= 4, r

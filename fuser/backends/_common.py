@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import struct
@@ -46,6 +47,33 @@ def trace_lock():
     return compile_lock
 
 
+# Note [Launches of a compiled callable]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``metrics()["launches"]`` counts what reaches the device, and a compiled callable is not always
+# one launch: a split region runs its pieces and the ops that run alone (Note [Partitions] in
+# fuser.partition); the stablehlo backend's caller casts inputs and results, copies results into
+# eager's strides and clones a new value that is a view of an input before its store; the replay
+# backend runs every op of its graph. A callable that makes more than one says how many a call
+# makes as ``run.launches`` (known when it is loaded: they do not depend on the values); one that
+# does not say makes one (Inductor's callable: one call of its compiled code). Wrappers carry the
+# count on (``below_autograd``, ``restrided``: plus its copies). On the emulated neuron device a
+# test holds this count to the device's own (Note [Emulated launches] in
+# adaptive_eager.neuron_emulation).
+def launches_of(run) -> int:
+    """The device launches one call of a compiled callable makes (Note [Launches of a compiled callable])."""
+    return getattr(run, "launches", 1)
+
+
+# allocations: they reserve memory and compute nothing (torch's factories decompose to these)
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
+
+
+def launches_op(target) -> bool:
+    """Whether a graph's call of ``target``, run op by op, is a device launch: an ATen op that is
+    neither a view nor an allocation (Note [Launches of a compiled callable])."""
+    return isinstance(target, torch._ops.OpOverload) and not target.is_view and target not in _ALLOCATIONS
+
+
 def restrided(run, fixes: list):
     """``run`` with the outputs ``fixes`` names ((index, shape, stride) each) copied into that
     layout: eager's, where a compiled output came back in another; with no shape and stride, into
@@ -67,6 +95,7 @@ def restrided(run, fixes: list):
         return fix(run(inputs))
 
     restrided_run.fix = fix
+    restrided_run.launches = launches_of(run) + len(fixes)  # a copy each
     return restrided_run
 
 
@@ -204,6 +233,8 @@ def below_autograd(
         finally:
             _set_grad_enabled(grad)
 
+    if hasattr(fn, "launches"):
+        run.launches = fn.launches  # Note [Launches of a compiled callable]
     return run
 
 
@@ -364,3 +395,60 @@ def unpack_sections(data: bytes, what: str) -> tuple[dict, list[bytes]]:
         sections.append(data[offset:offset + n])
         offset += n
     return header, sections
+
+
+# Note [Foreach ops]
+# ~~~~~~~~~~~~~~~~~~
+# On a device of torch.optim's foreach list (``neuron`` is one) an optimizer's default step and
+# ``clip_grad_norm_`` are ``_foreach_*`` ops, each over a list of tensors. torch-mlir lowers none of
+# them ("failed to legalize operation 'torch.operator'", or a KeyError on a list of numbers), so
+# each ran alone and split the step's region: an AdamW step of 6 parameters made 9 launches and
+# two pieces more. Each functional ``_foreach_<op>`` is that op per element of its lists: a list
+# argument (of tensors, or of numbers for a ``ScalarList`` overload) gives the element at the same
+# position, any other argument (a scalar, one tensor) is passed to every call; eager's CPU foreach
+# kernels compute the same per-tensor ops. ``_foreach_norm`` is ``linalg_vector_norm`` per tensor.
+# An overload whose per-element op is not ``aten.<op>``, or that takes a tensor of per-element
+# scalars (``addcdiv``/``addcmul`` ``.Tensor``), is left as it is (under stablehlo: run alone).
+# The stablehlo lowering decomposes them so (Note [Our decompositions] in
+# fuser.backends._stablehlo_decompositions), and so does every region whose floats are lifted (Note
+# [Scalar lifting] in fuser.scalars, ``Program.graph``): a ``ScalarList`` of per-step floats (AdamW's
+# bias corrections) cannot be a graph input, the floats of the per-element ops can. Kept whole,
+# such a region was compiled again at every step, its floats baked in.
+@functools.cache
+def foreach_decompositions() -> dict:
+    """Each functional ``_foreach_*`` overload as its op per element (Note [Foreach ops])."""
+    aten = torch.ops.aten
+    table = {}
+    for name in dir(aten):
+        if not name.startswith("_foreach_") or name.endswith("_"):
+            continue
+        base = name.removeprefix("_foreach_")
+        if base == "norm":
+            per = _foreach_norm_element
+        elif base in ("addcdiv", "addcmul"):
+            per = functools.partial(_pointwise_with_value, getattr(aten, base))
+        elif hasattr(aten, base):
+            per = getattr(aten, base)
+        else:
+            continue
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            if overload == "Tensor" and base in ("addcdiv", "addcmul"):
+                continue
+            table[getattr(packet, overload)] = functools.partial(_per_element, per)
+    return table
+
+
+def _per_element(op, *args, **kwargs):
+    n = next((len(a) for a in args if type(a) in (list, tuple)), None)
+    if n is None:
+        return NotImplemented
+    return [op(*(a[k] if type(a) in (list, tuple) else a for a in args), **kwargs) for k in range(n)]
+
+
+def _pointwise_with_value(op, t, t1, t2, value=1):
+    return op(t, t1, t2, value=value)  # keyword-only in the per-tensor schema, positional in the foreach one
+
+
+def _foreach_norm_element(t, ord=2, dtype=None):
+    return torch.linalg.vector_norm(t, ord, dtype=dtype)

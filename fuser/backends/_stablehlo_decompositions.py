@@ -50,6 +50,8 @@ import math
 
 import torch
 
+from ._common import foreach_decompositions
+
 aten = torch.ops.aten
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -91,6 +93,7 @@ def _table(narrow_64bit: bool) -> tuple:
         (aten.avg_pool2d_backward.default, _avg_pool2d_backward),
         (aten._adaptive_avg_pool2d_backward.default, _adaptive_avg_pool2d_backward),
         (aten.max_pool2d_with_indices_backward.default, _max_pool2d_with_indices_backward),
+        *foreach_decompositions().items(),  # Note [Foreach ops] in fuser.backends._common
     )
 
 

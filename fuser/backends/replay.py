@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import BackendCompileError, below_autograd, check_graph, decode_arg, encode_arg, op_name, resolve_op
+from ._common import (
+    BackendCompileError, below_autograd, check_graph, decode_arg, encode_arg, launches_op, op_name, resolve_op,
+)
 
 _FORMAT = 1
 
@@ -65,8 +67,12 @@ class ReplayBackend:
 
     def load(self, artifact: bytes) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
         """Rebuild the graph from ``artifact`` and return a callable running it eagerly."""
-        forward = self.graph_module(artifact).forward
-        return below_autograd(lambda inputs: forward(*inputs))
+        gm = self.graph_module(artifact)
+        forward = gm.forward
+        run = below_autograd(lambda inputs: forward(*inputs))
+        # each op that computes is one launch (Note [Launches of a compiled callable] in fuser.backends._common)
+        run.launches = sum(1 for n in gm.graph.nodes if n.op == "call_function" and launches_op(n.target))
+        return run
 
     def graph_module(self, artifact: bytes) -> torch.fx.GraphModule:
         """The graph ``artifact`` holds, rebuilt (the neuron backend's fallback compiles it too)."""

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _FORMAT = 1
 # What the lowering lowers (Note [Our decompositions]): in the fingerprint, so a cached split region
 # whose ops ran alone before a decomposition existed is compiled again, whole. Bump on such a change.
-_LOWERING = 2
+_LOWERING = 3
 _MAGIC = b"adaptive-eager stablehlo\n"
 _DEVICE_TYPES = ("cpu",)
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "jax": "jax", "jaxlib": "jaxlib"}
@@ -56,15 +56,22 @@ _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
 # its code registers how to reach a tensor's CPU data and how to put a CPU result back on the
 # device, and this backend then accepts that device type. Registered from above (the fuser never
 # imports adaptive_eager: imports go one way), in every process that emulates the device
-# (a compile worker emulates it at ``import torch`` too: NEURON_EAGER_EMULATE is inherited).
-_HOST_DEVICES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {}
+# (a compile worker emulates it at ``import torch`` too: NEURON_EAGER_EMULATE is inherited). The
+# device is told of each executable run (``ran``), where a real one would launch it: the emulation
+# counts its launches there, apart from the library's count (Note [Emulated launches] there).
+_HOST_DEVICES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor],
+                               Callable[[], None]]] = {}
+
+
+def _nothing() -> None:
+    pass
 
 
 def register_host_device(device_type: str, to_cpu: Callable[[torch.Tensor], torch.Tensor],
-                         from_cpu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                         from_cpu: Callable[[torch.Tensor], torch.Tensor], ran: Callable[[], None] = _nothing) -> None:
     """Let this backend compile for ``device_type``, whose tensors' data ``to_cpu`` reaches and
-    ``from_cpu`` puts back (Note [Host-memory devices])."""
-    _HOST_DEVICES[device_type] = (to_cpu, from_cpu)
+    ``from_cpu`` puts back; ``ran()`` is called once per executable run (Note [Host-memory devices])."""
+    _HOST_DEVICES[device_type] = (to_cpu, from_cpu, ran)
 
 
 def missing_requirements(requirements: dict[str, str] = _REQUIREMENTS) -> list[str]:
@@ -293,10 +300,11 @@ class StablehloBackend:
             return [from_dlpack(to_capsule(r)) for r in execute(buffers)]
 
         if self.device_type in _HOST_DEVICES:  # XLA runs on the CPU data (Note [Host-memory devices])
-            cpu_data, on_device = _HOST_DEVICES[self.device_type]
+            cpu_data, on_device, ran = _HOST_DEVICES[self.device_type]
             on_cpu = results
 
             def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
+                ran()
                 return [on_device(r) for r in on_cpu([cpu_data(t) for t in args])]
 
         return results
@@ -371,6 +379,9 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
             return outs[:n_out]
         return outs
 
+    # Note [Launches of a compiled callable]: the executable, and each cast, copy into eager's
+    # strides and clone before a store (the stores are the executable's: Note [Regions that write their inputs])
+    run.launches = 1 + len(casts_in) + len(casts_out) + len(fixes) + sum(from_input)
     return run
 
 
