@@ -77,7 +77,8 @@ from ._state import current_state
 # - A program that Program's codec cannot describe (an op outside ATen, a non-tensor output)
 #   keeps running op by op, counted (``module_uncompiled_graphs``).
 _MAX_CAPTURES = 4
-_DYNAMO_BACKENDS = ("inductor",)
+# backend -> the devices whose captured graphs it compiles (Note [Captured modules])
+_DYNAMO_BACKENDS = {"inductor": ("cpu", "cuda"), "stablehlo": ("cpu", "neuron"), "neuron": ("neuron",)}
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 _POLL_S = 0.05  # how often a graph waiting for its artifact looks for it
 
@@ -252,8 +253,22 @@ def _capture(st, module, cap: _Cap, args, kwargs):
     return out
 
 
+def capturable_backend(options) -> bool:
+    """Whether a capture's graphs compile with ``options``' backend on its device (Note [Captured
+    modules]); on the emulated ``neuron`` device, also lets Dynamo trace its tensors (Note
+    [Emulated tensors under Dynamo] in ``neuron_emulation``)."""
+    if options.device not in _DYNAMO_BACKENDS.get(options.backend, ()):
+        return False
+    if options.device == "neuron":
+        from . import neuron_emulation
+
+        if neuron_emulation.is_emulated():
+            neuron_emulation.dynamo_sees_plain_tensors()
+    return True
+
+
 def _not_capturable(st, module) -> str | None:
-    if st.options.backend not in _DYNAMO_BACKENDS or st.options.device not in ("cpu", "cuda"):
+    if not capturable_backend(st.options):
         return "backend"
     from torch.nn.modules import module as m
 
@@ -330,8 +345,12 @@ class _Backend:
         # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
         backward._is_wrapped_bw_compiler = True
         # Note [Written inputs]: an inference graph writes its inputs itself (trailing copy_)
+        # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
+        # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
+        # records: Inductor's table would turn embedding's backward into index_put, which runs alone
+        decompositions = select_decomp_table() if options.backend == "inductor" else {}
         compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
-                                decompositions=select_decomp_table(),
+                                decompositions=decompositions,
                                 keep_inference_input_mutations=True)(gm, example_inputs)
         cap = None if self.cap is None else self.cap()
         if cap is not None:
@@ -420,7 +439,8 @@ class _Graph:
             written = len(mutated)
         if self.who == "module":
             METRICS.module_compiled_runs += 1
-            METRICS.launches += 1 + written
+            # a split graph's pieces and the ops it runs alone (fuser.partition.load) are launches too
+            METRICS.launches += getattr(run, "launches", 1) + written
             METRICS.eager_equivalent_launches += self.ops
         else:
             METRICS.optimizer_compiled_runs += 1

@@ -97,7 +97,7 @@ _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.R
 # tensor-step formulation, within compiled tolerances of eager, and replay is bitwise eager
 # (DESIGN.md); stablehlo and neuron compile windows only.
 _OURS = "adaptive_eager"
-_DYNAMO_BACKENDS = {"inductor": _OURS}
+_DYNAMO_BACKENDS = {"inductor": _OURS, "stablehlo": _OURS, "neuron": _OURS}
 _MAX_CAPTURES = 4
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 # Dynamo refuses to run a compiled function while FX traces (``is_fx_symbolic_tracing()``, which
@@ -175,8 +175,12 @@ def _step(st, opt, raw):
     cap = _captures.get(opt)
     if cap is None:
         cap = _captures[opt] = _Capture()
+    from ._capture import capturable_backend
+
     backend = _DYNAMO_BACKENDS.get(st.options.backend)
-    if backend is None or st.options.device not in ("cpu", "cuda"):
+    # a Dynamo backend of a test's own (not ours) compiles for cpu and cuda
+    if backend is None or not (capturable_backend(st.options) if backend == _OURS
+                               else st.options.device in ("cpu", "cuda")):
         METRICS.optimizer_misses["backend"] += 1
         return raw(opt)
     if cap.fn is None:

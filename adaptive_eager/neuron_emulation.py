@@ -40,7 +40,10 @@ On Trainium each eager op that computes is one NEFF launch; views, metadata and 
 not (they change no device memory). ``launches()`` counts the ops reaching ``__torch_dispatch__``
 that are none of these. Under adaptive eager, the ops a compiled region runs never reach it (the
 backend's callable runs on the CPU data: ``cpu_data`` / ``on_device``), while replayed ops and
-copies into placeholders do, as they would launch on the device.
+copies into placeholders do, as they would launch on the device; each run of a compiled
+executable (a region, a piece of a split one, a captured graph) is one launch, counted when the
+stablehlo backend runs it (Note [Host-memory devices] in fuser.backends.stablehlo). So
+``launches()`` is a count taken apart from ``metrics()["launches"]``, from what reached the device.
 """
 
 from __future__ import annotations
@@ -100,6 +103,11 @@ class EmulatedNeuronTensor(torch.Tensor):
     def tolist(self):
         sync_value(self, "tolist")
         return self._data.tolist()
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        """A tangent of a captured graph (Note [Emulated tensors under Dynamo]) is a plain tensor
+        on the device, which this is."""
+        return self
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -252,10 +260,41 @@ def on_device(x):
     return t
 
 
+# Note [Emulated tensors under Dynamo]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A captured module or optimizer step (Note [Captured modules] in ``_capture``) is traced by
+# TorchDynamo, which wraps a tensor as one only if its class has no ``__torch_dispatch__`` of its
+# own or is a traceable subclass (``__tensor_flatten__``); it made the wrapper an opaque object and
+# the trace failed at the first op. On Trainium a parameter is a plain tensor on ``neuron``, so
+# Dynamo is told to wrap this class as it wraps ``torch.Tensor`` (its exact-type table,
+# ``VariableBuilder._type_dispatch``): its fake tensors are plain ``neuron`` fake tensors, as a
+# region's are (Note [Emulated storage]), so AOTAutograd's graphs and the fuser Programs made of
+# them are on ``neuron`` throughout, as on the real device, and the stablehlo backend runs them on
+# the CPU data. Dynamo guards the class itself (``TYPE_MATCH``), which only this device makes.
+# Not ``__tensor_flatten__``: a traceable subclass is desugared into its inner CPU tensor by
+# fake-tensor conversion everywhere (a region's graph would then be on cpu), and AOTAutograd would
+# trace the CPU data, not the device. AOTAutograd asks a tangent of a subclass to match the plain
+# tensor it traced (``__coerce_same_metadata_as_tangent__``): it does, as it is.
+def dynamo_sees_plain_tensors() -> None:
+    """Let Dynamo trace emulated tensors as plain ``neuron`` tensors (Note [Emulated tensors under
+    Dynamo]); called before a capture, idempotent."""
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    for trace_numpy in (False, True):  # one table per value of ``config.trace_numpy``
+        table = VariableBuilder._type_dispatch_impl(trace_numpy)
+        if EmulatedNeuronTensor not in table:
+            table[EmulatedNeuronTensor] = VariableBuilder.wrap_tensor
+
+
 def launches() -> int:
-    """Ops that ran on the emulated device since the process started, each one NEFF launch on
-    Trainium (Note [Emulated launches])."""
+    """Launches on the emulated device since the process started: ops that ran on it, each one NEFF
+    launch on Trainium, and compiled executables run on it (Note [Emulated launches])."""
     return _launches
+
+
+def _executable_ran() -> None:
+    global _launches
+    _launches += 1  # Note [Emulated launches]
 
 
 def is_emulated() -> bool:
@@ -321,7 +360,7 @@ def emulate_neuron() -> None:
         torch.UntypedStorage.__new__ = _storage_new  # Note [Emulated storage]
         from fuser.backends.stablehlo import register_host_device
 
-        register_host_device(DEVICE, cpu_data, on_device)  # Note [Host-memory devices] there
+        register_host_device(DEVICE, cpu_data, on_device, _executable_ran)  # Note [Host-memory devices] there
         from ._ops import CPU_KERNEL_DEVICES
 
         CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] there

@@ -200,4 +200,6 @@ def load(artifact: bytes, backend):
     forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
     run = below_autograd(lambda inputs: forward(*inputs))
     run.guards = None
+    # device launches of one run: each piece, and each op run alone that computes (not a view)
+    run.launches = sum(1 for node in plan["nodes"] if "piece" in node or not getattr(resolve_op(node["op"], "split"), "is_view", True))
     return run

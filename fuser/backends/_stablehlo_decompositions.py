@@ -38,6 +38,10 @@ shape, and where it gives up (``NotImplemented``) the op stays and runs alone, a
   ``divisor_override`` (the only form torch-mlir does not lower) the forward product. Two small
   matmuls of (output x input) per plane: more arithmetic than a windowed sum for large images, all
   of it on the matmul engine. ``A`` is built from ``arange`` and compares, constant-folded by the compiler.
+- ``_foreach_*`` (functional overloads; an optimizer's foreach step, as Dynamo traces it for a
+  captured step): the op per tensor of the lists, its list arguments (``Tensor[]``, ``Scalar[]``)
+  taken element by element and the others as they are: what torch's foreach fallback runs. Not
+  one op in StableHLO either way: the lists become the executable's many inputs.
 - ``max_pool2d_with_indices_backward``: ``scatter_add`` of the gradient at the saved flat indices.
   XLA clamps an index out of range (Note [Unchecked indices]), but these come from the forward's
   ``max_pool2d_with_indices`` and are in range by construction (eager does not check them either).
@@ -91,7 +95,56 @@ def _table(narrow_64bit: bool) -> tuple:
         (aten.avg_pool2d_backward.default, _avg_pool2d_backward),
         (aten._adaptive_avg_pool2d_backward.default, _adaptive_avg_pool2d_backward),
         (aten.max_pool2d_with_indices_backward.default, _max_pool2d_with_indices_backward),
+        *_foreach_ops(),
     )
+
+
+# the single op of a foreach op (by name, or name and overload) where it is not the name without the prefix
+_FOREACH_SINGLE = {"norm": "linalg_vector_norm", ("maximum", "Scalar"): "clamp_min",
+                   ("maximum", "ScalarList"): "clamp_min", ("minimum", "Scalar"): "clamp_max",
+                   ("minimum", "ScalarList"): "clamp_max"}
+# per-list-element values of a foreach argument that the single op takes as ``value``
+_FOREACH_RENAMED = {"scalars": "value"}
+
+
+def _foreach_ops() -> list:
+    """(overload, decomposition) for each functional ``_foreach_*`` overload (Note [Our decompositions])."""
+    ops = []
+    for name in torch._C._dispatch_get_all_op_names():
+        packet, _, overload = name.removeprefix("aten::").partition(".")
+        if not name.startswith("aten::_foreach_") or packet.endswith("_"):
+            continue
+        base = packet[len("_foreach_"):]
+        single = getattr(aten, _FOREACH_SINGLE.get((base, overload), _FOREACH_SINGLE.get(base, base)), None)
+        op = getattr(getattr(aten, packet), overload or "default")
+        arguments = op._schema.arguments
+        if (single is None or not op._schema.returns or any(a.alias_info is not None for a in arguments)
+                or any(a.name == "scalars" and str(a.type) == "Tensor" for a in arguments)):
+            continue  # in place, or the per-element values packed in one tensor
+        keywords = {a.name for o in single.overloads() for a in getattr(single, o)._schema.arguments if a.kwarg_only}
+        how = tuple((str(a.type).startswith("List["), _FOREACH_RENAMED.get(a.name, a.name)) for a in arguments)
+        how = tuple((each, name if name in keywords else None) for each, name in how)
+        ops.append((op, functools.partial(_per_tensor, single, how)))
+    return ops
+
+
+def _per_tensor(single, how: tuple, *args, **kwargs):
+    """A foreach op as ``single`` per element of its list arguments; ``how``: per argument of the
+    foreach schema, whether it is a list and the keyword ``single`` takes it by (None: positional)."""
+    names = [a for _, a in how]
+    values = list(args) + [kwargs.pop(n) for n in names[len(args):] if n in kwargs]
+    n = next(len(v) for v, (each, _) in zip(values, how) if each)
+    results = []
+    for k in range(n):
+        positional, keyword = [], dict(kwargs)
+        for v, (each, name) in zip(values, how):
+            v = v[k] if each else v
+            if name is None:
+                positional.append(v)
+            else:
+                keyword[name] = v
+        results.append(single(*positional, **keyword))
+    return results
 
 
 # Note [Reductions over a 0-dim tensor]

@@ -56,15 +56,19 @@ _DLPACK_CPU = 1  # DLDeviceType.kDLCPU
 # its code registers how to reach a tensor's CPU data and how to put a CPU result back on the
 # device, and this backend then accepts that device type. Registered from above (the fuser never
 # imports adaptive_eager: imports go one way), in every process that emulates the device
-# (a compile worker emulates it at ``import torch`` too: NEURON_EAGER_EMULATE is inherited).
-_HOST_DEVICES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {}
+# (a compile worker emulates it at ``import torch`` too: NEURON_EAGER_EMULATE is inherited). An
+# executable's run never reaches the device's own dispatch, so the device's code is told of each
+# run (``ran``): its count of launches is then every executable run and every op it ran itself.
+_HOST_DEVICES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor],
+                               Callable[[], None]]] = {}
 
 
 def register_host_device(device_type: str, to_cpu: Callable[[torch.Tensor], torch.Tensor],
-                         from_cpu: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                         from_cpu: Callable[[torch.Tensor], torch.Tensor], ran: Callable[[], None] = lambda: None
+                         ) -> None:
     """Let this backend compile for ``device_type``, whose tensors' data ``to_cpu`` reaches and
-    ``from_cpu`` puts back (Note [Host-memory devices])."""
-    _HOST_DEVICES[device_type] = (to_cpu, from_cpu)
+    ``from_cpu`` puts back; ``ran`` is called at each executable run (Note [Host-memory devices])."""
+    _HOST_DEVICES[device_type] = (to_cpu, from_cpu, ran)
 
 
 def missing_requirements(requirements: dict[str, str] = _REQUIREMENTS) -> list[str]:
@@ -293,10 +297,11 @@ class StablehloBackend:
             return [from_dlpack(to_capsule(r)) for r in execute(buffers)]
 
         if self.device_type in _HOST_DEVICES:  # XLA runs on the CPU data (Note [Host-memory devices])
-            cpu_data, on_device = _HOST_DEVICES[self.device_type]
+            cpu_data, on_device, ran = _HOST_DEVICES[self.device_type]
             on_cpu = results
 
             def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
+                ran()
                 return [on_device(r) for r in on_cpu([cpu_data(t) for t in args])]
 
         return results
