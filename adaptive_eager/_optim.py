@@ -95,7 +95,8 @@ _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.R
 # Dynamo's backend for each of ours: ``_OURS`` is ``_capture._Backend``, the one every capture uses
 # (any other value is handed to Dynamo as it is). Not ``replay``: the captured step computes in the
 # tensor-step formulation, within compiled tolerances of eager, and replay is bitwise eager
-# (DESIGN.md); stablehlo and neuron compile windows only.
+# (DESIGN.md). On ``neuron`` the step compiles through the StableHLO lowering (Note [Captured
+# modules] in ``_capture``, "Backends").
 _OURS = "adaptive_eager"
 _DYNAMO_BACKENDS = {"inductor": _OURS, "stablehlo": _OURS, "neuron": _OURS}
 _MAX_CAPTURES = 4

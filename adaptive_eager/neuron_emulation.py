@@ -193,8 +193,10 @@ _storage_of = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._
 _OWNERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _SET_STORAGE = (torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Storage)
-# Note [Emulated launches]: ops that change no device memory
-_NO_LAUNCH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+# Note [Emulated launches]: ops that change no device memory (``_unsafe_view`` is a view that autograd
+# does not track: a reshape, which AOTAutograd's runtime wrapper makes of a captured graph's output)
+_NO_LAUNCH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten._unsafe_view.default)
 
 
 def _share_storage(view: EmulatedNeuronTensor, base: EmulatedNeuronTensor) -> None:

@@ -9,18 +9,29 @@ in for neuronx-cc). These are counts, not times, so the machine's load does not 
 
 - eager: the ops of one eager step that compute (Note [Emulated launches] in
   ``adaptive_eager.neuron_emulation``: views, metadata and allocations launch nothing);
-- adaptive: ``metrics()['launches']`` per steady-state step (compiled region runs, replayed ops and
-  copies), after warm-up steps that compile every region in place;
+- adaptive: ``metrics()['launches']`` per steady-state step (compiled region runs, captured graphs'
+  executables, replayed ops and copies), after warm-up steps that compile every region in place;
+- device: the same steps counted by the emulated device itself (``neuron_emulation.launches()``:
+  every executable it ran and every op that reached it), apart from the library's count;
 - concatenation: the same eager op stream cut as torch-neuronx's concatenation engine cuts it
   (``../shared/TRAINIUM.md``): a fused segment ends at a matmul-family op and includes it; a copy,
   an in-place op (dead intermediates are pruned by default) or any op it cannot compile ends the
   open segment and runs alone; a step's end (its sync) ends the open segment. This is its best case:
   it ignores the 1024-op buffer limit and the unfused flush when the device queue runs low.
+
+Besides the suite's workloads: ``cnn`` (2 conv blocks with BatchNorm, cross-entropy, AdamW) and
+stock Hugging Face ``gpt2``, ``bert``, ``llama`` training steps from tiny configs (2 layers, width
+32, AdamW, as tests/test_models.py builds them) with dropout 0 (a forward that draws random numbers
+is not captured: Note [Captured modules]), ``use_cache=False`` (the cache's
+``torch.tensor([], device=...)`` does not trace on the emulated device yet) and ``model.loss_type``
+set (transformers 5.x logs a ``warning_once`` in ``loss_function`` otherwise, which TorchDynamo
+cannot trace, so the forward would not be captured).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
@@ -31,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager import neuron_emulation as ne  # noqa: E402
-from workloads import BUILDERS  # noqa: E402
+from workloads import BUILDERS, Workload  # noqa: E402
 
 # torch-neuronx ends a fused segment at these (forward and backward: their ATen ops)
 MATMUL_FAMILY = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul", "convolution",
@@ -49,7 +60,7 @@ class OpStream(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in ("empty", "empty_strided"):
+        if not func.is_view and name not in ("empty", "empty_strided", "_unsafe_view"):
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -69,8 +80,72 @@ def concatenated_launches(ops: list[str]) -> int:
     return launches + (1 if open_segment else 0)
 
 
+def _training(key: str, title: str, model: torch.nn.Module, forward_loss) -> Workload:
+    """An AdamW step (zero_grad, forward and loss, backward, step) on two copies of ``model``."""
+
+    def make(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = forward_loss(m)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    return Workload(key, title, "step", eager=make(copy.deepcopy(model)), adaptive=make(copy.deepcopy(model)),
+                    compile=None)
+
+
+def build_cnn(device: str) -> Workload:
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(32, 10)).to(device)
+    x, y = torch.randn(16, 3, 32, 32).to(device), torch.randint(0, 10, (16,)).to(device)
+    return _training("cnn", "small CNN train step (2 conv blocks, BatchNorm, batch 16 of 3x32x32, AdamW)", model,
+                     lambda m: torch.nn.functional.cross_entropy(m(x), y))
+
+
+def _hugging_face(name: str):
+    def build(device: str) -> Workload:
+        import transformers
+
+        torch.manual_seed(0)
+        vocab = 64
+        if name == "gpt2":
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, bos_token_id=0, eos_token_id=0,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+        elif name == "bert":
+            model = transformers.BertForMaskedLM(transformers.BertConfig(
+                num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=vocab,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=vocab, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                use_cache=False))
+        model.loss_type = "ForMaskedLM" if name == "bert" else "ForCausalLM"
+        model = model.to(device)
+        model.tie_weights()  # the emulated device's .to() unties them (issue 33)
+        ids = torch.randint(1, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        ids, mask = ids.to(device), mask.to(device)
+        return _training(name, f"stock {name} train step (tiny config, AdamW)", model,
+                         lambda m: m(input_ids=ids, attention_mask=mask, labels=ids).loss)
+    return build
+
+
+WORKLOADS = {**BUILDERS, "cnn": build_cnn, **{n: _hugging_face(n) for n in ("gpt2", "bert", "llama")}}
+
+
 def measure(key: str, steps: int) -> dict:
-    w = BUILDERS[key]("neuron")
+    w = WORKLOADS[key]("neuron")
     w.eager()  # warm: lazily made state (AdamW's moments) launches only on the first step
     stream = OpStream()
     before = ne.launches()
@@ -81,11 +156,11 @@ def measure(key: str, steps: int) -> dict:
         for _ in range(3):  # first sight, compile in place, compiled hits
             out = w.adaptive()  # held over the sync: what nobody holds is rightly not computed
             ae.sync()
-        m0 = ae.metrics()
+        m0, device0 = ae.metrics(), ne.launches()
         for _ in range(steps):
             out = w.adaptive()
             ae.sync()
-        m1 = ae.metrics()
+        m1, device1 = ae.metrics(), ne.launches()
     del out
     return {
         "title": w.title,
@@ -93,6 +168,7 @@ def measure(key: str, steps: int) -> dict:
         "stream": len(stream.ops),
         "concatenation": concatenated_launches(stream.ops),
         "adaptive": (m1["launches"] - m0["launches"]) / steps,
+        "device": (device1 - device0) / steps,
         "compiles": m1["compiles"],
         "run_alone": (sum(m1["run_alone"].values()) - sum(m0["run_alone"].values())) / steps,
         "eager_run": (m1["ops_eager"] - m0["ops_eager"]) / steps,
@@ -102,13 +178,13 @@ def measure(key: str, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(BUILDERS))
+    parser.add_argument("--only", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--steps", type=int, default=3, help="steady-state steps counted per workload")
     args = parser.parse_args()
     keys = [k for k in args.only.split(",") if k]
-    unknown = [k for k in keys if k not in BUILDERS]
+    unknown = [k for k in keys if k not in WORKLOADS]
     if unknown:
-        parser.error(f"unknown workload(s) {unknown}; choose from {', '.join(BUILDERS)}")
+        parser.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
     device = "the real neuron device"
     if not ne.real_device_present():
         ne.emulate_neuron()
@@ -116,12 +192,14 @@ def main() -> None:
     print(f"python benchmarks/neuron_launches.py --only {','.join(keys)} --steps {args.steps}; {device}, "
           f"backend {ae.load_options().backend}, torch {torch.__version__}")
     print("| workload | eager launches / step | torch-neuronx concatenation, at best | adaptive eager "
-          "| eager / adaptive | concatenation / adaptive | of adaptive's: ops run alone, ops run eagerly, windows replayed |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| counted by the device | eager / adaptive | concatenation / adaptive "
+          "| of adaptive's: ops run alone, ops run eagerly, windows replayed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for key in keys:
         r = measure(key, args.steps)
         a = max(r["adaptive"], 1e-9)
-        print(f"| {key} | {r['eager']} | {r['concatenation']} | {r['adaptive']:.1f} | {r['eager'] / a:.1f}x "
+        print(f"| {key} | {r['eager']} | {r['concatenation']} | {r['adaptive']:.1f} | {r['device']:.1f} "
+              f"| {r['eager'] / a:.1f}x "
               f"| {r['concatenation'] / a:.1f}x | {r['run_alone']:g}, {r['eager_run']:g}, {r['replayed']:g} |", flush=True)
 
 
