@@ -418,10 +418,15 @@ class _Graph:
         if run is None and self.program is not None and time.perf_counter() >= self.next_poll:
             run = self._obtain()
         if run is None:
+            # each op of the graph runs on the device: as many launches (an optimizer's step is
+            # counted as one by ``_optim._count_launches``)
             if self.who == "module":
                 METRICS.module_uncompiled_runs += 1
+                METRICS.launches += self.ops
+                METRICS.eager_equivalent_launches += self.ops
             else:
                 METRICS.optimizer_uncompiled_runs += 1
+                METRICS.launches += self.ops - 1
             return self.gm.forward(*args)
         inputs = list(args)
         mutated = self.program.mutated

@@ -245,6 +245,7 @@ def _capture(st, opt, raw, cap, backend):
             # what Dynamo's tracing imports deprecates is not the program's (``-W error``)
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             fn = torch.compile(_fresh(opt, raw), backend=backend, fullgraph=True)
+            _static_shapes(opt)
             out = fn()
     except Exception as e:  # noqa: BLE001 - counted, logged, and the step runs as before
         # Dynamo and the backend fail before the step runs (fullgraph: one frame, nothing updated)
@@ -261,6 +262,19 @@ def _capture(st, opt, raw, cap, backend):
     METRICS.optimizer_captures += 1
     _count_launches(cap)
     return out
+
+
+def _static_shapes(opt) -> None:
+    """Mark the step's tensors' shapes static (Note [Optimizer capture]): Dynamo's automatic dynamic
+    shapes are kept per code object of torch.optim's own functions, so another optimizer's
+    parameters of other shapes made this step's graph symbolic (a SymInt a Program cannot hold:
+    it ran op by op). Its floats stay automatic: a scheduled lr still becomes an input."""
+    mark = torch._dynamo.mark_static
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for t in (p, p.grad, *opt.state.get(p, {}).values()):
+                if isinstance(t, torch.Tensor) and t.dim():
+                    mark(t)
 
 
 def _traced_elsewhere() -> bool:

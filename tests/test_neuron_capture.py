@@ -153,3 +153,17 @@ def test_a_gpt_block_step_is_four_launches(tmp_path):
     assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-3, r  # AdamW's update of near-zero gradients
     assert m["module_captures"] == 1 and m["optimizer_captures"] == 1, m
     assert all(device == counted <= 4 for device, counted in _hot(r)), r
+
+
+def test_a_second_optimizer_of_other_shapes_is_compiled(tmp_path):
+    """Dynamo's automatic dynamic shapes are kept per code object of torch.optim's functions: a
+    second AdamW over parameters of other shapes was captured with symbolic shapes, which a Program
+    cannot hold, and ran op by op (uncounted). Captures are static: both steps compile."""
+    r = _result("""
+        compare(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(4, 8), torch.randn(4, 2), steps=4)
+        compare(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2)), torch.randn(4, 16), torch.randn(4, 2))
+        """, tmp_path)
+    m = r["metrics"]
+    assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
+    assert m["optimizer_captures"] == 1 and not m["optimizer_uncompiled_graphs"], m
+    assert all(device == counted <= 4 for device, counted in _hot(r)), r
