@@ -73,13 +73,21 @@ from ._state import current_state
 #   a forward with random ops (``random``: windows draw eager's random numbers, an artifact
 #   would not), a module with hooks anywhere in it (``hooks``: their Python must run every call;
 #   Dynamo would inline and guard them, but backward hooks break the graph), a trace that fails,
-#   backends other than ``inductor`` (``backend``: ``replay`` is bitwise eager, which a compiled
-#   graph is not; ``stablehlo``/``neuron`` compile windows only so far), a device other than cpu
-#   or cuda.
+#   the ``replay`` backend or a device its backend does not compile captures for (``backend``:
+#   ``replay`` is bitwise eager, which a compiled graph is not; ``_DYNAMO_BACKENDS``).
+# - Backends: ``inductor`` on cpu and cuda; ``stablehlo`` (on the emulated device, Note [Emulated
+#   tensors under Dynamo] in ``neuron_emulation``) and ``neuron`` on ``neuron``, through the lowering regions use, so a hot Trainium step is an executable for the
+#   forward, one for the backward and one for the optimizer step. Their graphs take no Inductor
+#   decompositions (the lowering has its own); an op the lowering runs alone (an index op: Note
+#   [Unchecked indices] in fuser.backends._stablehlo_lowering) splits the graph, and each piece
+#   and op run alone counts as a launch. The ``neuron`` backend shares the lowering but has not run
+#   on hardware.
 # - A program that Program's codec cannot describe (an op outside ATen, a non-tensor output)
 #   keeps running op by op, counted (``module_uncompiled_graphs``).
 _MAX_CAPTURES = 4
-_DYNAMO_BACKENDS = ("inductor",)
+# backend -> the devices whose captured graphs it compiles (Note [Captured modules]); stablehlo on
+# cpu is the lowering's test vehicle for windows, and Inductor is the CPU compiler
+_DYNAMO_BACKENDS = {"inductor": ("cpu", "cuda"), "stablehlo": ("neuron",), "neuron": ("neuron",)}
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 _POLL_S = 0.05  # how often a graph waiting for its artifact looks for it
 
@@ -254,8 +262,22 @@ def _capture(st, module, cap: _Cap, args, kwargs):
     return out
 
 
+def capturable_backend(options) -> bool:
+    """Whether a capture's graphs compile with ``options``' backend on its device (Note [Captured
+    modules]); on the emulated ``neuron`` device, also lets Dynamo trace its tensors (Note
+    [Emulated tensors under Dynamo] in ``neuron_emulation``)."""
+    if options.device not in _DYNAMO_BACKENDS.get(options.backend, ()):
+        return False
+    if options.device == "neuron":
+        from . import neuron_emulation
+
+        if neuron_emulation.is_emulated():
+            neuron_emulation.dynamo_sees_plain_tensors()
+    return True
+
+
 def _not_capturable(st, module) -> str | None:
-    if st.options.backend not in _DYNAMO_BACKENDS or st.options.device not in ("cpu", "cuda"):
+    if not capturable_backend(st.options):
         return "backend"
     from torch.nn.modules import module as m
 
@@ -332,8 +354,12 @@ class _Backend:
         # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
         backward._is_wrapped_bw_compiler = True
         # Note [Written inputs]: an inference graph writes its inputs itself (trailing copy_)
+        # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
+        # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
+        # records: Inductor's table would turn embedding's backward into index_put, which runs alone
+        decompositions = select_decomp_table() if options.backend == "inductor" else {}
         compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
-                                decompositions=select_decomp_table(),
+                                decompositions=decompositions,
                                 keep_inference_input_mutations=True)(gm, example_inputs)
         cap = None if self.cap is None else self.cap()
         if cap is not None:
@@ -395,10 +421,15 @@ class _Graph:
         if run is None and self.program is not None and time.perf_counter() >= self.next_poll:
             run = self._obtain()
         if run is None:
+            # each op of the graph runs on the device: as many launches (an optimizer's step is
+            # counted as one by ``_optim._count_launches``)
             if self.who == "module":
                 METRICS.module_uncompiled_runs += 1
+                METRICS.launches += self.ops
+                METRICS.eager_equivalent_launches += self.ops
             else:
                 METRICS.optimizer_uncompiled_runs += 1
+                METRICS.launches += self.ops - 1
             return self.gm.forward(*args)
         inputs = list(args)
         mutated = self.program.mutated
@@ -471,7 +502,9 @@ class _Graph:
             if entry is None:
                 entry = self.entry = table._Entry()
                 entry.program = self.program
-                self.program.inplace = self.may_write and getattr(backend, "writes_inputs", False)
+                # Note [Written inputs]: a backend that stores after its run writes nothing in a run that fails
+                self.program.inplace = getattr(backend, "writes_inputs", False) and (
+                    self.may_write or getattr(backend, "stores_after_run", False))
                 try:
                     entry.pkey = self.program.digest(fingerprint)
                 except TypeError as e:
@@ -518,8 +551,10 @@ class _Graph:
 # Program's ``mutated`` slots, and the op-by-op run (``gm`` itself) writes them directly. The
 # compiled Program writes them in place as a region does (Note [In-place regions] in
 # fuser.compilable: no copy per written tensor, 800 for AdamW over 200 parameters) when the
-# backend can and no op can fail on data (an integer tensor read, a check op); else it returns
-# their values and they are copied back. An artifact's first run in place (unverified: from disk)
+# backend can and no op can fail on data (an integer tensor read, a check op), or the backend
+# stores only once its executable has finished (``stores_after_run``: stablehlo, neuron; a
+# BatchNorm forward's running statistics and its ``num_batches_tracked``); else it returns their
+# values and they are copied back. An artifact's first run in place (unverified: from disk)
 # writes clones, copied back once its outputs passed the check, so that a failed run leaves the
 # inputs to the op-by-op run, which must not apply the update twice.
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool})

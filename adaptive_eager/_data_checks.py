@@ -69,6 +69,12 @@ def _within(t: _Tensor, lo: int, hi: int, allowed=None) -> bool:
     """Whether every value of ``t`` is in ``[lo, hi)`` (or equal to ``allowed``)."""
     if not t.numel():
         return True
+    if type(t) is not _Tensor and t.device.type == "neuron":
+        # the emulated device's CPU data: a real device runs no such check (not a CPU-kernel
+        # device), so the check launches nothing there (Note [Emulated launches] in neuron_emulation)
+        from .neuron_emulation import cpu_data
+
+        t = cpu_data(t)
     mn, mx = _aminmax(t)
     mn, mx = _item(mn), _item(mx)
     METRICS.launches += 3  # on a device, each of these reaches it: counted as ops run eagerly are

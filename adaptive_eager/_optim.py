@@ -95,9 +95,10 @@ _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.R
 # Dynamo's backend for each of ours: ``_OURS`` is ``_capture._Backend``, the one every capture uses
 # (any other value is handed to Dynamo as it is). Not ``replay``: the captured step computes in the
 # tensor-step formulation, within compiled tolerances of eager, and replay is bitwise eager
-# (DESIGN.md); stablehlo and neuron compile windows only.
+# (DESIGN.md). On ``neuron`` the step compiles through the StableHLO lowering (Note [Captured
+# modules] in ``_capture``, "Backends").
 _OURS = "adaptive_eager"
-_DYNAMO_BACKENDS = {"inductor": _OURS}
+_DYNAMO_BACKENDS = {"inductor": _OURS, "stablehlo": _OURS, "neuron": _OURS}
 _MAX_CAPTURES = 4
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 # Dynamo refuses to run a compiled function while FX traces (``is_fx_symbolic_tracing()``, which
@@ -175,8 +176,12 @@ def _step(st, opt, raw):
     cap = _captures.get(opt)
     if cap is None:
         cap = _captures[opt] = _Capture()
+    from ._capture import capturable_backend
+
     backend = _DYNAMO_BACKENDS.get(st.options.backend)
-    if backend is None or st.options.device not in ("cpu", "cuda"):
+    # a Dynamo backend of a test's own (not ours) compiles for cpu and cuda
+    if backend is None or not (capturable_backend(st.options) if backend == _OURS
+                               else st.options.device in ("cpu", "cuda")):
         METRICS.optimizer_misses["backend"] += 1
         return raw(opt)
     if cap.fn is None:
@@ -240,6 +245,7 @@ def _capture(st, opt, raw, cap, backend):
             # what Dynamo's tracing imports deprecates is not the program's (``-W error``)
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             fn = torch.compile(_fresh(opt, raw), backend=backend, fullgraph=True)
+            _static_shapes(opt)
             out = fn()
     except Exception as e:  # noqa: BLE001 - counted, logged, and the step runs as before
         # Dynamo and the backend fail before the step runs (fullgraph: one frame, nothing updated)
@@ -256,6 +262,19 @@ def _capture(st, opt, raw, cap, backend):
     METRICS.optimizer_captures += 1
     _count_launches(cap)
     return out
+
+
+def _static_shapes(opt) -> None:
+    """Mark the step's tensors' shapes static (Note [Optimizer capture]): Dynamo's automatic dynamic
+    shapes are kept per code object of torch.optim's own functions, so another optimizer's
+    parameters of other shapes made this step's graph symbolic (a SymInt a Program cannot hold:
+    it ran op by op). Its floats stay automatic: a scheduled lr still becomes an input."""
+    mark = torch._dynamo.mark_static
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for t in (p, p.grad, *opt.state.get(p, {}).values()):
+                if isinstance(t, torch.Tensor) and t.dim():
+                    mark(t)
 
 
 def _traced_elsewhere() -> bool:

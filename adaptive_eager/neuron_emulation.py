@@ -107,6 +107,11 @@ class EmulatedNeuronTensor(torch.Tensor):
         sync_value(self, "tolist")
         return self._data.tolist()
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        """A tangent of a captured graph (Note [Emulated tensors under Dynamo]) is a plain tensor
+        on the device, which this is."""
+        return self
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         global _launches
@@ -198,6 +203,9 @@ _NO_LAUNCH = frozenset((
     torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
     torch.ops.aten._debug_has_internal_overlap.default, torch.ops.aten.is_same_size.default,
     torch.ops.aten.is_set_to.default, torch.ops.aten._has_compatible_shallow_copy_type.default,
+    # a view that autograd does not track: a reshape, which AOTAutograd's runtime wrapper makes of a
+    # captured graph's output
+    torch.ops.aten._unsafe_view.default,
 ))
 
 
@@ -262,6 +270,32 @@ def on_device(x):
     t = EmulatedNeuronTensor(x)
     _OWNERS[_storage_of(t)._cdata] = t
     return t
+
+
+# Note [Emulated tensors under Dynamo]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A captured module or optimizer step (Note [Captured modules] in ``_capture``) is traced by
+# TorchDynamo, which wraps a tensor as one only if its class has no ``__torch_dispatch__`` of its
+# own or is a traceable subclass (``__tensor_flatten__``); it made the wrapper an opaque object and
+# the trace failed at the first op. On Trainium a parameter is a plain tensor on ``neuron``, so
+# Dynamo is told to wrap this class as it wraps ``torch.Tensor`` (its exact-type table,
+# ``VariableBuilder._type_dispatch``): its fake tensors are plain ``neuron`` fake tensors, as a
+# region's are (Note [Emulated storage]), so AOTAutograd's graphs and the fuser Programs made of
+# them are on ``neuron`` throughout, as on the real device, and the stablehlo backend runs them on
+# the CPU data. Dynamo guards the class itself (``TYPE_MATCH``), which only this device makes.
+# Not ``__tensor_flatten__``: a traceable subclass is desugared into its inner CPU tensor by
+# fake-tensor conversion everywhere (a region's graph would then be on cpu), and AOTAutograd would
+# trace the CPU data, not the device. AOTAutograd asks a tangent of a subclass to match the plain
+# tensor it traced (``__coerce_same_metadata_as_tangent__``): it does, as it is.
+def dynamo_sees_plain_tensors() -> None:
+    """Let Dynamo trace emulated tensors as plain ``neuron`` tensors (Note [Emulated tensors under
+    Dynamo]); called before a capture, idempotent."""
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    for trace_numpy in (False, True):  # one table per value of ``config.trace_numpy``
+        table = VariableBuilder._type_dispatch_impl(trace_numpy)
+        if EmulatedNeuronTensor not in table:
+            table[EmulatedNeuronTensor] = VariableBuilder.wrap_tensor
 
 
 def launches() -> int:

@@ -171,7 +171,8 @@ CAPTURE_MISSES: dict[str, str] = {
               "change (in eval() it is captured)",
     "hooks": "a hook is registered on it or a submodule (or globally): hooks run their Python every call, so it stays "
              "recorded",
-    "backend": "captures compile with the inductor backend on cpu or cuda only; other backends record every call",
+    "backend": "captures compile with the inductor backend on cpu or cuda and the stablehlo or neuron backend on "
+               "neuron; other backends (replay, stablehlo on cpu) record every call",
     "capture_failed": "TorchDynamo could not trace its forward as one graph (a print, .item(), data-dependent Python; "
                       "the warning says what): it stays recorded",
     "recapture_limit": "its guards kept missing (shapes, grad mode, train/eval, requires_grad changing): it stays "

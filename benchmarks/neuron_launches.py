@@ -21,11 +21,20 @@ change them. Per step:
   reached it and the compiled executables run on it), with the executables among them; the two
   adaptive counts are equal (``tests/test_neuron_emulation.py`` holds them so). On a real device
   only the library's count is printed.
+
+Besides the suite's workloads: ``cnn`` (2 conv blocks with BatchNorm, cross-entropy, AdamW) and
+stock Hugging Face ``gpt2``, ``bert``, ``llama`` training steps from tiny configs (2 layers, width
+32, AdamW, as tests/test_models.py builds them) with dropout 0 (a forward that draws random numbers
+is not captured: Note [Captured modules]), ``use_cache=False`` (the cache's
+``torch.tensor([], device=...)`` does not trace on the emulated device yet) and ``model.loss_type``
+set (transformers 5.x logs a ``warning_once`` in ``loss_function`` otherwise, which TorchDynamo
+cannot trace, so the forward would not be captured).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
@@ -36,9 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager import neuron_emulation as ne  # noqa: E402
-from workloads import BUILDERS, build_cnn  # noqa: E402
-
-WORKLOADS = {**BUILDERS, "cnn": build_cnn}
+from workloads import BUILDERS, Workload, build_cnn  # noqa: E402
 
 # torch-neuronx ends a fused segment at these (forward and backward: their ATen ops)
 MATMUL_FAMILY = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul", "convolution",
@@ -56,7 +63,7 @@ class OpStream(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in ("empty", "empty_strided"):
+        if not func.is_view and name not in ("empty", "empty_strided", "_unsafe_view"):
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -74,6 +81,58 @@ def concatenated_launches(ops: list[str]) -> int:
         else:
             open_segment += 1
     return launches + (1 if open_segment else 0)
+
+
+def _training(key: str, title: str, model: torch.nn.Module, forward_loss) -> Workload:
+    """An AdamW step (zero_grad, forward and loss, backward, step) on two copies of ``model``."""
+
+    def make(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = forward_loss(m)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    return Workload(key, title, "step", eager=make(copy.deepcopy(model)), adaptive=make(copy.deepcopy(model)),
+                    compile=None)
+
+
+def _hugging_face(name: str):
+    def build(device: str) -> Workload:
+        import transformers
+
+        torch.manual_seed(0)
+        vocab = 64
+        if name == "gpt2":
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, bos_token_id=0, eos_token_id=0,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+        elif name == "bert":
+            model = transformers.BertForMaskedLM(transformers.BertConfig(
+                num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=vocab,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=vocab, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                use_cache=False))
+        model.loss_type = "ForMaskedLM" if name == "bert" else "ForCausalLM"
+        model = model.to(device)
+        model.tie_weights()  # the emulated device's .to() unties them (issue 33)
+        ids = torch.randint(1, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        ids, mask = ids.to(device), mask.to(device)
+        return _training(name, f"stock {name} train step (tiny config, AdamW)", model,
+                         lambda m: m(input_ids=ids, attention_mask=mask, labels=ids).loss)
+    return build
+
+
+WORKLOADS = {**BUILDERS, "cnn": build_cnn, **{n: _hugging_face(n) for n in ("gpt2", "bert", "llama")}}
 
 
 def measure(key: str, steps: int) -> dict:

@@ -588,3 +588,26 @@ def test_slices_to_the_end_lower_with_the_dimension_as_their_end(fresh_regions, 
     torch.testing.assert_close(got, want)
     assert m["compiled_runs"] >= 1 and m["compile_failures"] == 0 and not m["run_alone"], m
     assert texts and all(str(2**63 - 1) not in t for t in texts)
+
+
+@needs_stablehlo
+def test_foreach_ops_lower_per_tensor():
+    """An optimizer's foreach ops (as Dynamo traces AdamW's foreach step for a captured step on
+    the emulated device) lower as the op per tensor (Note [Our decompositions]); torch-mlir has no
+    lowering of its own for them, so each ran alone."""
+
+    def step(p0, p1, g0, g1, m0, m1):
+        params, grads, moments = [p0, p1], [g0, g1], [m0, m1]
+        moments = torch._foreach_lerp(moments, grads, 0.1)
+        denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_mul(grads, grads)), 1e-8)
+        update = torch._foreach_addcdiv(params, moments, denom, value=-0.01)
+        return (*torch._foreach_maximum(update, -1.0), *torch._foreach_div(moments, [2.0, 3.0]),
+                *torch._foreach_norm(grads, 2))
+
+    inputs = [torch.randn(3, 4), torch.randn(5), torch.randn(3, 4), torch.randn(5), torch.randn(3, 4), torch.randn(5)]
+    gm = make_fx(step)(*inputs)
+    assert any("_foreach_" in str(n.target) for n in gm.graph.nodes)
+    backend = StablehloBackend("cpu")
+    got = backend.load(backend.compile(gm, inputs))(inputs)
+    for g, e in zip(got, step(*inputs)):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)

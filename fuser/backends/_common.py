@@ -435,7 +435,10 @@ def foreach_decompositions() -> dict:
         for overload in packet.overloads():
             if overload == "Tensor" and base in ("addcdiv", "addcmul"):
                 continue
-            table[getattr(packet, overload)] = functools.partial(_per_element, per)
+            one = per
+            if base in ("maximum", "minimum") and overload in ("Scalar", "ScalarList"):
+                one = aten.clamp_min if base == "maximum" else aten.clamp_max  # a number: no Tensor overload
+            table[getattr(packet, overload)] = functools.partial(_per_element, one)
     return table
 
 

@@ -38,6 +38,10 @@ shape, and where it gives up (``NotImplemented``) the op stays and runs alone, a
   ``divisor_override`` (the only form torch-mlir does not lower) the forward product. Two small
   matmuls of (output x input) per plane: more arithmetic than a windowed sum for large images, all
   of it on the matmul engine. ``A`` is built from ``arange`` and compares, constant-folded by the compiler.
+- ``_foreach_*`` (functional overloads; an optimizer's foreach step, as Dynamo traces it for a
+  captured step): the op per tensor of the lists, its list arguments (``Tensor[]``, ``Scalar[]``)
+  taken element by element and the others as they are: what torch's foreach fallback runs. Not
+  one op in StableHLO either way: the lists become the executable's many inputs.
 - ``max_pool2d_with_indices_backward``: ``scatter_add`` of the gradient at the saved flat indices.
   XLA clamps an index out of range (Note [Unchecked indices]), but these come from the forward's
   ``max_pool2d_with_indices`` and are in range by construction (eager does not check them either).

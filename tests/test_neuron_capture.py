@@ -1,0 +1,169 @@
+"""Captured modules and optimizer steps on the emulated ``neuron`` device with the stablehlo backend
+(Note [Captured modules] in adaptive_eager._capture, Note [Emulated tensors under Dynamo] in
+adaptive_eager.neuron_emulation): a hot training step is one executable for the forward, one for
+the backward and one for the optimizer step, with CPU eager's values, and every launch is counted
+twice, by ``metrics()`` and by the emulated device (``neuron_emulation.launches()``: every op that
+reached it and every executable it ran).
+
+Each test runs its program in a child interpreter (the device rename is for the whole process),
+which prints one JSON line the test asserts on.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import textwrap
+
+import pytest
+from test_neuron_emulation import _child, needs_stablehlo
+
+pytestmark = needs_stablehlo
+
+STEP = """
+    import copy, json
+    import torch.nn as nn
+    import torch.nn.functional as F
+    ne.emulate_neuron()
+
+    def run(base, x, y, device, steps, adaptive=None, loss_of=F.mse_loss):
+        torch.manual_seed(0)
+        model = copy.deepcopy(base).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = x.to(device), y.to(device)
+        losses, per_step = [], []
+        import contextlib
+        with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+            for _ in range(steps):
+                before, counted = ne.launches(), ae.metrics()["launches"]
+                opt.zero_grad(set_to_none=True)
+                loss = loss_of(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+                if adaptive is not None:
+                    ae.sync()
+                per_step.append((ne.launches() - before, ae.metrics()["launches"] - counted))
+        losses = [l.item() for l in losses]
+        return losses, {k: v.cpu() for k, v in model.state_dict().items()}, per_step
+
+    def compare(base, x, y, steps=6, loss_of=F.mse_loss):
+        cpu_losses, cpu_state, _ = run(base, x, y, "cpu", steps, loss_of=loss_of)
+        ae.reset_metrics()
+        losses, state, per_step = run(base, x, y, "neuron", steps, {"hot_after": 1, "async_compile": False},
+                                      loss_of=loss_of)
+        m = ae.metrics()
+        print(json.dumps({
+            "loss_error": max(abs(a - b) / (1 + abs(b)) for a, b in zip(losses, cpu_losses)),
+            "state_error": max((state[k] - cpu_state[k]).abs().max().item() for k in state),
+            "errors": {k: (state[k] - cpu_state[k]).abs().max().item() for k in state},
+            "per_step": per_step,
+            "metrics": {k: v for k, v in m.items() if k.startswith(("module_", "optimizer_")) or k == "run_alone"},
+        }))
+"""
+
+
+def _result(code: str, tmp_path) -> dict:
+    """``code`` run after ``STEP`` in a child interpreter: the JSON line it printed last."""
+    out = _child(textwrap.dedent(STEP) + textwrap.dedent(code), tmp_path)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _hot(r: dict) -> list:
+    """Launches per step once the captures run compiled: (device's count, metrics' count)."""
+    return r["per_step"][3:]
+
+
+def test_a_hot_training_step_is_three_executables_and_the_loss(tmp_path):
+    """An MLP with AdamW: the forward, the backward and the step each run as one executable (the
+    loss window is the fourth launch), counted alike by the device and by ``metrics()``; before,
+    the captures declined on stablehlo ("backend") and a step launched dozens of ops."""
+    r = _result("""
+        base = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+        compare(base, torch.randn(8, 16), torch.randn(8, 4))
+        """, tmp_path)
+    m = r["metrics"]
+    assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
+    assert m["module_captures"] == 1 and m["optimizer_captures"] == 1 and not m["module_capture_misses"], m
+    assert m["module_compiled_runs"] and m["optimizer_compiled_runs"] and not m["module_uncompiled_graphs"], m
+    assert all(device == counted <= 4 for device, counted in _hot(r)), r
+
+
+def test_a_foreach_step_lowers_whole(tmp_path):
+    """Dynamo traces AdamW's foreach path on the device (a plain ``neuron`` tensor to it): the
+    ``_foreach_*`` ops decompose for the lowering (Note [Our decompositions]), so the step is one
+    executable; before, each ran alone between pieces (43 launches a step for this MLP)."""
+    r = _result("""
+        base = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        compare(base, torch.randn(4, 8), torch.randn(4, 2))
+        """, tmp_path)
+    m = r["metrics"]
+    assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
+    assert m["optimizer_compiled_runs"] and not m["optimizer_uncompiled_graphs"] and not m["run_alone"], m
+    assert all(device == counted <= 4 for device, counted in _hot(r)), r
+
+
+def test_a_split_captured_graph_counts_each_launch(tmp_path):
+    """An embedding (an index op runs alone on stablehlo: Note [Unchecked indices]) splits the
+    captured forward; ``metrics()`` counts its pieces and the op run alone, as the device does."""
+    r = _result("""
+        class Tagger(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.out = nn.Embedding(10, 8), nn.Linear(8, 3)
+            def forward(self, ids):
+                return self.out(torch.tanh(self.emb(ids)))
+        compare(Tagger(), torch.tensor([[1, 2, 3], [4, 5, 9]]), torch.randn(2, 3, 3))
+        """, tmp_path)
+    m = r["metrics"]
+    assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
+    assert m["module_compiled_runs"] and m["run_alone"], m
+    assert all(device == counted for device, counted in _hot(r)), r
+    assert all(counted > 4 for _, counted in _hot(r)), r  # the pieces are counted, not one launch per graph
+
+
+def test_batch_norm_statistics_are_written_in_place(tmp_path):
+    """A CNN: the captured forward writes BatchNorm's running statistics and ``num_batches_tracked``
+    inside its executable (the backend stores after its run: Note [Written inputs]), not by a copy
+    each; and the loss's target check (cross-entropy) reads the emulated device's CPU data, as a
+    real device runs no such check: 4 launches a step, eager's statistics."""
+    r = _result("""
+        # no conv bias: BatchNorm cancels its gradient to rounding noise, which AdamW scales up to lr
+        base = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+        compare(base, torch.randn(6, 3, 8, 8), torch.tensor([0, 1, 2, 3, 4, 0]), loss_of=F.cross_entropy)
+        """, tmp_path)
+    m = r["metrics"]
+    assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r  # the running statistics among the state
+    assert m["module_compiled_runs"] and not m["module_capture_misses"], m
+    assert all(device == counted <= 4 for device, counted in _hot(r)), r
+
+
+@pytest.mark.slow
+def test_a_gpt_block_step_is_four_launches(tmp_path):
+    """The suite's GPT block (attention spelled out, LayerNorm, GELU), AdamW."""
+    r = _result("""
+        import sys
+        sys.path.insert(0, %r)
+        from workloads import GPTBlock
+        torch.manual_seed(0)
+        compare(GPTBlock(d=32, heads=4, seq=16), torch.randn(2, 16, 32), torch.randn(2, 16, 32))
+        """ % str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"), tmp_path)
+    m = r["metrics"]
+    assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-3, r  # AdamW's update of near-zero gradients
+    assert m["module_captures"] == 1 and m["optimizer_captures"] == 1, m
+    assert all(device == counted <= 4 for device, counted in _hot(r)), r
+
+
+def test_a_second_optimizer_of_other_shapes_is_compiled(tmp_path):
+    """Dynamo's automatic dynamic shapes are kept per code object of torch.optim's functions: a
+    second AdamW over parameters of other shapes was captured with symbolic shapes, which a Program
+    cannot hold, and ran op by op (uncounted). Captures are static: both steps compile."""
+    r = _result("""
+        compare(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(4, 8), torch.randn(4, 2), steps=4)
+        compare(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2)), torch.randn(4, 16), torch.randn(4, 2))
+        """, tmp_path)
+    m = r["metrics"]
+    assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
+    assert m["optimizer_captures"] == 1 and not m["optimizer_uncompiled_graphs"], m
+    assert all(device == counted <= 4 for device, counted in _hot(r)), r
