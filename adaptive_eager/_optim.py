@@ -268,11 +268,14 @@ def _static_shapes(opt) -> None:
     """Mark the step's tensors' shapes static (Note [Optimizer capture]): Dynamo's automatic dynamic
     shapes are kept per code object of torch.optim's own functions, so another optimizer's
     parameters of other shapes made this step's graph symbolic (a SymInt a Program cannot hold:
-    it ran op by op). Its floats stay automatic: a scheduled lr still becomes an input."""
+    it ran op by op). Its floats stay automatic: a scheduled lr still becomes an input. Parameters
+    are left alone: Dynamo keeps their shapes static already (``force_parameter_static_shapes``),
+    and a mark on one is guarded by the captured module that reads it, which a mark made after its
+    capture missed at every call."""
     mark = torch._dynamo.mark_static
     for group in opt.param_groups:
         for p in group["params"]:
-            for t in (p, p.grad, *opt.state.get(p, {}).values()):
+            for t in (p.grad, *opt.state.get(p, {}).values()):
                 if isinstance(t, torch.Tensor) and t.dim():
                     mark(t)
 
