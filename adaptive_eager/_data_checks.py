@@ -17,6 +17,9 @@ _item = torch._C.TensorBase.item  # unpatched: these values are real (adaptive_e
 # device types whose ATen kernels are CPU's (emulate_neuron adds "neuron"): their values can be read
 # here, and their dropout drawn at record time (Note [Dropout drawn at record time] in _ops)
 CPU_KERNEL_DEVICES = {"cpu"}
+# device type -> how to reach its tensors' data in host memory, for a device emulated there
+# (registered by adaptive_eager.neuron_emulation, a layer above): its checks read that data
+HOST_DATA: dict = {}
 
 # Note [Errors from data]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -69,15 +72,15 @@ def _within(t: _Tensor, lo: int, hi: int, allowed=None) -> bool:
     """Whether every value of ``t`` is in ``[lo, hi)`` (or equal to ``allowed``)."""
     if not t.numel():
         return True
-    if type(t) is not _Tensor and t.device.type == "neuron":
+    to_host = HOST_DATA.get(t.device.type) if type(t) is not _Tensor else None
+    if to_host is not None:
         # the emulated device's CPU data: a real device runs no such check (not a CPU-kernel
         # device), so the check launches nothing there (Note [Emulated launches] in neuron_emulation)
-        from .neuron_emulation import cpu_data
-
-        t = cpu_data(t)
+        t = to_host(t)
     mn, mx = _aminmax(t)
     mn, mx = _item(mn), _item(mx)
-    METRICS.launches += 3  # on a device, each of these reaches it: counted as ops run eagerly are
+    if to_host is None:
+        METRICS.launches += 3  # on a device, each of these reaches it: counted as ops run eagerly are
     if lo <= mn and mx < hi:
         return True
     if allowed is None:
@@ -85,7 +88,8 @@ def _within(t: _Tensor, lo: int, hi: int, allowed=None) -> bool:
     # what is out of range may all be the allowed value (``ignore_index``, -100, among class ids)
     if mx >= hi and mx != allowed or mn < lo and mn != allowed:
         return False
-    METRICS.launches += 7
+    if to_host is None:
+        METRICS.launches += 7
     return not _item(_any(((t < lo) | (t >= hi)) & (t != allowed)))
 
 

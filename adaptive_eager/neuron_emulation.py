@@ -399,7 +399,9 @@ def emulate_neuron() -> None:
         from fuser.backends.stablehlo import register_host_device
 
         register_host_device(DEVICE, cpu_data, on_device, _ran)  # Note [Host-memory devices] there
-        from ._data_checks import CPU_KERNEL_DEVICES
+        from ._data_checks import CPU_KERNEL_DEVICES, HOST_DATA
+
+        HOST_DATA[DEVICE] = cpu_data
 
         CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] in _ops
         pass_to_children("emulate", "1")

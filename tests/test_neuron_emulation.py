@@ -595,8 +595,11 @@ def test_launches_per_step_are_what_reaches_the_device(tmp_path):
     r = json.loads(out.strip().splitlines()[-1])
     for name, rows in r.items():
         assert all(lib == device for lib, device, _ in rows), (name, rows)
-    assert all(executables == 1 for _, _, executables in r["mlp"]), r
-    assert all(executables > 1 for _, _, executables in r["cnn"]), r  # a split region: its pieces
+    # the MLP's step: its captured forward, backward and optimizer step and the loss window, one
+    # executable each (Note [Captured modules] in adaptive_eager._capture); the CNN's forward draws
+    # dropout masks, so it stays recorded: a split region, its pieces
+    assert all(executables == 4 for _, _, executables in r["mlp"]), r
+    assert all(executables > 1 for _, _, executables in r["cnn"]), r
 
 
 @needs_stablehlo
@@ -748,7 +751,8 @@ def test_adamw_takes_the_foreach_path_on_the_device_with_cpus_values(tmp_path):
             "default": _default_to_fused_or_foreach(params, False, False),
             "foreach_ops": sum(n.startswith("_foreach_") for n in names.names), "ops": len(names.names),
             "eager": [losses == cpu_losses, close(state, cpu_state, 0.0)],
-            "adaptive": [all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ae_losses, cpu_losses)),
+            # compiled (the step's captured calls): within float tolerance, as compiled regions are
+            "adaptive": [all(abs(a - b) <= 1e-5 * (1 + abs(b)) for a, b in zip(ae_losses, cpu_losses)),
                          close(ae_state, cpu_state, 1e-5)],
             "compiles": m["compiles"], "run_alone": m["run_alone"]}))
         """, tmp_path)
