@@ -259,6 +259,20 @@ def _with_symbols(program: Program, cls: _ShapeClass) -> Program:
                    cls.reps, cls.dims, default_dtype=program.default_dtype)
 
 
+class _GuardInputs(dict):
+    """A guard's inputs: the window's real inputs, then its lifted floats (Note [Scalar lifting] in
+    fuser.scalars), which run as 0-dim tensors; a guard on one (its size, stride, offset) is
+    checked against such a tensor. An optimizer's floats are lifted from the first compile, so a
+    symbolic region of a training step has them: its guards named ``t6`` past the real inputs,
+    could not be evaluated, and every batch size compiled again."""
+
+    def __missing__(self, key):
+        return _SCALAR
+
+
+_SCALAR = torch.scalar_tensor(0.0)
+
+
 def _guards_fail(run, window: Window) -> str | None:
     code = getattr(run, "guards", None)
     if code is None:
@@ -266,7 +280,7 @@ def _guards_fail(run, window: Window) -> str | None:
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
     try:
-        ok = eval(code, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(window.real_inputs)}})
+        ok = eval(code, SYMPY_INTERP, {"L": _GuardInputs({f"t{i}": t for i, t in enumerate(window.real_inputs)})})
     except Exception:  # noqa: BLE001 - a guard it cannot evaluate: do not use the region
         return "guard_error"
     return None if ok else "guards"
