@@ -235,7 +235,7 @@ def _optimizer_step_pre_hook(optimizer, args, kwargs) -> None:
     # hyperparameters, its bias corrections from the step count, a schedule's learning rate) are
     # runtime inputs of the window's region from its first compile
     st = current_state()
-    if st is not None and st.window.lift_from is None:
+    if st is not None and st.mode is not None and st.window.lift_from is None:
         st.window.lift_from = len(st.window.scalars)
 
 
@@ -246,6 +246,12 @@ def _optimizer_step_hook(optimizer, args, kwargs) -> None:
     # be compiled. Ending the window where ``optimizer.step()`` ends makes every step the same
     # window (and a step longer than the cap is cut at the same offsets every time).
     _flush_current("optimizer_step")
+    st = current_state()
+    if st is not None:
+        # a step that recorded nothing (captured: Note [Optimizer capture] in _optim; or stepped
+        # with the mode off, the thread's state kept) flushed no window, and its mark would make
+        # the next program's floats an optimizer's (Note [Scalar lifting])
+        st.window.lift_from = None
 
 
 def _opaque(original, reason: str, uses=None):
