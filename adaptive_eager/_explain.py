@@ -131,8 +131,8 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
                      "a tensor among a view's arguments): write it out of place if you can")
     elif windows >= 20 and runs and not metrics.get("hot_windows", 0) and not METRICS.hot_break_sites:
         lines.append("")
-        lines.append("no window ran hot: the regions that ran compiled were not on a CPU target with hot_windows "
-                     "on (Note [Hot windows])")
+        lines.append("no window ran hot: the regions that ran compiled were not on a CPU target with tiers "
+                     "'hot' or 'capture' (Note [Hot windows])")
     if METRICS.module_capture_sites:  # Note [Captured modules] in _capture
         lines.append("")
         lines.append("module calls not captured (cause, count, where, module): each ran recorded, op by op")

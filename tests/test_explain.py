@@ -467,7 +467,7 @@ def test_a_read_every_n_steps_gets_no_advice_to_read_every_n_steps():
     advice to do what the program does already."""
     x = torch.randn(16)
     ae.reset_metrics()
-    with ae.adaptive_eager(module_capture=False):
+    with ae.adaptive_eager(tiers="hot"):
         for step in range(60):
             y = (x * 2 + 1).relu()
             ae.sync()
