@@ -489,10 +489,11 @@ def malloc_chosen_by_program(environ: Mapping[str, str] | None = None) -> str | 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:
     """The value of NEURON_EAGER: 'adaptive' turns the library on at ``import torch``."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_SWITCH, "").strip().lower()
-    if raw in ("", "0", "off"):
+    raw = environ.get(ENV_SWITCH, "")
+    low = raw.strip().lower()
+    if low in ("", "0", "off"):
         return "eager"
-    if raw not in SWITCH_VALUES:
+    if low not in SWITCH_VALUES:  # named as the user spelled it, matched as the choices are: in any case
         raise ConfigError(f"{ENV_SWITCH}={raw!r}: expected 'adaptive' (on) or 'eager' (off), in any case"
-                          f"{_closest(raw, SWITCH_VALUES)}")
-    return raw
+                          f"{_closest(low, SWITCH_VALUES)}")
+    return low

@@ -279,3 +279,13 @@ def test_tiers_is_one_ladder_and_the_booleans_it_replaced_name_its_value(monkeyp
         with pytest.raises(ConfigError):
             load_options({"NEURON_EAGER_HOT_WINDOWS": "1"})
 
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_no_examples_docstring_states_a_time(example):
+    """A time measured once on one machine (``took 36 s with an empty cache``) goes stale and
+    contradicts README.md's measured figures; README.md and benchmarks/RESULTS.md hold the numbers."""
+    import re
+
+    doc = ast.get_docstring(ast.parse((ROOT / "examples" / example).read_text())) or ""
+    times = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:s|ms|min|seconds|minutes)\b", doc)
+    assert not times, f"{example}'s docstring states {times}"
