@@ -113,7 +113,7 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         lines.extend(_site_lines(reason, inside))
 
     _counted(lines, "recompiles by cause", metrics.get("recompiles", {}), RECOMPILES)
-    _counted(lines, "windows replayed, by why (op by op: eager's values, eager's speed)",
+    _counted(lines, "windows replayed, by why (op by op, with eager's kernels and eager's speed)",
              metrics.get("replay_reasons", {}), {**NOT_COMPILED, **REPLAYED})
 
     from ._metrics import METRICS

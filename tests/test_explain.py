@@ -510,6 +510,7 @@ def test_explain_points_only_at_sections_that_list_something():
     text = explain(metrics, Counter(), Counter())
     assert "compile too frequent" in text and "short windows" in text and "mostly replayed" in text, text
     assert "below" not in text, text
+    assert "eager's values" not in text, text  # a replayed window after compiled code is not bitwise eager's
     a, _ = _two_codes_at_one_line()
     text = explain({**metrics, "recompiles": {"shape": 3}, "replay_reasons": {"cold": 30}},
                    Counter({("item", a, None): 40}), Counter())
