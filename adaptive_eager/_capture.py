@@ -138,7 +138,7 @@ def _call(self, *args, **kwargs):
     if _BUSY:
         return _ORIG_CALL(self, *args, **kwargs)
     st = current_state()
-    if (st is None or st.mode is None or getattr(_tls, "depth", 0) or not st.options.module_capture
+    if (st is None or st.mode is None or getattr(_tls, "depth", 0) or not st.options.reaches("capture")
             or not _len_dispatch_stack()):  # the mode suspended: a flush's or a capture's own calls
         return _ORIG_CALL(self, *args, **kwargs)
     cap = _caps.get(self)

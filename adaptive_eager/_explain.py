@@ -59,17 +59,20 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
                      f"compiled graph runs, {metrics.get('module_uncompiled_runs', 0) + metrics.get('optimizer_uncompiled_runs', 0)} "
                      f"op by op while their compile ran)")
     findings = []
+    # a finding points at a section below only where that section lists something
     if windows >= 20 and compiles > 0.2 * windows:
+        see = [name for name, shown in (("the recompile causes", metrics.get("recompiles")),
+                                        ("the flush sites", flush_sites)) if shown]
         findings.append(f"compile too frequent: {compiles} compiles for {windows} windows. Windows keep "
-                        f"changing structure; see the recompile causes and flush sites below")
+                        f"changing structure" + (f"; see {' and '.join(see)} below" if see else ""))
     recorded = metrics.get("ops_recorded", 0)
     # windows between captured calls (the loss, zero_grad) are short by design
     if windows >= 20 and recorded < 8 * windows and captured < windows // 4:
-        findings.append(f"short windows: {recorded / windows:.1f} ops per window on average, too few to fuse. "
-                        f"The flush sites below end them")
+        findings.append(f"short windows: {recorded / windows:.1f} ops per window on average, too few to fuse"
+                        + (". The flush sites below end them" if flush_sites else ""))
     if windows >= 20 and metrics.get("replayed_regions", 0) > 0.5 * windows:
-        findings.append(f"mostly replayed: {metrics['replayed_regions']} of {windows} windows ran op by op: "
-                        f"see 'windows replayed, by why' below")
+        findings.append(f"mostly replayed: {metrics['replayed_regions']} of {windows} windows ran op by op"
+                        + (": see 'windows replayed, by why' below" if metrics.get("replay_reasons") else ""))
     failed = metrics.get("run_alone", {}).get("compile_failed", 0)
     if failed:
         findings.append(f"compiler failures worked around: {failed} ops run outside compiled code because "
@@ -89,12 +92,14 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     # its first step); expected reasons (leaving the block, optimizer steps) and a library's own
     # reads after
     rare = max(2, windows // 100)
-    # one entry per reason and line: the library frame under it (``inside``) can differ between
-    # calls of one line (an optimizer's first, cold steps and its captured ones); the commonest is shown
+    # one entry per reason and printed line: the library frame under it (``inside``) can differ
+    # between calls of one line (an optimizer's first, cold steps and its captured ones), and two
+    # code objects can share a file:line (a cell or a file run twice); the commonest is shown
     merged: dict = {}
     for (reason, site, inside), n in flush_sites.most_common():
-        total, shown = merged.get((reason, site), (0, inside))
-        merged[(reason, site)] = (total + n, shown)
+        total, first, shown = merged.get((reason, _where(site)), (0, site, inside))
+        merged[(reason, _where(site))] = (total + n, first, shown)
+    merged = {(reason, site): (n, inside) for (reason, _), (n, site, inside) in merged.items()}
     ranked = [(n, reason, site, inside) for (reason, site), (n, inside) in merged.items()]
     ranked.sort(key=lambda x: (_advice(x[1]) is None or x[0] < rare, x[3] is not None, -x[0]))
     if not ranked:
@@ -108,7 +113,7 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         lines.extend(_site_lines(reason, inside))
 
     _counted(lines, "recompiles by cause", metrics.get("recompiles", {}), RECOMPILES)
-    _counted(lines, "windows replayed, by why (op by op: eager's values, eager's speed)",
+    _counted(lines, "windows replayed, by why (op by op, with eager's kernels and eager's speed)",
              metrics.get("replay_reasons", {}), {**NOT_COMPILED, **REPLAYED})
 
     from ._metrics import METRICS
@@ -131,8 +136,8 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
                      "a tensor among a view's arguments): write it out of place if you can")
     elif windows >= 20 and runs and not metrics.get("hot_windows", 0) and not METRICS.hot_break_sites:
         lines.append("")
-        lines.append("no window ran hot: the regions that ran compiled were not on a CPU target with hot_windows "
-                     "on (Note [Hot windows])")
+        lines.append("no window ran hot: the regions that ran compiled were not on a CPU target with tiers "
+                     "'hot' or 'capture' (Note [Hot windows])")
     if METRICS.module_capture_sites:  # Note [Captured modules] in _capture
         lines.append("")
         lines.append("module calls not captured (cause, count, where, module): each ran recorded, op by op")
@@ -148,10 +153,8 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
         lines.append("  (none)")
     for n, op, reason, site, inside in ranked[:top]:
         lines.append(f"  {op + ' (' + reason + ')':<40}{n:>8}  {_where(site)}")
-        if inside is not None:
-            lines.append(_inside_line(inside))
-    if ranked:
-        lines.append("      -> each one flushes the window first; see the flush advice for its reason")
+        # its own advice: its flush, if a window was pending, may be past the top flush sites shown
+        lines.extend(_site_lines(reason, inside))
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ from ._log import log
 from ._metrics import METRICS
 from ._signatures import bounded_put
 from ._source import _flush_site
-from ._state import EAGER_START as _EAGER_START, TracerState, _default_dtype, _step_back, _tls, end_eager_start
+from ._state import TracerState, _default_dtype, _step_back, _tls
 
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -65,8 +65,6 @@ def flush(st: TracerState, reason: str, now: bool = False) -> None:
 
     For the thread that owns ``st``; a read in another thread runs it with ``_flush_for_reader``.
     ``now``: without waiting for another thread (Note [Flush at a fork] in ``_mode``)."""
-    if _EAGER_START[0]:
-        end_eager_start()  # a sync point ends the process's first window: Note [Eager start] in _mode
     if not st.window.nodes and st.claim is None:
         return
     st.busy += 1  # Note [Reads from other threads]

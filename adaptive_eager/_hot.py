@@ -43,7 +43,7 @@ line; a structure reached from two call sites names the one the template saw.
 Hot recording is for a CPU target (one device, the placeholders' ``alloc_cpu``); a template is made
 only of windows whose every op is a view (Note [Hot views]) or an op of the fast path's kind
 (``OpFacts.fast``, with or without keywords, or ``fast_inplace``); a window with any other op is
-recorded in full. ``hot_windows=False`` (``NEURON_EAGER_HOT_WINDOWS=0``) turns it off.
+recorded in full. ``tiers='regions'`` (``NEURON_EAGER_TIERS=regions``) turns it off.
 
 Note [Hot views]
 ~~~~~~~~~~~~~~~~
@@ -109,7 +109,7 @@ a placeholder's memory holds its TensorImpl or another TensorImpl over its stora
 tests/test_hot_windows.py keeps a value only through each of these routes (and a saved-tensor hook,
 a Python holder, a nested tensor) and checks it. Not covered: a C extension that builds a
 TensorImpl over a tensor's storage without dispatching and then lets the tensor go; with it in
-the loop, ``hot_windows=False`` keeps liveness by storage.
+the loop, ``tiers='regions'`` keeps liveness by storage.
 
 One thing is weaker than in a full recording: ``Window.written`` may keep the storage id of a
 placeholder that died (no handle keeps its ``StorageImpl``), and a new storage may reuse that
@@ -341,7 +341,7 @@ def count_hot(window: Window, template: Template) -> None:
 def template_of(st, window: Window, entry) -> Template | None:
     """The template of ``window``, which just ran compiled with region ``entry``; None if an op of
     it is not one a hot record takes (Note [Hot windows], Note [Hot views])."""
-    if not st.options.hot_windows or st.alloc_cpu is None or st.device_varies:
+    if not st.options.reaches("hot") or st.alloc_cpu is None or st.device_varies:
         return None
     slots = window.slots
     ops = []

@@ -20,7 +20,6 @@ class Metrics:
         # of those, ops on real 0-dim CPU tensors on a CPU target (AdamW's ``step += 1`` and
         # ``step.item()``): on an accelerator these tensors stay on the host, not device launches
         self.host_scalar_ops = 0
-        self.ops_eager_start = 0  # ops of the process's first window, run eagerly: Note [Eager start] in _mode
         self.launches = 0
         self.eager_equivalent_launches = 0  # besides ops_recorded: ops that ran eagerly
         self.ops_materialized = 0
@@ -78,7 +77,6 @@ class Metrics:
             "ops_recorded": self.ops_recorded,
             "ops_eager": self.ops_eager,
             "host_scalar_ops": self.host_scalar_ops,
-            "ops_eager_start": self.ops_eager_start,
             "launches": self.launches,
             "eager_equivalent_launches": self.ops_recorded + self.eager_equivalent_launches,
             "ops_materialized": self.ops_materialized,
@@ -123,7 +121,7 @@ METRICS = Metrics()
 
 def format_report(m: dict) -> str:
     lines = ["adaptive_eager report", "=" * 40]
-    for k in ("ops_recorded", "ops_eager", "ops_eager_start", "host_scalar_ops", "windows", "ops_materialized",
+    for k in ("ops_recorded", "ops_eager", "host_scalar_ops", "windows", "ops_materialized",
               "ops_eliminated", "launches",
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",

@@ -28,7 +28,6 @@ from ._meta import _Resizes
 from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs,
                       view_of_unwritten)
 from ._state import (
-    EAGER_START as _EAGER_START,
     TracerState,
     _default_dtype,
     _on_target,
@@ -95,7 +94,6 @@ def _random_fill(st: TracerState, f, args, kwargs):
 
 
 _native_dropout = torch.ops.aten.native_dropout.default
-_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
 _lift_fresh = torch.ops.aten.lift_fresh.default
 _bernoulli_ = torch.ops.aten.bernoulli_.float
 _mul = torch.ops.aten.mul.Tensor
@@ -225,13 +223,6 @@ class LazyMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if types and _composite(types):  # empty for plain tensors: Note [Tensor subclasses]
             return NotImplemented
-        if _EAGER_START[0] and _eager_start_op(func):  # the process's first window: Note [Eager start]
-            kwargs = kwargs or {}
-            if (not func.is_view and func not in _ALLOCATIONS
-                    and _touches_target(self.state, facts_for(func), args, kwargs)):
-                METRICS.launches += 1  # as an op run eagerly is counted
-                METRICS.eager_equivalent_launches += 1
-            return func(*args, **kwargs)
         if _profiler._is_profiler_enabled and not self.profiling:
             # torch.profiler is recording: show each op's recording as a range
             self.profiling = True
@@ -321,50 +312,11 @@ class LazyMode(TorchDispatchMode):
         return self.__torch_dispatch__(func, types, args, kwargs)
 
 
-# Note [Eager start]
-# ~~~~~~~~~~~~~~~~~~
-# A process's first step under adaptive eager cannot gain from recording: no region is in memory
-# yet, so its window would replay op by op (or wait for a load), after paying what recording a
-# window costs the first time it is seen: each op's metadata (read from the cache, or computed on
-# meta tensors), the fuser's imports, the store's SQLite open, the region's description. On a warm
-# cache that made the first step of the MLP in ``benchmarks/warm_restart.py`` 5.5x eager's
-# (session 16: 37 ms against 6.8), on a cold one 20x (128 ms). So:
-# - the process's first window runs eagerly: each op goes straight to its kernel
-#   (``_eager_start_op``), as under an empty dispatch mode, and nothing is recorded or pending;
-#   eager semantics hold trivially (values, random numbers, errors, prints);
-# - it ends at the first sync point of any thread (``flush``, even of an empty window; the step's
-#   ``optimizer.step()``, ``print``, ``sync()``, ``item()``, the block's exit), or after ``window``
-#   ops; the ops after it are recorded as usual. Ending it at an op boundary is safe: no value is
-#   pending anywhere while it lasts, since every thread's ops run eagerly. It is process-wide, so a
-#   thread that records never hands a pending value to one that does not (the count changes under
-#   ``_state.START_LOCK``: a thread's last eager op never resets a count another thread ended);
-# - what the first recorded window needs is loaded at the mode's entry instead (``_open_caches``:
-#   the fuser's modules, the store, the meta entries): a background thread doing it during the
-#   first step would share the GIL with it (measured: an eager first step of 6-7 ms took 29-59 ms
-#   while a thread imported those modules);
-# - what it costs: that window is one sight fewer of its structure (it compiles, or its stored
-#   region loads, one step later) and one eager step where a replay would have been.
-# ``eager_start=False`` records the first window as every other; the test suite ends it before its
-# first test (conftest), and tests/test_eager_start.py runs fresh processes.
-_START_LOCK = _state.START_LOCK
-_local_scalar_dense = torch.ops.aten._local_scalar_dense.default
-
-
-def _eager_start_op(func) -> bool:
-    """Whether this op still belongs to the process's first window (Note [Eager start]); a read of
-    a value by the host (``item``, ``float(t)``) is a sync point that ends it."""
-    with _START_LOCK:
-        left = _EAGER_START[0]
-        if not left:
-            return False  # another thread's sync point ended it meanwhile
-        _EAGER_START[0] = 0 if func is _local_scalar_dense else left - 1
-    METRICS.ops_eager_start += 1
-    return True
-
-
 def _open_caches(options: Options) -> None:
-    """What the first recorded window's flush needs, done at the mode's entry (Note [Eager start]);
-    a failure is left for that flush to meet and report."""
+    """What the first window's flush needs, done at the mode's entry rather than inside that flush
+    (the fuser's modules, the store's SQLite open, the meta entries; not on a background thread,
+    which would share the GIL with the program's first step); a failure is left for that flush to
+    meet and report."""
     if options.backend == "replay":
         return  # replay opens no store
     try:
@@ -395,11 +347,6 @@ def activate(options: Options) -> TracerState:
     if st is None:
         st = _tls.state = TracerState(options)
     if st.mode is None:
-        with _START_LOCK:
-            if _EAGER_START[0] is None:  # the process's first activation
-                _EAGER_START[0] = options.window if options.eager_start else 0
-            elif not options.eager_start:
-                _EAGER_START[0] = 0
         if options.device == "cpu" and _heap.outcome() is None:
             _heap.tune()  # once per process: Note [Heap thresholds] in _heap
         _open_caches(options)

@@ -163,7 +163,7 @@ def _capturing(raw):
         if _is_compiling():  # first: Dynamo traces the step itself (Note [User torch.compile] in _compile)
             return raw(self, *args, **kwargs)
         st = current_state()
-        if args or kwargs or st is None or st.mode is None or st.aside is not None or not st.options.optimizer_capture:
+        if args or kwargs or st is None or st.mode is None or st.aside is not None or not st.options.reaches("capture"):
             # a closure (its Python must run), adaptive eager is off here, or the program's own
             # compiled code runs this step (Note [User torch.compile] in _compile: theirs wins)
             return raw(self, *args, **kwargs)

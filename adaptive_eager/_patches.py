@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fuser.window import FRESH
 
-from . import _capture, _compile, _optim, _source, _state
+from . import _capture, _compile, _optim, _source
 from ._flush import _DEFERRED, _storage_resize, apply_frees, flush
 from ._ops import HOST_READERS, composite_kernel, host_read_args
 from ._state import current_state
@@ -81,8 +81,6 @@ _saved: dict = {}
 
 
 def _flush_current(reason: str) -> None:
-    if _state.EAGER_START[0]:
-        _state.end_eager_start()  # print, breakpoint, optimizer.step(): Note [Eager start] in _mode
     st = current_state()
     if st is not None and st.window.nodes:
         flush(st, reason)

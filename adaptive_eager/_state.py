@@ -21,18 +21,6 @@ _default_dtype = torch.get_default_dtype
 _empty_strided_cpu = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
 _empty_strided_cpu = getattr(_empty_strided_cpu, "_empty_strided_cpu", None)
 
-# Note [Eager start] in _mode: how many more ops of the process's first window may run eagerly
-# (None before the first activation; 0 once that window has ended: every window since is recorded)
-EAGER_START: list = [None]
-START_LOCK = threading.Lock()  # the count's changes: an ended first window never comes back
-
-
-def end_eager_start() -> None:
-    """A sync point: the process's first window is over (Note [Eager start] in _mode)."""
-    with START_LOCK:
-        EAGER_START[0] = 0
-
-
 class TracerState:
     """What one thread's adaptive eager holds: its mode, its open window and its options."""
 

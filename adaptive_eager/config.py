@@ -34,6 +34,10 @@ SWITCH_VALUES = ("adaptive", "eager")
 BACKENDS = ("replay", "inductor", "stablehlo", "neuron")
 LOG_LEVELS = ("warning", "info", "debug")
 CACHE_SHARING = SHARING
+# The tiers a window or a call may climb, lowest first (docs/how-it-works.md, "Tiers"; Note [Tiers]
+# in fuser.regions): each value turns on its tier and every one below it. Replay, the tier below
+# them all, is ``backend='replay'``: one spelling for running every window op by op.
+TIERS = ("regions", "hot", "capture")
 
 
 class ConfigError(AdaptiveEagerError, ValueError):
@@ -57,14 +61,15 @@ class Options:
     log: str = "warning"
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
-    # a hot optimizer.step() runs as one guarded call (Note [Optimizer capture] in _optim)
-    optimizer_capture: bool = True
-    module_capture: bool = True  # a hot outermost module call runs as one guarded call: Note [Captured modules] in _capture
-    hot_windows: bool = True  # record a compiled region's next window against it: Note [Hot windows] in _hot
-    eager_start: bool = True  # the process's first window runs eagerly: Note [Eager start] in _mode
+    tiers: str = "capture"  # the highest of TIERS a window or call may reach
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
+
+    def reaches(self, tier: str) -> bool:
+        """Whether ``tiers`` turns ``tier`` on: ``hot`` (Note [Hot windows] in _hot), ``capture``
+        (Note [Captured modules] in _capture, Note [Optimizer capture] in _optim)."""
+        return TIERS.index(self.tiers) >= TIERS.index(tier)
 
 
 class _Invalid(ValueError):
@@ -105,25 +110,6 @@ def _parse_float(name: str, raw: str, minimum: float | None = None) -> float:
 
 def _parse_seconds(name: str, raw: str) -> float:
     return _parse_float(name, raw, minimum=0)
-
-
-def _parse_capture(name: str, raw: str) -> bool:
-    """A boolean; ``background``, no longer a setting of its own (Note [Capture compiles off the
-    step] in _optim), means 1, said once a process: every capture compiles off the step."""
-    global _warned_background
-    if raw.strip().lower() != "background":
-        return _parse_bool(name, raw)
-    if not _warned_background:
-        _warned_background = True
-        from ._source import warn  # not at import: torch imports this module (_autoload)
-
-        warn("optimizer_capture='background' (NEURON_EAGER_OPTIMIZER_CAPTURE=background) is no longer offered: "
-             "the optimizer step's capture always compiles off the step, in a compile worker process, as "
-             "with 1 (set 0 to turn the capture off)")
-    return True
-
-
-_warned_background = False
 
 
 def _closest(value: str, choices) -> str:
@@ -167,28 +153,29 @@ SETTINGS: dict[str, tuple[Any, str]] = {
                      "group too (docs/cache.md, \"Sharing a cache\")"),
     "hot_after": (_parse_int, "compile a region after it was seen this many times (default 2)"),
     "async_compile": (_parse_bool, "compile in background workers (default 1)"),
-    "hot_windows": (_parse_bool, "record a window whose structure runs compiled against it, not in full (default 1)"),
-    "eager_start": (_parse_bool, "the process's first window runs eagerly; recording starts after it (default 1)"),
+    "tiers": (_parse_choice(TIERS), "the highest tier windows and calls may reach, each value with the ones before it: "
+              "`regions` (a window seen `hot_after` times runs compiled), `hot` (+ a window whose structure runs "
+              "compiled is recorded against it, not in full), `capture` (default; + a hot outermost `nn.Module` "
+              "call and a hot `optimizer.step()` run as one call guarded by TorchDynamo, compiled in background "
+              "workers and kept in the cache); `backend='replay'` runs every window op by op"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile may go on after the program exits, "
                              "to land in the cache (default 300; 0: stop it at exit)"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` (every "
             "flush, compile, recompile, fallback) or `debug`"),
     "emulate": (_parse_bool, "an emulated `neuron` device backed by CPU memory, counting one launch per eager op "
                 "(default 0; docs/trainium.md)"),
-    "optimizer_capture": (_parse_capture, "a hot `optimizer.step()` (SGD, Adam, AdamW, RMSprop, Adagrad) runs as one "
-                          "call guarded by TorchDynamo, its graph compiled in background workers and kept in the cache "
-                          "(default 1)"),
-    "module_capture": (_parse_bool, "a hot outermost `nn.Module` call (forward and backward) runs as one call guarded "
-                       "by TorchDynamo, its graphs compiled in background workers and kept in the cache (default 1)"),
     "workers": (_parse_bool, "child processes (DataLoader workers, forks) record too (default 0: they run eagerly)"),
 }
 
 
-# Settings no longer offered, each with what it did always done now (benchmarks/RESULTS.md,
-# "Session 23: switches", has the measurements): name -> (the value that asked for that, what to use
-# instead to get the other behaviour). Passing one is never silently ignored: the kept value is
-# warned about once, the other is refused with the replacement (keyword and environment alike).
-REMOVED: dict[str, tuple[bool, str]] = {
+# Settings no longer offered: name -> (the value whose behaviour is now always what happens, or
+# None for a setting another one replaced; what to use instead). benchmarks/RESULTS.md, "Session 23:
+# switches" and "Session 24: eager start and the tiers", has the measurements. Passing one is never
+# silently ignored: the kept value is warned about once, any other is refused with the replacement
+# (keyword and environment alike); a replaced setting is refused whatever its value.
+_TIERS_HOT = ("tiers='hot' (NEURON_EAGER_TIERS=hot) turns the module and optimizer captures off and keeps the "
+              "tiers below them; the default, tiers='capture', has them on")
+REMOVED: dict[str, tuple[bool | None, str]] = {
     "tune_gc": (True, "gc's generation-0 threshold is always raised while adaptive eager is on and restored at "
                 "exit (Note [GC threshold] in adaptive_eager._gc); to keep your own, set it with gc.set_threshold() "
                 "(a threshold the program set while on, or 0, is left alone)"),
@@ -197,11 +184,19 @@ REMOVED: dict[str, tuple[bool, str]] = {
                     "MALLOC_MMAP_THRESHOLD_, or glibc.malloc.* in GLIBC_TUNABLES: a program's own choice is left alone"),
     "meta_on_disk": (True, "op signatures' output metadata is part of the cache (Note [Meta entries on disk] in "
                      "adaptive_eager._meta_disk); cache_dir (NEURON_EAGER_CACHE_DIR) decides where it is kept"),
+    "eager_start": (False, "the process's first window is recorded like every other (running it eagerly made the "
+                    "first steps no faster); remove the setting"),
+    "hot_windows": (None, "the tiers setting replaced it: tiers='regions' (NEURON_EAGER_TIERS=regions) records every "
+                    "window in full and turns the captures off too; the default, tiers='capture', has hot windows on"),
+    "module_capture": (None, "the tiers setting replaced it: " + _TIERS_HOT),
+    "optimizer_capture": (None, "the tiers setting replaced it: " + _TIERS_HOT),
 }
 
 
 def _removed(name: str, value: Any, spelled: str) -> None:
     kept, instead = REMOVED[name]
+    if kept is None:
+        raise ConfigError(f"{spelled}: {name} is no longer a setting: {instead}")
     if isinstance(value, str):
         try:
             value = _parse_bool(name, value)
@@ -213,7 +208,7 @@ def _removed(name: str, value: Any, spelled: str) -> None:
         _warned_removed.add(name)
         from ._source import warn  # not at import: torch imports this module (_autoload)
 
-        warn(f"{spelled}: {name} is no longer a setting (it is always on): {instead}")
+        warn(f"{spelled}: {name} is no longer a setting (it is always {'on' if kept else 'off'}): {instead}")
 
 
 _warned_removed: set[str] = set()
@@ -405,12 +400,11 @@ def _check_types(values: dict[str, Any]) -> None:
     seconds = values.get("compile_after_exit_s")
     if seconds is not None and not (type(seconds) in (int, float) and seconds >= 0):
         raise ConfigError(f"option compile_after_exit_s={seconds!r}: expected a number >= 0")
-    for name in ("async_compile", "workers", "emulate", "eager_start", "module_capture"):
+    for name in ("async_compile", "workers", "emulate"):
         if name in values and type(values[name]) is not bool:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
-    capture = values.get("optimizer_capture")
-    if capture is not None and type(capture) is not bool:
-        raise ConfigError(f"option optimizer_capture={capture!r}: expected True or False")
+    if "tiers" in values and values["tiers"] not in TIERS:
+        raise ConfigError(f"option tiers={values['tiers']!r}: expected one of {', '.join(TIERS)}")
 
 
 def entry_options(base: Options | None, install_emulation, **overrides: Any) -> Options:
@@ -495,10 +489,11 @@ def malloc_chosen_by_program(environ: Mapping[str, str] | None = None) -> str | 
 def switch_value(environ: Mapping[str, str] | None = None) -> str:
     """The value of NEURON_EAGER: 'adaptive' turns the library on at ``import torch``."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_SWITCH, "").strip().lower()
-    if raw in ("", "0", "off"):
+    raw = environ.get(ENV_SWITCH, "")
+    low = raw.strip().lower()
+    if low in ("", "0", "off"):
         return "eager"
-    if raw not in SWITCH_VALUES:
+    if low not in SWITCH_VALUES:  # named as the user spelled it, matched as the choices are: in any case
         raise ConfigError(f"{ENV_SWITCH}={raw!r}: expected 'adaptive' (on) or 'eager' (off), in any case"
-                          f"{_closest(raw, SWITCH_VALUES)}")
-    return raw
+                          f"{_closest(low, SWITCH_VALUES)}")
+    return low

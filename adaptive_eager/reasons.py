@@ -122,7 +122,7 @@ RECOMPILES: dict[str, str] = {
 }
 
 # Why a window was replayed op by op instead of compiled (``metrics()["not_compiled"]``), for
-# explain(); each is bitwise eager, only slower. A key given by fuser/ and missing here fails
+# explain(); each runs eager's kernels, only slower. A key given by fuser/ and missing here fails
 # tests/test_explain.py.
 NOT_COMPILED: dict[str, str] = {
     "aliased_inputs": "the window writes a tensor that shares memory with another of its inputs (a tensor and a view "

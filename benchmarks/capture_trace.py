@@ -49,7 +49,7 @@ def main() -> None:
         params = list(nn.Sequential(*layers, nn.Linear(64, 1)).parameters())
     opt = torch.optim.AdamW(params, lr=0.01, foreach=False)
     ae.reset_metrics()
-    with ae.adaptive_eager(backend="inductor", module_capture=False):
+    with ae.adaptive_eager(backend="inductor"):
         for _ in range(3):  # hot_after=2: the third step captures
             for p in params:
                 p.grad = torch.full_like(p, 0.1)

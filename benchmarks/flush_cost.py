@@ -34,7 +34,7 @@ def profile(flushes: int) -> None:
 
     x, w = torch.randn(16), torch.randn(16)
     prof = cProfile.Profile()
-    with ae.adaptive_eager(backend="inductor", async_compile=False, hot_windows=True):
+    with ae.adaptive_eager(backend="inductor", async_compile=False):
         for _ in range(5):
             y = tiny_loop(x, w)
             ae.sync()
@@ -55,7 +55,7 @@ def measure(flushes: int, hot_windows: bool) -> tuple[float, int]:
     """Median flush seconds and compiled runs of ``flushes`` flushes of the 1000-op loop's window."""
     x, w = torch.randn(16), torch.randn(16)
     times: list[float] = []
-    with ae.adaptive_eager(backend="inductor", async_compile=False, hot_windows=hot_windows):
+    with ae.adaptive_eager(backend="inductor", async_compile=False, tiers="hot" if hot_windows else "regions"):
         for _ in range(5):  # replay, compile (or load), then compiled hits
             y = tiny_loop(x, w)  # kept: a result nobody holds is dead code, nothing would run
             ae.sync()
@@ -87,7 +87,7 @@ def main() -> None:
         return
     for hot_windows in (True, False):
         median, hits = measure(args.flushes, hot_windows)
-        kind = "hot windows (validated, run without a key)" if hot_windows else "recorded in full (hot_windows=False)"
+        kind = "hot windows (validated, run without a key)" if hot_windows else "recorded in full (tiers='regions')"
         print(f"1000-op window, flush hitting a compiled region, {kind}: median {median * 1e3:.3f} ms "
               f"over {args.flushes} flushes ({hits} compiled runs)")
 

@@ -31,9 +31,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--recorded", action="store_true", help="optimizer_capture=False: the step's ops are recorded")
+    parser.add_argument("--recorded", action="store_true", help="tiers=hot: the step's ops are recorded, not captured")
     args = parser.parse_args()
-    options = dict(ADAPTIVE_OPTIONS, optimizer_capture=False) if args.recorded else ADAPTIVE_OPTIONS
+    options = dict(ADAPTIVE_OPTIONS, tiers="hot") if args.recorded else ADAPTIVE_OPTIONS
     print("| round | gen-0 threshold | mean ms | median ms | max ms |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for r in range(args.rounds):

@@ -4,7 +4,7 @@
 
 All variants run in one process, interleaved, and the median of the repeats is reported, since
 absolute times drift on a shared machine. "record" is the time to record the ops in full
-(``hot_windows=False``; the window is flushed outside the timed region); "record+replay" includes
+(``tiers="regions"``; the window is flushed outside the timed region); "record+replay" includes
 running the window op by op. "hot window" records the same window once its compiled region exists,
 against that region's template (Note [Hot windows] in adaptive_eager._hot); "hot window+run"
 includes the flush that runs the region. ``--inplace`` times optimizer-style in-place updates
@@ -42,7 +42,7 @@ def measure(ops: int, repeats: int, inplace: bool = False) -> dict[str, float]:
         x, w = torch.randn(16) * 0.01, torch.randn(16) * 0.01
     samples: dict[str, list[float]] = {"eager": [], "empty mode": [], "record": [], "record+replay": [],
                                        "hot window": [], "hot window+run": []}
-    full = dict(window=ops + 10, backend="replay", hot_windows=False)
+    full = dict(window=ops + 10, backend="replay", tiers="regions")
     hot = dict(window=ops + 10, backend="inductor", async_compile=False)
     with ae.adaptive_eager(**full):  # warm the metadata cache once
         run(x, w, ops)
@@ -93,7 +93,7 @@ def measure_step(repeats: int, steps: int = 10) -> tuple[dict[str, float], int]:
 
     samples: dict[str, list[float]] = {"eager": [], "empty mode": [], "record": [], "record+replay": [],
                                        "hot window": [], "hot window+run": []}
-    full = dict(backend="replay", hot_windows=False)
+    full = dict(backend="replay", tiers="regions")
     hot = dict(backend="inductor", async_compile=False)
     with ae.adaptive_eager(**full):  # warm the metadata cache once
         step()

@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                        help="an adaptive_eager() option over the suite's, e.g. optimizer_capture=False")
+                        help="an adaptive_eager() option over the suite's, e.g. tiers=hot")
     args = parser.parse_args()
     options = dict(ADAPTIVE_OPTIONS)
     for item in args.option:

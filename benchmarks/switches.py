@@ -1,11 +1,11 @@
-"""What one setting buys on the user's loop: fresh processes with it on and off, interleaved.
+"""What one setting buys on the user's loop: fresh processes with its default and another value, interleaved.
 
-    python benchmarks/switches.py [--switch eager_start] [--rounds 3] [--steps 60] [--only blocks8,mlp] [--cold]
+    python benchmarks/switches.py [--switch tiers=hot] [--rounds 3] [--steps 60] [--only blocks8,mlp] [--cold]
     python benchmarks/switches.py --gc [--rounds 10] [--steps 20] [--only blocks8]
 
 Each run is a fresh process running ``user_step.py``'s training loop (AdamW, ``loss.item()`` per
-step) inside one ``with adaptive_eager():`` with default options except the one setting, given as
-its environment variable. Warm runs share one cache directory that a priming run (default options)
+step) inside one ``with adaptive_eager():`` with default options, or with one setting changed
+(``--switch NAME=VALUE``, given as its environment variable). Warm runs share one cache directory that a priming run (default options)
 filled, as a user's second process does; ``--cold`` runs each process on empty adaptive eager,
 Inductor and temporary directories instead. Per process: ``entry s`` (the ``with`` statement's
 entry), ``first s`` (the first step), ``entry + 2 steps s`` (before the third sight captures the
@@ -13,7 +13,7 @@ step), ``to compiled s`` (process start to the end of the first step that ran wi
 window or running a captured graph op by op), ``steady ms`` and
 ``mean ms`` (median and mean of the last half of the steps: a collection every few steps shows in
 the mean), ``max ms`` (the slowest step after the first). The table gives medians over the rounds
-and the ratio off/on of each (above 1: the setting on is faster).
+and the ratio other/default of each (above 1: the default is faster).
 
 ``--gc``: the raised gc threshold (Note [GC threshold] in adaptive_eager/_gc.py), which a process
 can undo, measured in one process instead: two copies of the loop, each in its own ``with
@@ -36,7 +36,9 @@ import textwrap
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SWITCHES = ("eager_start",)  # tune_gc, tune_malloc and meta_on_disk were too, before their removal (RESULTS.md)
+# each against the defaults; eager_start, tune_gc, tune_malloc and meta_on_disk were measured here
+# before their removal (RESULTS.md, "Session 23: switches" and "Session 24")
+SWITCHES = ("tiers=hot", "tiers=regions")
 
 CHILD = textwrap.dedent(
     """
@@ -165,32 +167,34 @@ def main() -> None:
         results: dict[tuple[str, str, str], list[dict]] = {}
         for r in range(args.rounds):
             for w in args.only.split(","):
-                for name in switches:
-                    order = ("1", "0") if r % 2 == 0 else ("0", "1")  # alternate which runs first
+                for switch in switches:
+                    name, _, other = switch.partition("=")
+                    order = ("default", other) if r % 2 == 0 else (other, "default")  # alternate which runs first
                     for value in order:
-                        extra = {"NEURON_EAGER_" + name.upper(): value}
+                        extra = {} if value == "default" else {"NEURON_EAGER_" + name.upper(): value}
                         if args.cold:
                             with tempfile.TemporaryDirectory() as tmp:
                                 res = run(w, args.steps, extra, tmp)
                         else:
                             res = run(w, args.steps, extra, warm)
-                        results.setdefault((w, name, value), []).append(res)
+                        results.setdefault((w, switch, value), []).append(res)
                         print(f"[switches] round {r + 1} {w} {name}={value}: {res}", file=sys.stderr, flush=True)
     print(f"{'cold' if args.cold else 'warm'} cache, {args.rounds} rounds, {args.steps} steps, "
           f"load {os.getloadavg()[0]:.2f}")
     print("| workload | setting | " + " | ".join(HEAD) + " |")
     print("| --- | --- |" + " ---: |" * len(HEAD))
     for w in args.only.split(","):
-        for name in switches:
+        for switch in switches:
+            name, _, other = switch.partition("=")
             med = {}
-            for value in ("1", "0"):
-                runs = results[(w, name, value)]
+            for value in ("default", other):
+                runs = results[(w, switch, value)]
                 med[value] = {c: statistics.median([x[c] if x[c] is not None else float("inf") for x in runs])
                               for c in COLUMNS}
                 cells = [f"{med[value][c]:.3g}" for c in COLUMNS]
-                print(f"| {w} | {name}={value} | " + " | ".join(cells) + " |")
-            ratio = [f"{med['0'][c] / med['1'][c]:.2f}x" if med["1"][c] else "-" for c in COLUMNS]
-            print(f"| {w} | {name} off/on | " + " | ".join(ratio) + " |")
+                print(f"| {w} | {name} {value} | " + " | ".join(cells) + " |")
+            ratio = [f"{med[other][c] / med['default'][c]:.2f}x" if med["default"][c] else "-" for c in COLUMNS]
+            print(f"| {w} | {switch} / default | " + " | ".join(ratio) + " |")
 
 
 if __name__ == "__main__":

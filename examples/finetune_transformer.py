@@ -8,14 +8,11 @@ plain eager (same seed) ends at the same loss.
 The model (a 2-layer ``nn.TransformerEncoder``, d_model 64) is first "pretrained" for a few steps
 on copying random token sequences, then fine-tuned to reverse them. Only the fine-tuning runs
 twice, eagerly and under ``adaptive_eager()`` with its default settings: a hot step compiles in
-a background worker process while the steps keep running (replayed op by op, bitwise eager), and
-switches to the compiled region once it is ready. The dropout masks are drawn eagerly, so the
-same seed gives the same masks in both runs.
-
-On a 2-core CPU (torch 2.13) the script took 46-50 s with an empty cache (the background compile
-of the step finished near the end of the 200 steps, or on a busy machine not at all, so nearly
-every step replayed) and 33 s with a warm one (the region loads from the cache at first sight and
-nearly every step runs compiled).
+a background worker process while the steps keep running (replayed op by op), and switches to
+the compiled code once it is ready; with an empty cache that compile may finish late in the run,
+with a warm one (a second run of the script) the compiled code loads from the cache. The dropout
+masks are drawn eagerly, so the same seed gives the same masks in both runs; the losses agree
+within float tolerance once compiled code has run (README.md, "Limits").
 
 With ``--device neuron`` the pretraining stays on cpu and the fine-tuning runs on ``neuron``
 (both runs; eager there is one NEFF launch per op). Where torch-neuronx is not installed the

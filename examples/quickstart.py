@@ -52,6 +52,6 @@ if __name__ == "__main__":
     e_ms, a_ms = (statistics.median(t[-20:]) * 1e3 for t in (eager_times, lazy_times))
     print(f"median step time of the last 20 steps  eager: {e_ms:.2f} ms   adaptive eager: {a_ms:.2f} ms "
           f"(see README.md, 'Performance')")
-    # replayed steps are bitwise eager; compiled regions agree within float tolerance
+    # replayed steps are bitwise eager's until compiled code has run; from then on within float tolerance
     print(f"largest loss difference: {max(abs(a - b) for a, b in zip(eager, lazy)):.2e}")
     print(ae.report())

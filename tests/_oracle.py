@@ -18,15 +18,10 @@ REPLAY = {"backend": "replay"}
 COMPILED = {"backend": "inductor", "hot_after": 1, "async_compile": False}
 
 
-def program_env(drop: tuple[str, ...] = ("NEURON_EAGER",), first_window_recorded: bool = True) -> dict:
+def program_env(drop: tuple[str, ...] = ("NEURON_EAGER",)) -> dict:
     """The environment of a program a test runs in a fresh process: this one's without the
-    variables that start with ``drop`` (the settings the test gives it are its own), and with its
-    first window recorded like the others (what the test counts), not run eagerly (Note [Eager
-    start] in adaptive_eager/_mode.py, whose own tests, in test_eager_start.py, keep the default)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    if first_window_recorded:
-        env["NEURON_EAGER_EAGER_START"] = "0"
-    return env
+    variables that start with ``drop`` (the settings the test gives it are its own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 def clone_exact(tree):

@@ -1,20 +1,9 @@
-import os
-
 import pytest
 
 import _device
 import adaptive_eager as ae
-from adaptive_eager import _state
 
 _device.install()  # before any test module is imported: Note [Test device] in _device.py
-
-# Note [Eager start] in adaptive_eager/_mode.py: a process's first window runs eagerly. In this
-# process that would be whichever test happens to run first, so it is over before any does; the
-# programs tests run in fresh processes record their first window too (they count what it
-# records, compiles or flushes), unless they drop the NEURON_EAGER_* variables. The tests of eager
-# start itself run fresh processes with it on (test_eager_start.py).
-_state.EAGER_START[0] = 0
-os.environ.setdefault("NEURON_EAGER_EAGER_START", "0")
 
 # Variants of parametrized tests that the default run leaves out (marked ``slow``), each the slower
 # twin of one that stays: CI must stay under 20 minutes (`--durations` of session 10, under load).
@@ -67,5 +56,5 @@ def windows_not_captured():
     tests/test_module_capture.py), taking their ops out of the windows counted."""
     import adaptive_eager as ae
 
-    with ae.defaults(module_capture=False, optimizer_capture=False):
+    with ae.defaults(tiers="hot"):
         yield

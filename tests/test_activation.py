@@ -62,6 +62,9 @@ def test_a_misspelt_choice_names_the_closest_value_and_case_is_ignored_everywher
         load_options({"NEURON_EAGER_BACKEND": "inducter", "NEURON_EAGER_DEVICE": "cpu"})
     with pytest.raises(ConfigError, match="did you mean 'eager'"):
         switch_value({"NEURON_EAGER": "eagr"})
+    # named as spelled, matched in any case: `Adaptiv` is `adaptiv`, one letter from `adaptive`
+    with pytest.raises(ConfigError, match=r"NEURON_EAGER='Adaptiv': expected .*did you mean 'adaptive'\?"):
+        switch_value({"NEURON_EAGER": "Adaptiv"})
 
 
 def test_env_settings_are_parsed_in_one_place_with_clear_errors():

@@ -171,7 +171,7 @@ def test_ops_take_the_record_fast_path_on_the_device(device, monkeypatch):
     monkeypatch.setattr(_mode, "_record_fast", counting)
     x, p = torch.randn(64, device=device), torch.randn(64, device=device)
     # a compiled window's next one is validated, not recorded (Note [Hot windows]): this counts records
-    with adaptive_eager(**_options(device), hot_windows=False):
+    with adaptive_eager(**_options(device), tiers="regions"):
         for _ in range(3):  # the first sight of each signature fills the meta cache
             y = (x * 2).sin() + x
             p.mul_(0.9).add_(y, alpha=0.1)

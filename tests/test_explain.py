@@ -467,7 +467,7 @@ def test_a_read_every_n_steps_gets_no_advice_to_read_every_n_steps():
     advice to do what the program does already."""
     x = torch.randn(16)
     ae.reset_metrics()
-    with ae.adaptive_eager(module_capture=False):
+    with ae.adaptive_eager(tiers="hot"):
         for step in range(60):
             y = (x * 2 + 1).relu()
             ae.sync()
@@ -478,3 +478,55 @@ def test_a_read_every_n_steps_gets_no_advice_to_read_every_n_steps():
     at = [i for i, line in enumerate(lines) if line.lstrip().startswith("item ")]
     assert at, text
     assert "nothing to change" in lines[at[0] + 1] and "every N" not in lines[at[0] + 1], text
+
+
+def _two_codes_at_one_line():
+    """Two code objects of one file:line, as a cell run again after an edit makes them (equal code
+    objects are one key already)."""
+    codes = []
+    for value in (1, 2):
+        scope: dict = {}
+        exec(compile(f"def f():\n    return {value}\n", "/tmp/cell.py", "exec"), scope)
+        codes.append(scope["f"].__code__)
+    assert codes[0] != codes[1]
+    return [(code, 2) for code in codes]
+
+
+def test_explain_lists_a_flush_site_once_when_two_code_objects_share_its_line():
+    from adaptive_eager._explain import explain
+
+    a, b = _two_codes_at_one_line()
+    text = explain({"windows": 10}, Counter({("item", a, None): 3, ("item", b, None): 4}), Counter())
+    at = [line for line in text.splitlines() if "/tmp/cell.py:2" in line]
+    assert len(at) == 1 and at[0].split()[:2] == ["item", "7"], text
+
+
+def test_explain_points_only_at_sections_that_list_something():
+    """Findings say "below" only where the section below lists something: a program that compiles
+    a new structure each window with no recompile, no flush site and no replay reason counted."""
+    from adaptive_eager._explain import explain
+
+    metrics = {"windows": 40, "compiles": 20, "ops_recorded": 40, "replayed_regions": 30}
+    text = explain(metrics, Counter(), Counter())
+    assert "compile too frequent" in text and "short windows" in text and "mostly replayed" in text, text
+    assert "below" not in text, text
+    assert "eager's values" not in text, text  # a replayed window after compiled code is not bitwise eager's
+    a, _ = _two_codes_at_one_line()
+    text = explain({**metrics, "recompiles": {"shape": 3}, "replay_reasons": {"cold": 30}},
+                   Counter({("item", a, None): 40}), Counter())
+    assert "see the recompile causes and the flush sites below" in text, text
+    assert "The flush sites below end them" in text and "see 'windows replayed, by why' below" in text, text
+
+
+def test_explain_gives_each_fallback_its_own_advice():
+    """An eager fallback's entry carries its reason's advice, not a pointer to a flush site that may
+    be past the top ones shown (or absent: a fallback with nothing pending flushes nothing)."""
+    from adaptive_eager._explain import explain
+    from adaptive_eager.reasons import REASONS
+
+    a, _ = _two_codes_at_one_line()
+    text = explain({"windows": 3}, Counter(), Counter({("aten.nonzero", "data_dependent", a, None): 5}))
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("aten.nonzero (data_dependent)"))
+    assert lines[at + 1] == f"      -> {REASONS['data_dependent'].advice}", text
+    assert "see the flush advice" not in text, text

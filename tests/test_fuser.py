@@ -548,7 +548,7 @@ def test_a_region_that_writes_parameters_and_state_writes_them_in_place(fresh_re
     _adamw_steps(eager, 12, x, lazy=False)
     versions = [p._version for p in lazy.parameters()]
     # the step recorded into a region, not captured whole (Note [Optimizer capture] in adaptive_eager._optim)
-    opt = _adamw_steps(lazy, 12, x, lazy=True, **SYNC, cache_dir=str(tmp_path), optimizer_capture=False)
+    opt = _adamw_steps(lazy, 12, x, lazy=True, **SYNC, cache_dir=str(tmp_path), tiers="hot")
     for a, b in zip(lazy.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b)
     entries = [e for e in fuser.regions.CACHE.entries.values() if e.run is not None]

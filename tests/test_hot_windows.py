@@ -1,6 +1,6 @@
 """Hot windows (Note [Hot windows] in adaptive_eager._hot): once a window's structure runs compiled,
 the next one is recorded against it op by op; the first op that differs turns the window into an
-ordinary recording. Plain eager is the oracle; ``hot_windows=False`` gives the full recording to
+ordinary recording. Plain eager is the oracle; ``tiers="regions"`` gives the full recording to
 compare a demoted window with."""
 
 import threading
@@ -251,7 +251,7 @@ def test_a_demoted_window_is_the_window_a_full_recording_makes(fresh_regions):
         y2 = _step(x, w)
         ae.sync()
         assert ae.metrics()["hot_windows"] == hot_windows + 1
-    with ae.adaptive_eager(**SYNC, hot_windows=False):
+    with ae.adaptive_eager(**SYNC, tiers="regions"):
         y3 = program(30)
         full = _snapshot(current_state().window)
         ae.sync()
@@ -278,8 +278,8 @@ def test_metrics_and_explain_name_the_line_that_breaks_a_hot_window(fresh_region
     del y
 
 
-def test_hot_windows_off_records_every_window_in_full(fresh_regions, monkeypatch):
-    monkeypatch.setenv("NEURON_EAGER_HOT_WINDOWS", "0")
+def test_tiers_below_hot_record_every_window_in_full(fresh_regions, monkeypatch):
+    monkeypatch.setenv("NEURON_EAGER_TIERS", "regions")
     x, w = torch.randn(16), torch.randn(16)
     with ae.adaptive_eager(**SYNC):
         for _ in range(4):
@@ -738,7 +738,7 @@ def test_a_demoted_window_of_views_is_the_window_a_full_recording_makes(fresh_re
         assert sum(ae.metrics()["hot_mismatches"].values()) == 1
         hot = _snapshot(current_state().window)
         ae.sync()
-    with ae.adaptive_eager(**SYNC, hot_windows=False):
+    with ae.adaptive_eager(**SYNC, tiers="regions"):
         y2 = _vstep(x, w, kind, at)
         full = _snapshot(current_state().window)
         ae.sync()
@@ -879,7 +879,7 @@ def test_a_demoted_window_of_several_outputs_is_the_window_a_full_recording_make
         assert sum(ae.metrics()["hot_mismatches"].values()) == 1
         hot = _snapshot(current_state().window)
         ae.sync()
-    with ae.adaptive_eager(**SYNC, hot_windows=False):
+    with ae.adaptive_eager(**SYNC, tiers="regions"):
         y2 = _mstep(x, w, "op", at)
         full = _snapshot(current_state().window)
         ae.sync()
@@ -995,7 +995,8 @@ def test_a_hot_step_counts_the_launches_a_full_recording_counts(fresh_regions):
             opt.step()
             ae.sync()
 
-        with ae.adaptive_eager(**SYNC, hot_windows=hot):
+        # captures off in both: the step's every op is in its windows
+        with ae.adaptive_eager(**SYNC, tiers="hot" if hot else "regions"):
             for _ in range(6):
                 step()
             ae.reset_metrics()

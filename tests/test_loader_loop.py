@@ -8,9 +8,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import adaptive_eager as ae
 
-# the windows of the loop are what is counted: the model's call is not captured (Note [Captured
-# modules] in adaptive_eager._capture, tests/test_module_capture.py)
-SYNC = dict(backend="inductor", hot_after=2, async_compile=False, module_capture=False)
+# the windows of the loop are what is counted: the model's and the optimizer's calls are not
+# captured (Note [Captured modules] in adaptive_eager._capture, tests/test_module_capture.py)
+SYNC = dict(backend="inductor", hot_after=2, async_compile=False, tiers="hot")
 
 
 def _train(steps: int, shuffle: bool):
@@ -36,7 +36,7 @@ def _train(steps: int, shuffle: bool):
 def test_a_loader_loops_windows_repeat_whatever_rows_the_sampler_picks(fresh_regions, shuffle):
     want_losses, want_params = _train(12, shuffle)
     ae.reset_metrics()
-    with ae.adaptive_eager(**SYNC, optimizer_capture=False):
+    with ae.adaptive_eager(**SYNC):
         losses, params = _train(12, shuffle)
     m = ae.metrics()
     # one structure from the third step on (the first steps differ: AdamW makes its state and reads

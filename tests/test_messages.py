@@ -245,3 +245,47 @@ def test_the_readme_is_short_and_every_link_of_the_docs_exists():
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_tiers_is_one_ladder_and_the_booleans_it_replaced_name_its_value(monkeypatch):
+    """``tiers`` turns each tier on with the ones below it; ``hot_windows``, ``module_capture`` and
+    ``optimizer_capture`` are refused whatever their value, keyword and environment alike, with
+    the ladder's value that replaces them."""
+    on = {t: [load_options({}, tiers=t).reaches(r) for r in ("regions", "hot", "capture")]
+          for t in ("regions", "hot", "capture")}
+    assert on == {"regions": [True, False, False], "hot": [True, True, False], "capture": [True, True, True]}
+    assert load_options({}).tiers == "capture"
+    assert load_options({"NEURON_EAGER_TIERS": "Hot"}).tiers == "hot"
+    with pytest.raises(ConfigError, match=r"NEURON_EAGER_TIERS='hott': expected one of regions, hot, capture; "
+                                          r"did you mean 'hot'\?"):
+        load_options({"NEURON_EAGER_TIERS": "hott"})
+    with pytest.raises(ConfigError, match=r"option tiers=2: expected one of regions, hot, capture"):
+        load_options({}, tiers=2)
+    replaced = {"hot_windows": "tiers='regions' \\(NEURON_EAGER_TIERS=regions\\)",
+                "module_capture": "tiers='hot' \\(NEURON_EAGER_TIERS=hot\\)",
+                "optimizer_capture": "tiers='hot' \\(NEURON_EAGER_TIERS=hot\\)"}
+    for name, fix in replaced.items():
+        for value in (False, True):
+            with pytest.raises(ConfigError, match=rf"option {name}={value}: {name} is no longer a setting: .*{fix}"):
+                load_options({}, **{name: value})
+            with pytest.raises(ConfigError, match=rf"option {name}={value}: .*{fix}"):
+                with ae.defaults(**{name: value}):
+                    pass
+        env = "NEURON_EAGER_" + name.upper()
+        with pytest.raises(ConfigError, match=rf"{env}='0': {name} is no longer a setting: .*{fix}"):
+            load_options({env: "0"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a removed name is said by the error, not warned about as unknown
+        with pytest.raises(ConfigError):
+            load_options({"NEURON_EAGER_HOT_WINDOWS": "1"})
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_no_examples_docstring_states_a_time(example):
+    """A time measured once on one machine (``took 36 s with an empty cache``) goes stale and
+    contradicts README.md's measured figures; README.md and benchmarks/RESULTS.md hold the numbers."""
+    import re
+
+    doc = ast.get_docstring(ast.parse((ROOT / "examples" / example).read_text())) or ""
+    times = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:s|ms|min|seconds|minutes)\b", doc)
+    assert not times, f"{example}'s docstring states {times}"

@@ -252,7 +252,7 @@ def test_turned_off():
     eager = _train(lambda p: torch.optim.Adam(p, lr=0.01), 5, False)
     params = _params()
     opt = torch.optim.Adam(params, lr=0.01)
-    with ae.adaptive_eager(backend="replay", optimizer_capture=False):
+    with ae.adaptive_eager(backend="replay", tiers="hot"):
         for i in range(5):
             opt.zero_grad()
             _backward(params, i)
@@ -308,7 +308,7 @@ def test_a_hot_step_counts_one_launch_for_what_eager_launches():
     counts = {}
     for capture in (False, True):
         ae.reset_metrics()
-        with ae.defaults(optimizer_capture=capture):
+        with ae.defaults(tiers="capture" if capture else "hot"):
             _train(make, 7, lazy=True)
         counts[capture] = ae.metrics()
     on, off = counts[True], counts[False]
@@ -345,10 +345,8 @@ def test_a_step_while_another_thread_traces_runs_recorded(monkeypatch, checked):
 def test_the_capture_compiles_on_the_programs_thread(monkeypatch):
     """Note [Capture compiles off the step]: PyTorch's compiler is not thread-safe, so Dynamo's
     backend (the trace) runs in the step, on the program's thread, and the compile in a worker
-    process; ``background``, once an option, says so once and means the same."""
+    process."""
     import threading
-
-    from adaptive_eager import config
 
     threads = []
 
@@ -357,36 +355,31 @@ def test_the_capture_compiles_on_the_programs_thread(monkeypatch):
         return gm.forward
 
     monkeypatch.setitem(_optim._DYNAMO_BACKENDS, "replay", backend)
-    monkeypatch.setattr(config, "_warned_background", False)
     make = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
     eager = _train(make, 6, False)
     ae.reset_metrics()
-    with pytest.warns(UserWarning, match="background.*no longer offered.*off the step") as said:
-        lazy = _train(make, 6, True, optimizer_capture="background")
-        _train(make, 3, True, optimizer_capture="background")  # said once a process
-    assert len([w for w in said if "background" in str(w.message)]) == 1
+    lazy = _train(make, 6, True)
     _assert_same(eager, lazy)
     assert threads and all(t is threading.main_thread() for t in threads), threads
     m = ae.metrics()
-    assert m["optimizer_captures"] == 2 and m["optimizer_hot_steps"] == 6 - HOT_AFTER - 1, m
+    assert m["optimizer_captures"] == 1 and m["optimizer_hot_steps"] == 6 - HOT_AFTER - 1, m
     assert "optimizer_uncompiled_steps" not in m
 
 
-def test_the_capture_is_an_option_the_environment_can_set(monkeypatch):
-    from adaptive_eager import config
+def test_the_capture_is_a_tier_the_environment_can_set():
+    """The captures are the top of the ``tiers`` ladder; ``optimizer_capture``, once a setting of
+    its own, is refused whatever its value (``background`` too), naming the ladder's value."""
     from adaptive_eager.config import ConfigError, load_options
 
-    monkeypatch.setattr(config, "_warned_background", False)
-    assert load_options({}).optimizer_capture is True  # by default the step is captured
-    assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "0"}).optimizer_capture is False
-    with pytest.warns(UserWarning, match=r"NEURON_EAGER_OPTIMIZER_CAPTURE=background\) is no longer offered"):
-        assert load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "background"}).optimizer_capture is True
-    with pytest.raises(ConfigError, match="NEURON_EAGER_OPTIMIZER_CAPTURE='later': expected 1/0"):
-        load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": "later"})
-    with pytest.raises(ConfigError, match="optimizer_capture='later': expected 1/0"):
-        load_options({}, optimizer_capture="later")
-    with pytest.raises(ConfigError, match="optimizer_capture=2: expected True or False"):
-        load_options({}, optimizer_capture=2)
+    assert load_options({}).reaches("capture")  # by default the step is captured
+    assert not load_options({"NEURON_EAGER_TIERS": "hot"}).reaches("capture")
+    for raw in ("0", "1", "background"):
+        with pytest.raises(ConfigError, match=rf"NEURON_EAGER_OPTIMIZER_CAPTURE='{raw}': optimizer_capture is no "
+                                              r"longer a setting: .*tiers='hot' \(NEURON_EAGER_TIERS=hot\)"):
+            load_options({"NEURON_EAGER_OPTIMIZER_CAPTURE": raw})
+    for value in (False, True, "background"):
+        with pytest.raises(ConfigError, match="optimizer_capture is no longer a setting: .*tiers='hot'"):
+            load_options({}, optimizer_capture=value)
 
 
 def _adamw(p):
