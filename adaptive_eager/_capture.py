@@ -11,6 +11,7 @@ region's, are in ``neff_cache``, and compiled from then on.
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import sys
 import threading
@@ -342,25 +343,40 @@ class _Backend:
         from torch._inductor.decomposition import select_decomp_table
 
         options, who = self.options, self.who
+        key = compiled = None
+        try:
+            key = _record_key(gm, example_inputs, options, who)
+        except _Decline as e:
+            METRICS.capture_records[f"{who}_unkeyed:{e.cause}"] += 1
+        if key is not None:
+            compiled = _from_record(key, gm, options, who)
+        if compiled is None:
+            graphs: dict = {}
 
-        def forward(fgm, examples):
-            return _Graph(fgm, examples, "forward", options, who)
+            def forward(fgm, examples):
+                graphs["forward"] = _Graph(fgm, examples, "forward", options, who)
+                return graphs["forward"]
 
-        def backward(bgm, examples):
-            run = torch._dynamo.disable(_Graph(bgm, examples, "backward", options, who), recursive=True)
-            run._boxed_call = True
-            return run
+            def backward(bgm, examples):
+                graphs["backward"] = _Graph(bgm, examples, "backward", options, who)
+                run = torch._dynamo.disable(graphs["backward"], recursive=True)
+                run._boxed_call = True
+                return run
 
-        # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
-        backward._is_wrapped_bw_compiler = True
-        # Note [Written inputs]: an inference graph writes its inputs itself (trailing copy_)
-        # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
-        # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
-        # records: Inductor's table would turn embedding's backward into index_put, which runs alone
-        decompositions = select_decomp_table() if options.backend == "inductor" else {}
-        compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
-                                decompositions=decompositions,
-                                keep_inference_input_mutations=True)(gm, example_inputs)
+            # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
+            backward._is_wrapped_bw_compiler = True
+            # Note [Written inputs]: an inference graph writes its inputs itself (trailing copy_)
+            # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
+            # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
+            # records: Inductor's table would turn embedding's backward into index_put, which runs alone
+            decompositions = select_decomp_table() if options.backend == "inductor" else {}
+            # the backward graph is made now, not at the first backward, so that the record is whole
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=key is not None):
+                compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
+                                        decompositions=decompositions,
+                                        keep_inference_input_mutations=True)(gm, example_inputs)
+            if key is not None:
+                _write_record(key, graphs, options, who)
         cap = None if self.cap is None else self.cap()
         if cap is not None:
             cap.captures += 1
@@ -378,13 +394,32 @@ class _Graph:
     _boxed_call = True
     captured = True  # ours, not the program's compiled code (``_compile._graph_aside``)
 
-    def __init__(self, gm, example_inputs, kind: str, options, who: str = "module"):
+    def __init__(self, gm, example_inputs, kind: str, options, who: str = "module", parts=None):
+        if gm is None:  # Note [Captures from the cache]: a record's graph, whose op-by-op run is its Program's
+            self._setup(kind, options, who)
+            self.ops = parts["ops"]
+            self.program, self.plan, self.n_live, self.expected, self.may_write = (
+                parts["program"], parts["plan"], parts["n_live"], parts["expected"], parts["may_write"])
+            self.source = self.program
+            return
         if kind == "forward":
             for node in gm.graph.nodes:
                 if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
                         torch.Tag.nondeterministic_seeded in node.target.tags:
                     raise _Decline("random", str(node.target))
+        self._setup(kind, options, who)
         self.gm = gm
+        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        try:
+            self.program, self.plan, self.n_live, self.expected, self.may_write = _program(gm)
+        except (_Decline, TypeError) as e:
+            self.program = None
+            self.uncompiled_graphs[getattr(e, "cause", "unencodable")] += 1
+            log.info("adaptive_eager: a captured %s graph runs op by op, not compiled: %s", kind, e)
+        self.source = self.program  # kept for the op-by-op run of a graph with no ``gm``
+
+    def _setup(self, kind: str, options, who: str) -> None:
+        self.gm = None
         self.kind = kind
         self.options = options
         self.who = who
@@ -394,13 +429,29 @@ class _Graph:
         self.inplace = False  # the compiled run writes the inputs itself (Note [Written inputs])
         self.checked = False
         self.next_poll = 0.0
-        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
-        try:
-            self.program, self.plan, self.n_live, self.expected, self.may_write = _program(gm)
-        except (_Decline, TypeError) as e:
-            self.program = None
-            self.uncompiled_graphs[getattr(e, "cause", "unencodable")] += 1
-            log.info("adaptive_eager: a captured %s graph runs op by op, not compiled: %s", kind, e)
+
+    def _eager(self, args):
+        """The graph op by op: ``gm`` itself, or for a record's graph its Program."""
+        if self.gm is not None:
+            return self.gm.forward(*args)
+        values = self.source.evaluate(list(args))
+        return [None if how is None else (args[how[1]] if how[0] == "in" else values[how[1]]) for how in self.plan]
+
+    def describe(self) -> dict:
+        """What rebuilds this graph with no trace (Note [Captures from the cache]), as JSON."""
+        return {"program": json.loads(self.source.to_bytes()), "plan": [None if h is None else list(h) for h in self.plan],
+                "n_live": self.n_live, "may_write": self.may_write, "ops": self.ops,
+                "expected": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in self.expected]}
+
+    @classmethod
+    def from_description(cls, doc: dict, kind: str, options, who: str):
+        from fuser.program import Program
+
+        parts = {"program": Program.from_bytes(json.dumps(doc["program"]).encode()),
+                 "plan": [None if h is None else tuple(h) for h in doc["plan"]], "n_live": doc["n_live"],
+                 "may_write": doc["may_write"], "ops": doc["ops"],
+                 "expected": [(tuple(shape), getattr(torch, dtype)) for shape, dtype in doc["expected"]]}
+        return cls(None, None, kind, options, who, parts)
 
     def __call__(self, *args):
         # boxed (one list) as AOTAutograd calls a forward; the backward's wrapper (Dynamo's
@@ -430,7 +481,7 @@ class _Graph:
             else:
                 METRICS.optimizer_uncompiled_runs += 1
                 METRICS.launches += self.ops - 1
-            return self.gm.forward(*args)
+            return self._eager(args)
         inputs = list(args)
         mutated = self.program.mutated
         # Note [Written inputs]: an unverified artifact writes copies, so that a failed first run
@@ -444,7 +495,7 @@ class _Graph:
                 self._check(outs)
         except Exception as e:  # noqa: BLE001 - never the program's: the graph runs op by op from now on
             self._fail(e)
-            return self.gm.forward(*args)
+            return self._eager(args)
         for slot in copies:
             args[slot].copy_(inputs[slot])
         written = 2 * len(copies)  # a clone and a copy back each
@@ -643,6 +694,253 @@ def _program(gm):
             raise _Decline("non_tensor_output", repr(r))
     program = Program(ops, inputs, live, tuple(sorted(mutated)))
     return program, plan, len(live), expected, may_write
+
+
+# Note [Captures from the cache]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# AOTAutograd's trace of a captured graph (functionalization, the joint graph, its partition) is
+# half of a capturing step or more, and it is the same in every process: what it reads is Dynamo's
+# graph, its inputs' metadata, the ambient state and a few configs; what it makes for us is one
+# Program per graph and a runtime wrapper. So a capture of the common kind keeps a record in
+# neff_cache: JSON (Programs in their one encoding, DESIGN.md "Persistent cache": nothing
+# unpickled) under a key of all AOTAutograd reads (``_record_key``: each node's op, target by its
+# importable name and arguments; each input's and each graph attribute's type, shape, stride,
+# offset, dtype, device and ``requires_grad``; Dynamo's global state less the thread count; the
+# functorch config; the backend's fingerprint, which holds our library's digest). A later process
+# whose Dynamo graph has that key builds the callable from the record, with no AOTAutograd trace
+# (``capture_records["<who>_hit"]``). Dynamo still traces and guards in every process: the guards
+# decide as before which entry runs; the record only stands for what AOTAutograd would make of a
+# graph the guards already admitted.
+# The common kind is the one whose runtime wrapper is small enough to be ours (``_write_record``
+# checks AOTAutograd's own metadata of the trace):
+# - training (a backward graph): no input written, every output fresh (no alias of an input or of
+#   another output), no effect token, no functionalized RNG, plain tensors, static shapes. The
+#   callable is ``_Recorded``, an autograd.Function whose forward runs the forward graph and saves
+#   what the backward graph reads, as AOTAutograd's CompiledFunction does; outputs that do not
+#   require grad are non-differentiable; its backward takes the tangents of the outputs that do,
+#   made contiguous as they were traced (the record keeps only graphs traced with contiguous
+#   tangents), and cannot be differentiated again (``once_differentiable``: AOTAutograd refuses
+#   double backward too);
+# - inference (an optimizer step, a forward under no_grad): inputs written only inside the graph
+#   (``keep_inference_input_mutations``' trailing copy_), fresh outputs; the callable runs the graph
+#   on the graph's attributes (the optimizer's parameters and state, as ``aot_module_simplified``
+#   prepends them) and the inputs.
+# Anything else traces as before and keeps no record, counted (``<who>_unkeyed:<cause>``: a
+# submodule call, an unimportable target, inputs sharing memory; ``<who>_declined:<cause>``: what
+# AOTAutograd's metadata shows, e.g. BatchNorm's running statistics written by a training graph).
+# A record's graph runs op by op (its Program, ``_Graph._eager``) until its artifact is loaded.
+_RECORD_FORMAT = 1
+
+
+def _record_key(gm, example_inputs, options, who: str) -> str:
+    """The record's key (Note [Captures from the cache]); ``_Decline`` for a graph it cannot name."""
+    import xxhash
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    from fuser.backends import get_backend
+    from fuser.backends._common import encode_value
+    from fuser.compile import cache_fingerprint
+
+    def leaf(x):
+        return {"$node": x.name} if isinstance(x, torch.fx.Node) else None
+
+    attrs = dict(gm.named_parameters(remove_duplicate=False))
+    attrs.update(gm.named_buffers(remove_duplicate=False))
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            target = _importable_name(node.target)
+        elif node.op in ("placeholder", "output", "call_method"):
+            target = node.target
+        elif node.op == "get_attr" and node.target in attrs:
+            target = node.target
+        else:
+            raise _Decline(node.op, str(node.target))
+        try:
+            nodes.append([node.op, node.name, target, encode_value(list(node.args), leaf),
+                          encode_value(dict(node.kwargs), leaf)])
+        except TypeError as e:
+            raise _Decline("argument", str(e)) from None
+    tensors, storages = [], set()
+    for t in [*attrs.values(), *example_inputs]:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_sparse or t.is_inference():
+            raise _Decline("input", type(t).__name__)
+        storage = t.untyped_storage().data_ptr()
+        if storage and storage in storages:
+            raise _Decline("aliased_inputs")
+        storages.add(storage)
+        tensors.append([type(t).__name__, list(t.shape), list(t.stride()), t.storage_offset(),
+                        str(t.dtype), str(t.device), t.requires_grad])
+    state = json.loads(GlobalStateGuard().__getstate__())
+    state.pop("num_threads", None)  # not read by a trace
+    functorch = {k: v for k, v in sorted(torch._functorch.config.get_config_copy().items())
+                 if v is None or type(v) in (bool, int, float, str)}
+    fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
+    doc = [_RECORD_FORMAT, "capture", who, options.backend, fingerprint, list(attrs), tensors, nodes, state,
+           functorch, bool(torch._inductor.config.fallback_random)]
+    return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
+
+
+_NAMES: dict = {}
+
+
+def _importable_name(target) -> str:
+    """A call's target by a name that imports back to it, or ``_Decline``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"torch.ops.{target}"
+    try:
+        return _NAMES[target]
+    except (KeyError, TypeError):
+        pass
+    import importlib
+
+    from torch.fx.node import _get_qualified_name
+
+    try:
+        name = _get_qualified_name(target)
+    except Exception:  # noqa: BLE001 - FX names what it can; anything else has no name here
+        raise _Decline("target", repr(target)) from None
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        if obj is target:
+            try:
+                _NAMES[target] = name
+            except TypeError:
+                pass
+            return name
+        break
+    raise _Decline("target", name)
+
+
+def _write_record(key: str, graphs: dict, options, who: str) -> None:
+    """Keep what AOTAutograd made of the graph, if it is of the common kind (Note [Captures from the cache])."""
+    from torch._functorch._aot_autograd.schemas import MutationType, OutputType
+
+    from fuser.artifacts import _store
+    from fuser.backends import get_backend
+    from fuser.compile import cache_fingerprint
+
+    def declined(cause: str) -> None:
+        METRICS.capture_records[f"{who}_declined:{cause}"] += 1
+
+    context = torch._guards.TracingContext.try_get()
+    meta = None if context is None else context.fw_metadata
+    forward, backward = graphs.get("forward"), graphs.get("backward")
+    if meta is None or forward is None or (backward is None) != (len(graphs) == 1):
+        return declined("graphs")
+    if any(g.source is None for g in graphs.values()):
+        return declined("uncompiled")
+    if meta.tokens or meta.is_rng_op_functionalized or meta.num_intermediate_bases or \
+            meta.num_mutated_inp_runtime_indices:
+        return declined("wrapper")
+    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+        return declined("aliased_output")
+    allowed = (MutationType.NOT_MUTATED,) if backward else (MutationType.NOT_MUTATED, MutationType.MUTATED_IN_GRAPH)
+    if any(i.mutation_type not in allowed or i.mutates_metadata for i in meta.input_info):
+        return declined("written_input")
+    n_out = len(meta.output_info)
+    record = {"format": _RECORD_FORMAT, "outputs": n_out, "forward": forward.describe()}
+    if backward is not None:
+        requires_grad = [bool(o.requires_grad) for o in meta.output_info]
+        saved = len(forward.plan) - n_out
+        program = backward.source
+        tangents = program.inputs[saved:]
+        if saved < 0 or len(tangents) != sum(requires_grad):
+            return declined("tangents")
+        for shape, stride, _, _ in tangents:
+            if tuple(stride) != _contiguous(shape):
+                return declined("tangents")
+        record.update(requires_grad=requires_grad, saved=saved, backward=backward.describe())
+    elif len(forward.plan) != n_out:
+        return declined("outputs")
+    store = _store(options)
+    fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
+    try:
+        store.put(key, json.dumps(record).encode(), fingerprint=fingerprint, backend=options.backend,
+                  compile_seconds=0.0)
+    except Exception as e:  # noqa: BLE001 - the store logs its own failures; the capture goes on
+        log.info("adaptive_eager: a capture's record was not kept: %s", e)
+        return declined("store")
+    METRICS.capture_records[f"{who}_written"] += 1
+
+
+def _contiguous(shape) -> tuple:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _from_record(key: str, gm, options, who: str):
+    """The captured callable rebuilt from its record, or None (Note [Captures from the cache])."""
+    from fuser.artifacts import _store
+    from fuser.backends import get_backend
+    from fuser.compile import cache_fingerprint
+
+    fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
+    data = _store(options).get(key, fingerprint=fingerprint)
+    if data is None:
+        return None
+    try:
+        record = json.loads(data)
+        if record.get("format") != _RECORD_FORMAT:
+            raise ValueError(f"record format {record.get('format')}")
+        forward = _Graph.from_description(record["forward"], "forward", options, who)
+        backward = None
+        if "backward" in record:
+            backward = _Graph.from_description(record["backward"], "backward", options, who)
+    except Exception as e:  # noqa: BLE001 - a record that does not decode is traced again, and replaced
+        METRICS.capture_records[f"{who}_unreadable"] += 1
+        log.info("adaptive_eager: a capture's record does not decode (%s); it is traced again", e)
+        return None
+    METRICS.capture_records[f"{who}_hit"] += 1
+    attrs = dict(gm.named_parameters(remove_duplicate=False))
+    attrs.update(gm.named_buffers(remove_duplicate=False))
+    attrs = list(attrs.values())
+    if backward is None:
+        def run(*args):
+            return forward([*attrs, *args])
+    else:
+        recorded = _RecordedGraphs(forward, backward, record["outputs"], record["requires_grad"])
+
+        def run(*args):
+            return list(_Recorded.apply(recorded, *attrs, *args))
+    return run
+
+
+class _RecordedGraphs:
+    __slots__ = ("forward", "backward", "n_out", "requires_grad")
+
+    def __init__(self, forward, backward, n_out: int, requires_grad: list):
+        self.forward, self.backward, self.n_out, self.requires_grad = forward, backward, n_out, requires_grad
+
+
+class _Recorded(torch.autograd.Function):
+    """A training capture from its record (Note [Captures from the cache]): AOTAutograd's
+    CompiledFunction for graphs of the common kind."""
+
+    @staticmethod
+    def forward(ctx, graphs, *args):
+        outs = graphs.forward(list(args))
+        user = outs[:graphs.n_out]
+        ctx.save_for_backward(*outs[graphs.n_out:])
+        ctx.graphs = graphs
+        ctx.mark_non_differentiable(*(o for o, grad in zip(user, graphs.requires_grad) if not grad))
+        return tuple(user)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        graphs = ctx.graphs
+        tangents = [g.contiguous() for g, grad in zip(grads, graphs.requires_grad) if grad]
+        return (None, *graphs.backward([*ctx.saved_tensors, *tangents]))
 
 
 def misses() -> Counter:

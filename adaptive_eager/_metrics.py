@@ -56,6 +56,8 @@ class Metrics:
         self.module_compiled_runs = 0
         self.module_uncompiled_runs = 0
         self.module_uncompiled_graphs: Counter[str] = Counter()
+        # Note [Captures from the cache] in ``_capture``: records written, hit, and why none was kept
+        self.capture_records: Counter[str] = Counter()
         # Note [User torch.compile] in ``_compile``: calls of the program's compiled code (and
         # compiled backward graphs) that ran with the mode stepped aside
         self.compiled_calls = 0
@@ -100,6 +102,7 @@ class Metrics:
             "module_compiled_runs": self.module_compiled_runs,
             "module_uncompiled_runs": self.module_uncompiled_runs,
             "module_uncompiled_graphs": dict(self.module_uncompiled_graphs),
+            "capture_records": dict(self.capture_records),
             "compiled_calls": self.compiled_calls,
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,

@@ -189,6 +189,37 @@ class Program:
         return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 for shape, stride, dtype, device in self.inputs]
 
+    def evaluate(self, inputs: list) -> list:
+        """Run the ops on ``inputs`` (real tensors, or fakes while tracing) one by one: the live
+        values, then the written inputs' final values unless ``inplace``. A lifted float is its
+        tracing sentinel, so only a traced program has any."""
+        env: dict[int, object] = {}
+
+        def value(a):
+            if type(a) is _Ref:
+                return env[a.uid]
+            if type(a) is _In:
+                return inputs[a.slot]
+            if type(a) is _Lifted:
+                return _sentinel(a.index)
+            if type(a) is _Sym:
+                slot, d = self.dynamic[a.k]
+                return inputs[slot].shape[d] * a.factor
+            if type(a) is list:
+                return [value(x) for x in a]
+            return a
+
+        for func, args, kwargs, outs in self.ops:
+            res = func(*[value(a) for a in args], **{k: value(v) for k, v in kwargs.items()})
+            results = res if isinstance(res, (tuple, list)) else (res,)
+            for out, r in zip(outs, results):
+                if out is not None:
+                    kind, uid, alias = out
+                    env[uid] = value(alias) if kind == ALIAS else r
+        if self.inplace:
+            return [env[u] for u in self.live]
+        return [env[u] for u in self.live] + [inputs[s] for s in self.mutated]
+
     def graph(self) -> torch.fx.GraphModule:
         """The program as a functional ATen graph: inputs are the real tensors by slot, outputs the
         live values followed by the final values of the written real inputs."""
@@ -196,32 +227,7 @@ class Program:
         from torch.func import functionalize
 
         def program(*inputs):
-            env: dict[int, object] = {}
-
-            def value(a):
-                if type(a) is _Ref:
-                    return env[a.uid]
-                if type(a) is _In:
-                    return inputs[a.slot]
-                if type(a) is _Lifted:
-                    return _sentinel(a.index)
-                if type(a) is _Sym:
-                    slot, d = self.dynamic[a.k]
-                    return inputs[slot].shape[d] * a.factor
-                if type(a) is list:
-                    return [value(x) for x in a]
-                return a
-
-            for func, args, kwargs, outs in self.ops:
-                res = func(*[value(a) for a in args], **{k: value(v) for k, v in kwargs.items()})
-                results = res if isinstance(res, (tuple, list)) else (res,)
-                for out, r in zip(outs, results):
-                    if out is not None:
-                        kind, uid, alias = out
-                        env[uid] = value(alias) if kind == ALIAS else r
-            if self.inplace:
-                return [env[u] for u in self.live]
-            return [env[u] for u in self.live] + [inputs[s] for s in self.mutated]
+            return self.evaluate(list(inputs))
 
         decompositions = None
         if self.lifted:

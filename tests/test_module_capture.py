@@ -249,3 +249,60 @@ def test_off_switch_records_every_call(_uncompiled):
     lazy = _train(_mlp(), _batches(steps), True, tiers="hot")
     _assert_same(eager, lazy)
     assert ae.metrics()["module_captured_calls"] == 0
+
+
+def _count_aot_traces(monkeypatch):
+    """How many AOTAutograd traces our backend starts (Note [Captures from the cache]); a region's
+    Inductor compile makes its own, which are not counted."""
+    import torch._dynamo.backends.common as common
+
+    traces = []
+    real = common.aot_autograd
+
+    def counted(**kwargs):
+        if getattr(kwargs["fw_compiler"], "__qualname__", "").startswith("_Backend.__call__"):
+            traces.append(1)
+        return real(**kwargs)
+
+    monkeypatch.setattr(common, "aot_autograd", counted)
+    return traces
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_second_capture_of_the_same_graph_is_built_from_its_record(tmp_path, monkeypatch, compiled):
+    """Note [Captures from the cache]: a module of the same structure, captured again (here after
+    ``torch._dynamo.reset()``, as in a new process), runs no AOTAutograd trace, and trains as eager
+    does, op by op (its Program) and compiled."""
+    if not compiled:
+        monkeypatch.setattr(_capture._Graph, "_obtain", lambda self: None)
+    traces = _count_aot_traces(monkeypatch)
+    steps = 6
+    eager = _train(_mlp(), _batches(steps), False)
+    options = {"async_compile": False, "cache_dir": str(tmp_path)}
+    first = _train(_mlp(), _batches(steps), True, **options)
+    _assert_same(eager, first)
+    assert len(traces) == 1 and ae.metrics()["capture_records"] == {"module_written": 1}, ae.metrics()
+    torch._dynamo.reset()
+    ae.reset_metrics()
+    second = _train(_mlp(), _batches(steps), True, **options)
+    _assert_same(eager, second)
+    m = ae.metrics()
+    assert len(traces) == 1 and m["capture_records"] == {"module_hit": 1}, m
+    assert m["module_captures"] == 1 and m["module_captured_calls"] == steps - HOT_AFTER, m
+    key = "module_compiled_runs" if compiled else "module_uncompiled_runs"
+    assert m[key] == 2 * (steps - HOT_AFTER), m
+
+
+def test_a_training_graph_that_writes_a_buffer_keeps_no_record(_uncompiled, tmp_path, monkeypatch):
+    """BatchNorm's running statistics are written by a training graph (AOTAutograd's wrapper copies
+    them back): no record, counted; the next capture traces again and still gives eager's values."""
+    traces = _count_aot_traces(monkeypatch)
+    steps = 5
+    eager = _train(_mlp(nn.BatchNorm1d), _batches(steps), False)
+    for _ in range(2):
+        torch._dynamo.reset()
+        lazy = _train(_mlp(nn.BatchNorm1d), _batches(steps), True, cache_dir=str(tmp_path))
+        _assert_same(eager, lazy)
+    assert len(traces) == 2
+    assert ae.metrics()["capture_records"].get("module_declined:written_input", 0) >= 2
+    assert "module_hit" not in ae.metrics()["capture_records"]

@@ -7,6 +7,7 @@ Inductor compile, so each test stays short) under the name ``replay``; the 1,000
 ``test_replay_is_not_captured`` use the library's own mapping.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -518,3 +519,36 @@ def test_a_warm_process_without_a_compiler_runs_every_step_compiled(tmp_path):
     # two recorded steps before the captures), never for want of a compiler
     assert set(warm["replay_reasons"]) <= {"cold"} and warm["compiled_runs"] > 0, json.dumps(warm)
     assert warm["replayed_regions"] <= HOT_AFTER, json.dumps(warm)
+
+
+@pytest.mark.parametrize("case", ["adamw_maximize", "sgd_momentum_nesterov_wd"])
+def test_a_second_capture_of_the_same_step_is_built_from_its_record(tmp_path, monkeypatch, case):
+    """Note [Captures from the cache] in adaptive_eager._capture: the same step captured again (after
+    ``torch._dynamo.reset()``, as in a new process) runs no AOTAutograd trace of ours, and its
+    values are eager's; a scheduled lr (a graph input after the recapture) is keyed and kept too."""
+    import torch._dynamo.backends.common as common
+
+    traces = []
+    real = common.aot_autograd
+
+    def counted(**kwargs):
+        if getattr(kwargs["fw_compiler"], "__qualname__", "").startswith("_Backend.__call__"):
+            traces.append(1)
+        return real(**kwargs)
+
+    monkeypatch.setattr(common, "aot_autograd", counted)
+    make = functools.partial(CASES[case], f=False)
+    sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
+    kw = {"steps": 8, "backend": "inductor", "cache_dir": str(tmp_path), "sched": sched}
+    eager = _train(make, lazy=False, **kw)
+    ae.reset_metrics()
+    _assert_same(eager, _train(make, lazy=True, **kw))
+    first, written = len(traces), ae.metrics()["capture_records"].get("optimizer_written", 0)
+    assert first >= 1 and written >= 1, ae.metrics()
+    torch._dynamo.reset()
+    ae.reset_metrics()
+    _assert_same(eager, _train(make, lazy=True, **kw))
+    m = ae.metrics()
+    # every capture that kept a record is built from it; a capture that did not trace again
+    assert len(traces) == 2 * first - written and m["capture_records"].get("optimizer_hit") == written, m
+    assert m["optimizer_hot_steps"] >= 1, m
