@@ -519,6 +519,11 @@ def test_a_warm_process_without_a_compiler_runs_every_step_compiled(tmp_path):
     # two recorded steps before the captures), never for want of a compiler
     assert set(warm["replay_reasons"]) <= {"cold"} and warm["compiled_runs"] > 0, json.dumps(warm)
     assert warm["replayed_regions"] <= HOT_AFTER, json.dumps(warm)
+    # Note [Captures from the cache] in adaptive_eager._capture: the warm captures ran no AOTAutograd
+    # trace, each built from the record the cold process kept
+    records = warm["capture_records"]
+    assert records.get("module_hit", 0) >= 1 and records.get("optimizer_hit", 0) >= 1, records
+    assert not any(k.endswith("_written") for k in records), records
 
 
 @pytest.mark.parametrize("case", ["adamw_maximize", "sgd_momentum_nesterov_wd"])
