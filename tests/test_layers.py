@@ -156,3 +156,22 @@ def test_the_layer_check_sees_deferred_imports(tmp_path):
     module.write_text("def f():\n    from ._patches import apply_frees\n    import importlib\n"
                       "    importlib.import_module('._mode', __package__)\n")
     assert _imports(module, {"_flush", "_patches", "_mode"}) == [(2, "_patches"), (4, "_mode")]
+
+
+# the tracer's fields of a Window (Note [Hot windows] in adaptive_eager._hot) and of its templates
+_TRACER_STATE = {"hot", "alive", "hot_miss", "hot_counted", "frees", "demote", "template"}
+
+
+def test_the_fuser_reads_none_of_the_tracers_hot_state():
+    """State has one owner (Note [Validated windows] in fuser.regions): the fuser gets a validated
+    window with the entry it was validated against, and answers why it declined it; it reads no
+    template, demotes nothing and adopts no hot liveness (``Window.__init__`` declares the fields)."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(__file__).resolve().parents[1] / "fuser"
+    found = [f"{path.relative_to(package)}:{node.lineno} .{node.attr}"
+             for path in sorted(package.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in _TRACER_STATE
+             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert found == [], f"the fuser touches the tracer's hot-window state: {found}"
