@@ -117,7 +117,7 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         # ``_placeholder`` in a hot window (Note [Hot liveness] in ``_hot``): the Out is held by its
         # tensor's mark and by a ``HotRef`` in ``Window.alive``, which the tensor's death removes; no
         # storage handle, and the Out is a hot one (Note [Hot Outs] in fuser.window): its other
-        # fields are set when it is adopted (``fuser.replay.adopt_hot``) or demoted dead
+        # fields are set when it is adopted (``_hot.adopt_hot``) or demoted dead
         res = st.alloc_cpu(p.shape, p.stride, p.dtype)
         o = _new(Out)
         o.win = token

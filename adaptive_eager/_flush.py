@@ -18,7 +18,7 @@ import fuser
 from fuser.window import Window, op_ids, where
 
 from . import _meta_disk
-from ._hot import count_hot, expect_hot, template_of
+from ._hot import adopt_hot, count_hot, expect_hot, template_for
 from ._log import log
 from ._metrics import METRICS
 from ._signatures import bounded_put
@@ -133,7 +133,10 @@ def _run_window(st: TracerState, window: Window, reason: str, now: bool = False)
         METRICS.flush_sites[(reason, site, inside)] += 1
         with (_profiler.record_function("adaptive_eager.flush") if _profiler._is_profiler_enabled
               else contextlib.nullcontext()), _modes_off(), _recorded_dtype(st.dtype):
-            result = fuser.run_window(window, st.options, now)
+            if hot is None:
+                result = fuser.run_window(window, st.options, now)
+            else:
+                result = _run_validated(st, window, hot, now)
         ran = True  # ``Window.live`` is read: Note [Window release]
         if window.hot is not None:  # validated, and run without a key (else it was demoted)
             METRICS.hot_windows += 1
@@ -157,7 +160,7 @@ def _run_window(st: TracerState, window: Window, reason: str, now: bool = False)
                      (result and result.region) or "-", result.outcome if result else "failed",
                      where(site))
         if not ran:
-            fuser.adopt_hot(window)  # a hot window's values whose tensors live (Note [Hot liveness] in _hot)
+            adopt_hot(window)  # a hot window's values whose tensors live (Note [Hot liveness] in _hot)
             window.live = list(window.fresh)  # unread: any of them may be marked on a live tensor
         _release(window)
 
@@ -192,15 +195,29 @@ def is_written(sid: int) -> bool:
     return True
 
 
+def _run_validated(st: TracerState, window: Window, hot, now: bool) -> fuser.FlushResult:
+    """Run a window recorded hot against ``hot`` to its end: handed to the fuser with the region
+    entry it was validated against; one the fuser declines is demoted, its Nodes made, and its
+    run resumed (Note [Validated windows] in fuser.regions)."""
+    adopt_hot(window)  # its liveness is by storage from here (Note [Hot liveness] in _hot)
+    entry = hot.entry()
+    if entry is None:  # the fuser dropped the region while the window recorded (Note [Templates by region])
+        hot.demote(window, "region")
+        return fuser.run_window(window, st.options, now)
+    result = fuser.run_window(window, st.options, now, validated=entry)
+    if result.declined is None:
+        return result
+    hot.demote(window, result.declined)
+    return fuser.run_window(window, st.options, now, resume=result.resume)
+
+
 def _arm(st: TracerState, window: Window, result: fuser.FlushResult) -> None:
     """After a window ran: the next one is recorded against the template of the last window that
     ran compiled, or of the one that followed that last time (Note [Hot windows])."""
     entry = result.entry
     if entry is not None:
-        template = entry.template
-        if template is None:
-            template = entry.template = template_of(st, window, entry) or False
-        if template:
+        template = template_for(st, window, entry)
+        if template is not None:
             if st.hot_prev is not None:
                 st.hot_prev.after = template
             st.hot_prev = template
@@ -227,7 +244,7 @@ def _poison(window: Window) -> None:
     would not have run those lines at all; make what the program holds of them unmistakable (NaN,
     or 0 for integers and bools) instead of leaving uninitialized memory. A value is computed once
     the run bound it (``Out.value``), in replay and compiled regions alike."""
-    fuser.adopt_hot(window)  # a hot window's values whose tensors live (Note [Hot liveness] in _hot)
+    adopt_hot(window)  # a hot window's values whose tensors live (Note [Hot liveness] in _hot)
     with _disable_current_modes(), torch.no_grad():
         for o in window.fresh:
             if o.value is not None or fuser.value_is_dead(o):

@@ -3,7 +3,8 @@ position (Note [Hot windows]), instead of being recorded in full.
 
 Note [Hot windows]
 ~~~~~~~~~~~~~~~~~~
-After a window ran compiled (outcome compiled or loaded), its region entry keeps a ``Template``:
+After a window ran compiled (outcome compiled or loaded), the tracer keeps a ``Template`` for its
+region entry (Note [Templates by region]):
 per position, what recording that window again would produce and what it depends on: the op
 (``OpFacts``), the binding of each tensor argument (an earlier Out's uid, or a real-input slot, with
 the metadata of the real input a slot holds), the numbers baked into the region, where its lifted
@@ -25,16 +26,19 @@ template's (equal) and its floats the window's scalars, in order.
 
 Every validated window is one a full recording would have keyed to the same region: same ops,
 bindings, metadata, baked numbers, slots. At its flush, if it ended exactly at the template's end,
-liveness is still read and, if the live values are those the region was compiled for, the entry
-runs directly (``fuser.regions._run_validated``): no key is built or hashed. Anything else *demotes* the
-window (``Template.demote``): the Nodes and signature of the validated prefix are built from the
-hot records and the template, exactly as recording would have built them (tests/test_hot_windows.py
-compares the two), and the window goes on as an ordinary one. It happens at the first op that does
-not match and that the general path records (an op the scalar fast path runs now, or one that runs
-eagerly without touching the window, leaves the window hot: ``_record._demote`` is called where a
-recording path commits), at a flush that is not at the template's end, when the liveness differs,
-and when the compiled run fails (its replay needs the nodes). The causes are counted
-(``metrics()["hot_mismatches"]``) with the user's line (``explain()``).
+its survivors are adopted (Note [Hot liveness]) and it is handed to the fuser with the entry it was
+validated against (Note [Validated windows] in fuser.regions): if the live values are those the
+region was compiled for, the entry runs directly, with no key built or hashed; else the fuser
+declines it, saying why. Anything else *demotes* the window (``Template.demote``, always called
+here in the tracer): the Nodes and signature of the validated prefix are built from the hot records
+and the template, exactly as recording would have built them (tests/test_hot_windows.py compares
+the two), and the window goes on as an ordinary one (at a flush: the fuser's declined run resumes).
+It happens at the first op that does not match and that the general path records (an op the
+scalar fast path runs now, or one that runs eagerly without touching the window, leaves the window
+hot: ``_record._demote`` is called where a recording path commits), at a flush that is not at the
+template's end, and when the fuser declines the window (the liveness differs, the region lost its
+callable, a window that replays whatever its key, a compiled run that failed: its replay needs the
+nodes). The causes are counted (``metrics()["hot_mismatches"]``) with the user's line (``explain()``).
 
 A demoted node's ``source`` (the user's line errors name) is the template's line at that
 position: the same op at the same position of the same structure comes, in a loop, from the same
@@ -76,7 +80,7 @@ being reachable only through its tensor): a view shares its value's storage, and
 value's tensor (``detach`` has no ``_base`` to keep it), so the moment a view of a hot FRESH value
 (or of an in-place write of one) is made, that value is *pinned* (``_fast._pin``): it gets its
 storage handle and a place in ``Window.fresh`` at once, and from then on it is live while its
-storage is, as in a full recording. ``fuser.replay.adopt_hot`` merges the pinned values with the
+storage is, as in a full recording. ``adopt_hot`` merges the pinned values with the
 survivors, in window order. tests/test_hot_windows.py keeps values only through a view, a view of a
 view, a ``detach``, views and in-place writes in both orders, and compares windows demoted at a
 view, a keyword and a real input's offset with full recordings.
@@ -89,7 +93,7 @@ In a hot window a fresh value is live while its Python tensor is, not while its 
 call) takes it out of the set when the tensor dies. It has no storage handle, and ``window.nodes``
 holds None at its position. So a value the program drops leaves nothing behind, at the moment it
 is dropped (its tensor, mark, Out and reference go together), and the flush visits only the
-values still alive: ``fuser.replay.adopt_hot`` gives each its storage handle and makes it an
+values still alive: ``adopt_hot`` gives each its storage handle and makes it an
 ordinary FRESH Out (``Window.fresh``, in window order); from there liveness is read as for any
 window. A demotion adopts the same way first, and builds a dead Out (no tensor, no handle, never
 live) for each value that died, as the template knows it (``Template.demote``).
@@ -170,11 +174,11 @@ the two).
 
 from __future__ import annotations
 
+import weakref
 from itertools import accumulate
+from operator import attrgetter
 
 import torch
-from fuser import replay as _replay  # a module, not its names: ``import torch`` in a process that
-# imports fuser first (a compile worker) loads adaptive eager while fuser.replay is half-imported
 from fuser.window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot, storage_bytes
 
 from . import _ops
@@ -182,6 +186,19 @@ from ._metrics import METRICS
 from ._source import _user_source
 
 _Tensor = torch.Tensor
+_untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched: see _patches
+_weakref = weakref.ref
+_uid = attrgetter("uid")
+
+# Note [Templates by region]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The tracer's table of templates: per region entry that ran compiled (``FlushResult.entry``), its
+# template, or False for one whose windows cannot be recorded hot (``template_of`` refused it:
+# not tried again). Weak both ways (the table by key, ``Template.entry`` a weak reference): the
+# fuser decides how long an entry lives (its LRU), and an entry it dropped takes its template
+# with it (a window recorded against it is demoted, "region": ``_flush._run_validated``). One it forgot but that lives on (``fuser.cache_clear``: ``_Entry.forgotten``) arms no
+# window (``expect_hot``) and runs no validated one (Note [Validated windows] in fuser.regions).
+TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Pos:
@@ -225,17 +242,17 @@ class _Pos:
 class Template:
     """The expected content of the next window of one compiled region (Note [Hot windows])."""
 
-    __slots__ = ("ops", "views", "sigs", "slot_meta", "entry", "live", "dtype", "options", "after")
+    __slots__ = ("ops", "views", "sigs", "slot_meta", "entry", "dtype", "options", "after")
 
-    def __init__(self, ops, sigs, slot_meta, entry, live, dtype, options):
+    def __init__(self, ops, sigs, slot_meta, entry, dtype, options):
         self.ops: list[_Pos] = ops
         # views[i]: how many of ops[:i] are views, which launch nothing and a recording does not
         # count in ``ops_recorded`` (``launches``)
         self.views: list[int] = list(accumulate((p.view for p in ops), initial=0))
         self.sigs: list[int] = sigs  # the region key's signature (Note [Window signature])
         self.slot_meta: list[tuple] = slot_meta  # per real-input slot: (shape, stride, dtype)
-        self.entry = entry  # the region entry (``fuser.table._Entry``)
-        self.live: tuple[int, ...] = live  # uids of the values the region returns
+        # a weak reference to the region entry (``fuser.table._Entry``): Note [Templates by region]
+        self.entry = _weakref(entry)
         self.dtype = dtype  # the default dtype its window was recorded under
         self.options = options  # the options its window ran under (they decide the region)
         self.after: Template | None = None  # the template of the window that followed it last time
@@ -249,7 +266,7 @@ class Template:
         and end its hot recording (Note [Hot windows]); ``cause`` is counted."""
         window.hot = None
         count_hot(window, self)
-        _replay.adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
+        adopt_hot(window)  # the values whose tensors live become ordinary FRESH Outs (Note [Hot liveness])
         records = window.nodes
         nodes = window.nodes = []
         # the outputs the ops made, by uid (their inputs' refs): the live values, the ALIAS records and
@@ -324,6 +341,39 @@ class Template:
         METRICS.hot_break_sites[(cause, expected, _user_source(2))] += 1
 
 
+def adopt_hot(window: Window) -> None:
+    """End a hot window's liveness by tensor (Note [Hot liveness]): each value whose tensor still
+    lives becomes an ordinary FRESH Out, with its weak storage handle, in ``Window.fresh`` and
+    ``Window.handles`` in window order; the values that died left nothing. Before the window is
+    handed to the fuser (``_flush``), at a demotion, and before a failed flush settles its values."""
+    alive = window.alive
+    if alive is None:
+        return
+    refs = list(alive)  # a copy first: a value dying now takes its reference out of the set
+    alive.clear()  # the references' callbacks name the set: no cycle is left behind
+    window.alive = window.discard = None
+    outs = []
+    for r in refs:
+        o = r.out
+        if o.storage is not None:
+            continue  # a viewed value, live by its storage already (Note [Hot views])
+        t = r()
+        if t is not None:
+            finish_hot(o, _weakref(t), _untyped_storage(t)._weak_ref())  # Note [Hot Outs] in fuser.window
+            outs.append(o)
+    # a hot window was hot from its first op (``expect_hot`` arms only an empty one): its only other
+    # FRESH Outs are the viewed values
+    fresh = window.fresh
+    if fresh:
+        outs.extend(fresh)
+        fresh.clear()
+        window.handles.clear()
+    if len(outs) > 1:
+        outs.sort(key=_uid)
+    fresh.extend(outs)
+    window.handles.extend([o.storage for o in outs])
+
+
 def count_hot(window: Window, template: Template) -> None:
     """Count ``window``'s hot records, made against ``template``, in ``METRICS``: once, when its hot
     recording ends (a demotion, the flush). ``_record_hot`` does not count per op (Note [Hot record
@@ -336,6 +386,15 @@ def count_hot(window: Window, template: Template) -> None:
         METRICS.ops_recorded += template.launches(start, end)
         METRICS.hot_ops += end - start
         window.hot_counted = end
+
+
+def template_for(st, window: Window, entry) -> Template | None:
+    """The template of region ``entry``, made from ``window`` (which just ran compiled with it) the
+    first time; None if its windows cannot be recorded hot (Note [Templates by region])."""
+    template = TEMPLATES.get(entry)
+    if template is None:
+        template = TEMPLATES[entry] = template_of(st, window, entry) or False
+    return template or None
 
 
 def template_of(st, window: Window, entry) -> Template | None:
@@ -372,8 +431,7 @@ def template_of(st, window: Window, entry) -> Template | None:
     if end != len(window.sigs) or not ops:
         return None
     slot_meta = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in window.real_inputs]
-    return Template(ops, list(window.sigs), slot_meta, entry, tuple(o.uid for o in window.live), st.dtype,
-                    st.options)
+    return Template(ops, list(window.sigs), slot_meta, entry, st.dtype, st.options)
 
 
 def _refused(cause: str, node: Node) -> None:
@@ -505,14 +563,16 @@ def expect_hot(st) -> None:
     """Arm ``st``'s open window, if it is empty, with the template expected next: that of the
     window that followed the last compiled one last time, else the last compiled one's (Note [Hot
     windows]); none if the options or the default dtype differ from its window's, or its region
-    was forgotten (``fuser.cache_clear``)."""
+    was forgotten (Note [Templates by region])."""
     window = st.window
     t = st.hot_prev
     if t is not None:
         t = t.after or t
-    if t is not None and (t.entry.template is not t or t.dtype is not st.dtype
-                          or (t.options is not st.options and t.options != st.options)):
-        t = None
+    if t is not None:
+        entry = t.entry()
+        if (entry is None or entry.forgotten or t.dtype is not st.dtype
+                or (t.options is not st.options and t.options != st.options)):
+            t = None
     if not window.nodes:
         window.hot = t
         if t is not None and window.alive is None:

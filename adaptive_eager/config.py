@@ -439,13 +439,14 @@ def check_device(device: str, keyword: bool) -> None:
                           f"nothing: {fix}")
 
 
-def _emulated() -> bool:
-    """Whether this process has the emulated neuron device (installed by an earlier entry, or by the
-    program), without importing the emulation (it imports torch) where it was never installed."""
-    import sys
+# Whether this process has the emulated neuron device: set by ``neuron_emulation`` when it installs
+# it (at an earlier entry, or by the program), so that the settings, a layer below the emulation,
+# know it without importing the emulation (which imports torch) or looking it up.
+EMULATION_INSTALLED = [False]
 
-    emulation = sys.modules.get(__package__ + ".neuron_emulation")
-    return emulation is not None and emulation.is_emulated()
+
+def _emulated() -> bool:
+    return EMULATION_INSTALLED[0]
 
 
 _warned: set[str] = set()

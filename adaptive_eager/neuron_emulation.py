@@ -58,7 +58,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._threads import sync_value
-from .config import pass_to_children
+from .config import EMULATION_INSTALLED, pass_to_children
 
 DEVICE = "neuron"
 _lock = threading.Lock()
@@ -405,6 +405,7 @@ def emulate_neuron() -> None:
 
         CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] in _ops
         pass_to_children("emulate", "1")
+        EMULATION_INSTALLED[0] = True
         _installed = True
 
 

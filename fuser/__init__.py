@@ -26,14 +26,28 @@ from __future__ import annotations
 
 import sys
 
-from .replay import ReplayError, adopt_hot, mark_needed, placeholder_of, read_liveness, replay_window, value_is_dead
+from .replay import ReplayError, mark_needed, placeholder_of, read_liveness, replay_window, value_is_dead
 from .window import ALIAS, FRESH, VIEW, FlushResult, Node, Out, Window
 
 
-def run_window(window: Window, options, now: bool = False) -> FlushResult:
+def run_window(window: Window, options, now: bool = False, validated=None, resume=None) -> FlushResult:
     """Run ``window`` with the backend ``options`` names. Its liveness is read here, once
     (Note [Liveness during a flush]); every later step uses what was read. ``now``: without
-    waiting for any other thread (``regions.run_now``)."""
+    waiting for any other thread (``regions.run_now``). ``validated``: the region entry (an
+    earlier ``FlushResult.entry``) the tracer recorded the window against, whose nodes are then
+    the tracer's records; ``resume``: a declined run's ``FlushResult.resume``, the nodes made
+    since (Note [Validated windows] in fuser.regions)."""
+    if resume is not None or validated is not None:
+        from . import regions  # an entry exists: regions ran here
+        from .backends import get_backend
+
+        backend = None if now else get_backend(options.backend, options.device)
+        if resume is not None:
+            return regions.run_resumed(window, resume, backend, options, now)
+        live = read_liveness(window)
+        if now:
+            return regions.run_now(window, live, validated)
+        return regions.run(window, live, backend, options, validated)
     live = read_liveness(window)
     if now:
         regions = sys.modules.get("fuser.regions")
@@ -110,4 +124,4 @@ def _computed(window: Window) -> int:
 
 
 __all__ = ["Window", "Node", "Out", "FlushResult", "FRESH", "ALIAS", "VIEW", "mark_needed", "run_window", "ReplayError", "value_is_dead",
-           "placeholder_of", "adopt_hot", "metrics", "reset_metrics", "stores", "compile_jobs", "cache_clear", "cache_info"]
+           "placeholder_of", "metrics", "reset_metrics", "stores", "compile_jobs", "cache_clear", "cache_info"]

@@ -84,47 +84,94 @@ class _Plan(NamedTuple):
 class _Flush:
     """What the fuser reads of one window once per run: its liveness (read by ``fuser.run_window``:
     Note [Liveness during a flush]), its written inputs, and which nodes are needed (marked at
-    most once, by the first step that needs them)."""
+    most once, by the first step that needs them). ``validated``: the window's ``nodes`` are the
+    tracer's records, not Nodes (Note [Validated windows])."""
 
-    __slots__ = ("window", "live", "mutated", "lifted", "counts")
+    __slots__ = ("window", "live", "mutated", "lifted", "counts", "validated")
 
-    def __init__(self, window: Window, live: list[Out]):
+    def __init__(self, window: Window, live: list[Out], validated: bool = False):
         self.window = window
         self.live = live
         self.mutated = tuple(sorted(window.mutated))
         self.lifted: tuple[int, ...] = ()
         self.counts: tuple[int, int] | None = None
+        self.validated = validated
 
     def mark(self) -> tuple[int, int]:
         """(ops computed, ops dead), marking the needed nodes the first time."""
-        if self.window.hot is not None:  # a validated window whose compiled run failed: its replay
-            self.window.hot.demote(self.window, "run_failed")  # needs the nodes (Note [Hot windows])
         if self.counts is None:
             dead = mark_needed(self.window)
             self.counts = (sum(1 for n in self.window.nodes if n.needed and not n.is_view), dead)
         return self.counts
 
 
-def run(window: Window, live: list[Out], backend, options) -> FlushResult:
+# Note [Validated windows]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The tracer may record a window against the region of an earlier one, op by op, instead of in
+# full (Note [Hot windows] in adaptive_eager._hot); it then hands it over with the entry it
+# validated it against (``fuser.run_window(..., validated=entry)``). Such a window is the one a
+# full recording would have keyed to that entry, but its ``nodes`` are the tracer's own records,
+# not Nodes: the fuser never reads them. If its live values are those the entry returns
+# (``_Entry.outputs``) and the entry has its callable, the entry runs with no key built. Else, or
+# when the compiled run fails (the replay that follows needs the nodes), nothing is replayed: the
+# answer is ``FlushResult.declined`` (why) and ``resume``; the tracer turns its records into Nodes
+# and runs the window again with ``resume=`` (``run_resumed``), which takes up where the first run
+# stopped, with the liveness it read: the windows that replay whatever their key (their reason
+# again), a keyed run, or, after a failed compiled run, its replay and the blacklisting.
+class _Resume(NamedTuple):
+    """Where ``run_resumed`` takes up a validated window's run (Note [Validated windows])."""
+
+    live: list  # its liveness, as read once (Note [Liveness during a flush])
+    entry: _Entry | None = None  # with ``error``: the entry whose compiled run failed
+    error: BaseException | None = None
+    check: bool = False  # that run was the first of an artifact from disk (Note [Artifacts from disk])
+
+
+def _declined(why: str, resume: _Resume) -> FlushResult:
+    """A validated window not run as validated: nothing was run (Note [Validated windows])."""
+    return FlushResult(0, 0, 0, "declined", None, None, why, resume)
+
+
+def run(window: Window, live: list[Out], backend, options, validated: _Entry | None = None) -> FlushResult:
     """Run ``window`` (``live``: its values the program can still observe) compiled when its key
-    is hot or on disk, else by replay (Note [Tiers])."""
+    is hot or on disk, else by replay (Note [Tiers]); ``validated``: Note [Validated windows]."""
     with table.LOCK:  # Note [One lock for the region tables] in fuser.table
-        if window.passed and window.mutated and _inputs_alias(window):
-            return _replay_aliased(window, live)
-        if window.bits:
-            return _replay_bits(window, live)
-        if window.hot is not None:
-            done = _run_validated(window, live)
-            if done is not None:
-                return done
+        done = _replayed_whatever_key(window, live, validated)
+        if done is not None:
+            return done
+        if validated is not None:
+            return _run_validated(window, live, validated)
         return _run_window(_Flush(window, live), backend, options)
+
+
+def run_resumed(window: Window, resume: _Resume, backend, options, now: bool) -> FlushResult:
+    """The run a declined validated window takes up, its Nodes made (Note [Validated windows])."""
+    with table.LOCK:
+        flush = _Flush(window, resume.live)
+        if resume.error is not None:
+            return _after_failed_run(resume.entry, flush, resume.error, resume.check)
+        done = _replayed_whatever_key(window, resume.live, None)
+        if done is not None:
+            return done
+        return _run_keyed_now(flush) if now else _run_window(flush, backend, options)
+
+
+def _replayed_whatever_key(window: Window, live: list[Out], validated: _Entry | None) -> FlushResult | None:
+    """The windows replayed whatever their key: a validated one declined with that reason first."""
+    if window.passed and window.mutated and _inputs_alias(window):
+        if validated is not None:
+            return _declined("aliased_inputs", _Resume(live))
+        return _replay_aliased(window, live)
+    if window.bits:
+        if validated is not None:
+            return _declined("conj_or_neg_input", _Resume(live))
+        return _replay_bits(window, live)
+    return None
 
 
 def _replay_bits(window: Window, live: list[Out]) -> FlushResult:
     """A window with a real input holding the conjugate or negative bit: replayed, whatever its
     key (Note [Conjugate and negative bits] in fuser.compilable)."""
-    if window.hot is not None:
-        window.hot.demote(window, "conj_or_neg_input")
     STATS.not_compiled["conj_or_neg_input"] += 1
     return _replay(_Flush(window, live), "conj_or_neg_input", None)
 
@@ -133,47 +180,45 @@ def _replay_aliased(window: Window, live: list[Out]) -> FlushResult:
     """A window that writes memory it also reads through an input taken from a view (Note [Views
     of unwritten memory] in adaptive_eager._record): replayed, whatever its key, since a key does
     not say which inputs share memory."""
-    if window.hot is not None:
-        window.hot.demote(window, "aliased_inputs")
     STATS.not_compiled["aliased_inputs"] += 1
     return _replay(_Flush(window, live), "aliased_inputs", None)
 
 
-def _run_validated(window: Window, live: list[Out]) -> FlushResult | None:
-    """A window the tracer validated against the template of region ``window.hot.entry`` (Note [Hot
-    windows] in adaptive_eager._hot): if its live values are those the region returns
-    (``window.hot.live``, their uids), the region runs without a key; else None, the window demoted."""
-    entry, live_uids = window.hot.entry, window.hot.live
-    if entry.run is not None and entry.template is window.hot and len(live) == len(live_uids) and all(
-            o.uid == u for o, u in zip(live, live_uids)):
+def _run_validated(window: Window, live: list[Out], entry: _Entry) -> FlushResult:
+    """A window the tracer validated against ``entry`` (Note [Validated windows]): if its live
+    values are those the region returns, the region runs without a key; else declined."""
+    outputs = entry.outputs
+    if entry.run is not None and not entry.forgotten and len(live) == len(outputs) and all(
+            o.uid == u for o, u in zip(live, outputs)):
         STATS.cache_hits_memory += 1
         entry.group.last = tuple(window.scalars)  # as ``_scalar_key`` keeps it (the baked values are equal)
-        return _run_or_replay(entry, _Flush(window, live), "compiled")
-    window.hot.demote(window, "liveness" if entry.run is not None else "region")
-    return None
+        return _run_or_replay(entry, _Flush(window, live, validated=True), "compiled")
+    return _declined("liveness" if entry.run is not None and not entry.forgotten else "region",
+                     _Resume(live))
 
 
-def run_now(window: Window, live: list[Out]) -> FlushResult:
+def run_now(window: Window, live: list[Out], validated: _Entry | None = None) -> FlushResult:
     """``run`` for a flush that must not wait for another thread (Note [Flush at a fork] in
     adaptive_eager._mode): compiled if its region's callable is in memory, else replayed
     ("fork"); no compile, load, store access or background job, and no wait for one in flight."""
     with table.LOCK:
-        if window.passed and window.mutated and _inputs_alias(window):
-            return _replay_aliased(window, live)
-        if window.bits:
-            return _replay_bits(window, live)
-        if window.hot is not None:
-            done = _run_validated(window, live)
-            if done is not None:
-                return done
-        flush = _Flush(window, live)
-        entry = _entry_of(flush)
-        if entry is None:
-            return FlushResult(0, 0, len(window.nodes), "dead", None)
-        if entry.run is not None:
-            STATS.cache_hits_memory += 1
-            return _run_or_replay(entry, flush, "compiled")
-        return _replay(flush, "fork", entry.region)
+        done = _replayed_whatever_key(window, live, validated)
+        if done is not None:
+            return done
+        if validated is not None:
+            return _run_validated(window, live, validated)
+        return _run_keyed_now(_Flush(window, live))
+
+
+def _run_keyed_now(flush: _Flush) -> FlushResult:
+    window = flush.window
+    entry = _entry_of(flush)
+    if entry is None:
+        return FlushResult(0, 0, len(window.nodes), "dead", None)
+    if entry.run is not None:
+        STATS.cache_hits_memory += 1
+        return _run_or_replay(entry, flush, "compiled")
+    return _replay(flush, "fork", entry.region)
 
 
 def _entry_of(flush: _Flush) -> _Entry | None:
@@ -186,6 +231,8 @@ def _entry_of(flush: _Flush) -> _Entry | None:
     group, flush.lifted, baked = _scalar_key(structure, window.scalars, window)
     entry = CACHE.get((group, flush.lifted, baked))  # the group stands for the structure: Note [Region key]
     entry.group = group
+    if entry.outputs is None:
+        entry.outputs = structure[1]
     return entry
 
 
@@ -472,17 +519,24 @@ def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str) -> FlushResult:
         else:
             launched = _run_compiled(entry, flush.window, flush.live, check)
     except Exception as e:  # never the program's problem: replay
-        # Replay raises eager's own error when the data is at fault (an index out of range, a
-        # singular matrix's check): the region is sound and stays. If replay succeeds, the
-        # compiled code was wrong for this window: blacklist it.
-        done = _replay(flush, "run_failed", entry.region)
-        if check:
-            entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
-        _blacklist(entry, f"run failed: {type(e).__name__}: {e}", "run_failed")
-        return done
+        if flush.validated:  # its replay needs the nodes: Note [Validated windows]
+            return _declined("run_failed", _Resume(flush.live, entry, e, check))
+        return _after_failed_run(entry, flush, e, check)
     if check:
         entry.run = entry.run.run
     return FlushResult(launched, *entry.counts, outcome, entry.region, entry)
+
+
+def _after_failed_run(entry: _Entry, flush: _Flush, e: BaseException, check: bool) -> FlushResult:
+    """``entry``'s compiled run of ``flush``'s window raised ``e``: the window replays. Replay
+    raises eager's own error when the data is at fault (an index out of range, a singular matrix's
+    check): the region is sound and stays. If replay succeeds, the compiled code was wrong for
+    this window: blacklisted."""
+    done = _replay(flush, "run_failed", entry.region)
+    if check:
+        entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
+    _blacklist(entry, f"run failed: {type(e).__name__}: {e}", "run_failed")
+    return done
 
 
 def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = True, detail: str | None = None) -> None:

@@ -7,21 +7,18 @@ into the placeholder the program holds (see Note [Placeholders] in ``fuser.windo
 
 from __future__ import annotations
 
-import weakref
 from itertools import compress
-from operator import attrgetter, not_
+from operator import not_
 
 import torch
 
-from .window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot, storage_bytes
+from .window import ALIAS, FRESH, VIEW, Node, Out, Window, storage_bytes
 
 _storage_use_count = torch._C._storage_Use_Count
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched: see adaptive_eager._patches
 _expired = torch.UntypedStorage._expired
 _from_weak = torch.UntypedStorage._new_with_weak_ptr
 _any_autocast = torch._C._is_any_autocast_enabled
-_weakref = weakref.ref
-_uid = attrgetter("uid")
 
 
 _nbytes = torch._C.StorageBase.nbytes  # the C method (adaptive_eager wraps UntypedStorage.nbytes)
@@ -63,45 +60,10 @@ def read_liveness(window: Window) -> list[Out]:
     ``Out``'s value for the window's later ops). It must not fail: a compiled region that writes
     its inputs in place (Note [In-place regions] in ``fuser.compilable``) has already written them
     when its outputs are bound, and the replay that follows a failed run would write them twice."""
-    if window.alive is not None:
-        adopt_hot(window)  # a hot window's survivors: Note [Hot liveness] in adaptive_eager._hot
     live = window.live = list(compress(window.fresh, map(not_, map(_expired, window.handles))))
     for o in live:  # the others keep ``Out.live`` False, as they were made
         o.live = True
     return live
-
-
-def adopt_hot(window: Window) -> None:
-    """End a hot window's liveness by tensor (Note [Hot liveness] in adaptive_eager._hot): each value
-    whose tensor still lives becomes an ordinary FRESH Out, with its weak storage handle, in
-    ``Window.fresh`` and ``Window.handles`` in window order; the values that died left nothing.
-    At a flush (``read_liveness``), at a demotion, and before a failed flush settles its values."""
-    alive = window.alive
-    if alive is None:
-        return
-    refs = list(alive)  # a copy first: a value dying now takes its reference out of the set
-    alive.clear()  # the references' callbacks name the set: no cycle is left behind
-    window.alive = window.discard = None
-    outs = []
-    for r in refs:
-        o = r.out
-        if o.storage is not None:
-            continue  # a viewed value, live by its storage already (Note [Hot views] in adaptive_eager._hot)
-        t = r()
-        if t is not None:
-            finish_hot(o, _weakref(t), _untyped_storage(t)._weak_ref())  # Note [Hot Outs] in fuser.window
-            outs.append(o)
-    # a hot window was hot from its first op (``expect_hot`` arms only an empty one): its only other
-    # FRESH Outs are the viewed values
-    fresh = window.fresh
-    if fresh:
-        outs.extend(fresh)
-        fresh.clear()
-        window.handles.clear()
-    if len(outs) > 1:
-        outs.sort(key=_uid)
-    fresh.extend(outs)
-    window.handles.extend([o.storage for o in outs])
 
 
 def mark_needed(window: Window) -> int:
@@ -352,5 +314,5 @@ def _drop_last_reads(node: Node) -> None:
             inp.value = None
 
 
-__all__ = ["replay_window", "mark_needed", "read_liveness", "adopt_hot", "value_is_dead", "placeholder_of", "ReplayError", "FRESH",
+__all__ = ["replay_window", "mark_needed", "read_liveness", "value_is_dead", "placeholder_of", "ReplayError", "FRESH",
            "ALIAS", "VIEW"]

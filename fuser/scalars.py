@@ -86,8 +86,8 @@ def optimizer_floats(window) -> dict[int, tuple]:
     """The floats of ``window``'s optimizer step that become runtime inputs before any change is
     seen (Note [Scalar lifting]): index -> (op, position)."""
     start, found = window.lift_from, {}
-    if start is None or window.hot is not None:
-        return found  # a hot window's group has seen windows already
+    if start is None:
+        return found
     for node in window.nodes:
         if node.fpos and node.fbase + len(node.fpos) > start:
             for j, pos in enumerate(node.fpos):

@@ -22,7 +22,7 @@ _REGION_IDS = itertools.count(1)
 class _Entry:
     __slots__ = ("seen", "run", "n_live", "mutated", "inplace", "blacklisted", "future", "lifted_inputs", "group",
                  "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic",
-                 "template", "loading")
+                 "outputs", "forgotten", "loading", "__weakref__")
 
     def __init__(self):
         # short id for logs and the profiler: pkey[:8] once the persistent key is known
@@ -45,9 +45,13 @@ class _Entry:
         self.pkey: str | None = None  # persistent key (Program.digest), computed at first sight
         self.other_process = False  # another process holds the compile claim for pkey
         self.counts = (0, 0)  # (ops computed, ops dead) of this structure, for metrics()
-        # the tracer's template of this region's windows (Note [Hot windows] in adaptive_eager._hot):
-        # None until its first compiled run, False for a window the tracer cannot record hot
-        self.template = None
+        # uids of the values this structure's windows return (the live values of its key): what a
+        # window validated against it must return to run it (Note [Validated windows] in fuser.regions)
+        self.outputs: tuple[int, ...] | None = None
+        # dropped from the tables by ``cache_clear``: no window runs validated against it any more,
+        # and the tracer arms no window with it (it reads this; ``__weakref__``: it keeps its own
+        # table of entries, weakly)
+        self.forgotten = False
 
 
 CACHE = LRU(_Entry)  # in-memory regions by key (Note [Region key] in fuser.regions)
@@ -57,7 +61,7 @@ def cache_clear() -> None:
     """Forget the regions, shape classes and scalar groups in memory (``fuser.cache_clear``)."""
     with LOCK:
         for entry in CACHE.entries.values():
-            entry.template = None  # forgotten: no window is recorded against it any more
+            entry.forgotten = True
         CACHE.clear()
         _CLASSES.clear()
         _FAMILIES.clear()

@@ -125,7 +125,7 @@ class Out:
 # records set: ``win``, ``kind`` (FRESH), ``uid``, ``meta``, ``slot`` (-1) and ``storage`` (None).
 # ``__init__`` (13 stores and a Python frame) was the largest single cost of a hot record (Note
 # [Hot record cost] in adaptive_eager._hot). Before anything reads the rest (the flush, a replay, a
-# demotion's Nodes) it is completed by ``finish_hot``: ``fuser.replay.adopt_hot`` for each value
+# demotion's Nodes) it is completed by ``finish_hot``: ``adaptive_eager._hot.adopt_hot`` for each value
 # whose tensor lives, ``Template.demote`` for a dead one an ALIAS Out names. Nothing else can reach
 # a hot Out: its tensor's mark, its ``HotRef`` (both adopted) and an ALIAS Out's ``alias``.
 
@@ -193,9 +193,13 @@ class FlushResult(NamedTuple):
     launches: int  # device launches: ops replayed, compiled runs and their copies
     computed: int  # ops computed (a compiled region counts its ops: the compiler does its own dead-code elimination)
     dead: int  # ops found dead (nothing observes their values)
-    outcome: str  # "compiled", "loaded" (from disk), "replayed", "compiling" or "loading" (replayed meanwhile), "dead"
+    # "compiled", "loaded" (from disk), "replayed", "compiling" or "loading" (replayed meanwhile), "dead",
+    # or "declined": a validated window not run as validated, nothing run (Note [Validated windows] in fuser.regions)
+    outcome: str
     region: str | None  # a short stable hex id of its region; None on the replay backend
     entry: object = None  # the region entry it ran compiled with (``table._Entry``), else None
+    declined: str | None = None  # "declined": why (a cause of ``hot_mismatches``)
+    resume: object = None  # "declined": what ``fuser.run_window(..., resume=)`` takes up
 
 
 class Token:
@@ -243,11 +247,10 @@ class Window:
         self.others: list[Out] = []  # the ALIAS and VIEW Outs
         self.live: list[Out] = []  # the FRESH Outs found live at the flush (``Out.live``)
         self.viewed: set[int] = set()  # storages of real 0-dim tensors with recorded views
-        # Note [Hot windows] in adaptive_eager._hot: while ``hot`` (the tracer's template of the
-        # expected window) is set, ``nodes`` holds the tracer's hot records, not Nodes; code that
-        # reads nodes calls ``hot.demote(window, cause)`` first, which builds them and clears it.
-        # ``hot.entry`` is the region the window was validated against, ``hot.live`` the uids of
-        # the values that region returns (``fuser.regions._run_validated``)
+        # the tracer's (Note [Hot windows] in adaptive_eager._hot): while ``hot`` (its template of the
+        # expected window) is set, ``nodes`` holds its hot records, not Nodes; it hands such a
+        # window over only as validated (Note [Validated windows] in fuser.regions), whose nodes
+        # the fuser never reads
         self.hot = None
         self.hot_miss: tuple | None = None  # (cause, position) of the last op that did not match
         # storages the program freed (``resize_(0)``) while ops of this window still use them, by
@@ -256,7 +259,8 @@ class Window:
         self.frees: dict = {}
         # while hot: a ``HotRef`` per FRESH value whose tensor lives, and its callback (``alive.discard``),
         # instead of ``fresh``/``handles`` entries (Note [Hot liveness] in adaptive_eager._hot); None
-        # once ``fuser.replay.adopt_hot`` has turned the survivors into ordinary FRESH Outs
+        # once ``adaptive_eager._hot.adopt_hot`` has turned the survivors into ordinary FRESH Outs
+        # (the tracer's: before it hands the window over)
         self.alive: set | None = None
         self.discard = None
         # how many of its hot records ``METRICS`` counts already (``adaptive_eager._hot.count_hot``)

@@ -451,8 +451,8 @@ def test_flush_result_outcome_and_region_for_the_flush_log(monkeypatch):
     seen = []
     real_run = fuser.regions.run
 
-    def spy(window, live, backend, options):
-        result = real_run(window, live, backend, options)
+    def spy(window, live, backend, options, *validated):
+        result = real_run(window, live, backend, options, *validated)
         seen.append((result.outcome, result.region))
         return result
 

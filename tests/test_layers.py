@@ -121,6 +121,15 @@ def _imports(path, modules: set[str]) -> list[tuple[int, str]]:
                 parts = a.name.split(".")
                 if parts[0] == "adaptive_eager":
                     names.append(parts[1] if len(parts) > 1 else "__init__")
+        elif _is_sys_modules_lookup(node):  # a module found without an import: the same edge
+            key = node.slice if isinstance(node, ast.Subscript) else (node.args[0] if node.args else None)
+            for c in ast.walk(key) if key is not None else ():
+                if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                    parts = c.value.lstrip(".").split(".")
+                    if c.value.startswith("."):
+                        names.append(parts[0])
+                    elif parts[0] == "adaptive_eager" and len(parts) > 1:
+                        names.append(parts[1])
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
@@ -131,6 +140,20 @@ def _imports(path, modules: set[str]) -> list[tuple[int, str]]:
                     names = [parts[1] if len(parts) > 1 else "__init__"]
         found += [(node.lineno, n) for n in names if n in modules and n != path.stem]
     return found
+
+
+def _is_sys_modules_lookup(node) -> bool:
+    """``sys.modules[...]`` or ``sys.modules.get(...)``."""
+    import ast
+
+    def is_sys_modules(x) -> bool:
+        return (isinstance(x, ast.Attribute) and x.attr == "modules" and isinstance(x.value, ast.Name)
+                and x.value.id == "sys")
+
+    if isinstance(node, ast.Subscript):
+        return is_sys_modules(node.value)
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and is_sys_modules(node.func.value))
 
 
 def test_imports_inside_adaptive_eager_never_go_up_a_layer():
@@ -156,3 +179,26 @@ def test_the_layer_check_sees_deferred_imports(tmp_path):
     module.write_text("def f():\n    from ._patches import apply_frees\n    import importlib\n"
                       "    importlib.import_module('._mode', __package__)\n")
     assert _imports(module, {"_flush", "_patches", "_mode"}) == [(2, "_patches"), (4, "_mode")]
+    module = tmp_path / "config.py"
+    module.write_text("import sys\ndef f():\n    return sys.modules.get(__package__ + '.neuron_emulation')\n"
+                      "g = sys.modules['adaptive_eager._mode']\n")
+    assert sorted(_imports(module, {"config", "neuron_emulation", "_mode"})) == [(3, "neuron_emulation"), (4, "_mode")]
+
+
+# the tracer's fields of a Window (Note [Hot windows] in adaptive_eager._hot) and of its templates
+_TRACER_STATE = {"hot", "alive", "hot_miss", "hot_counted", "frees", "demote", "template"}
+
+
+def test_the_fuser_reads_none_of_the_tracers_hot_state():
+    """State has one owner (Note [Validated windows] in fuser.regions): the fuser gets a validated
+    window with the entry it was validated against, and answers why it declined it; it reads no
+    template, demotes nothing and adopts no hot liveness (``Window.__init__`` declares the fields)."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(__file__).resolve().parents[1] / "fuser"
+    found = [f"{path.relative_to(package)}:{node.lineno} .{node.attr}"
+             for path in sorted(package.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in _TRACER_STATE
+             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert found == [], f"the fuser touches the tracer's hot-window state: {found}"
