@@ -31,10 +31,10 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import BackendCompileError, below_autograd, check_graph, op_name, restrided
+from ._common import BackendCompileError, IndexOutOfRange, below_autograd, check_graph, op_name, restrided
 from ._stablehlo_lowering import (
-    _alone, _aliases, _dtype, _examples, _functional, _input_key, _lower, _miscompiled, _output_plan, _returning,
-    _signature, _wire, _write_back,
+    OUT_OF_RANGE, _alone, _aliases, _checks_indices, _dtype, _examples, _functional, _input_key, _lower, _miscompiled,
+    _output_plan, _returning, _signature, _wire, _write_back,
 )
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _FORMAT = 1
 # What the lowering lowers (Note [Our decompositions]): in the fingerprint, so a cached split region
 # whose ops ran alone before a decomposition existed is compiled again, whole. Bump on such a change.
-_LOWERING = 3
+_LOWERING = 4
 _MAGIC = b"adaptive-eager stablehlo\n"
 _DEVICE_TYPES = ("cpu",)
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "jax": "jax", "jaxlib": "jaxlib"}
@@ -186,10 +186,13 @@ class StablehloBackend:
     def _lower_region(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
                       ) -> tuple[list, list, list, str]:
         """The output plan (Note [Outputs that share storage]), the inputs the region writes (Note
-        [Regions that write their inputs]) and the StableHLO of ``gm``."""
+        [Regions that write their inputs]) and the StableHLO of ``gm``; the results end with the
+        out-of-range flag where ``gm`` reads indices (Note [Checked indices])."""
         gm, writes = _functional(gm)
         roots, results, outputs = _output_plan(gm, example_inputs, self.narrow_64bit)
-        return results, outputs, writes, _lower(_returning(gm, roots), example_inputs, self.narrow_64bit)
+        checked = _checks_indices(gm)
+        text = _lower(_returning(gm, roots, checked), example_inputs, self.narrow_64bit)
+        return results + [OUT_OF_RANGE] * checked, outputs, writes, text
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> bytes:
         """Lower ``gm`` to StableHLO and compile it into a serialized XLA executable (Note [StableHLO lowering])."""
@@ -227,6 +230,7 @@ class StablehloBackend:
             "results": results,
             "outputs": outputs,
             "writes": writes,
+            "bounds": results[-1:] == [OUT_OF_RANGE],  # Note [Checked indices]
             **extra,
         }
         artifact = _pack(header, blob, self.magic)
@@ -303,9 +307,13 @@ class StablehloBackend:
             cpu_data, on_device, ran = _HOST_DEVICES[self.device_type]
             on_cpu = results
 
+            # the out-of-range flag stays on the host: the callable reads it (Note [Checked indices])
+            n_device = len(header["results"]) - header.get("bounds", False)
+
             def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
                 ran()
-                return [on_device(r) for r in on_cpu([cpu_data(t) for t in args])]
+                roots = on_cpu([cpu_data(t) for t in args])
+                return [on_device(r) for r in roots[:n_device]] + roots[n_device:]
 
         return results
 
@@ -352,6 +360,15 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
             roots[k] = roots[k].to(dtype)
         return roots
 
+    if header.get("bounds"):  # Note [Checked indices]: the last result says whether an index was out of range
+        computed = results
+
+        def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
+            roots = computed(args)
+            if roots.pop().item():
+                raise IndexOutOfRange("an index of the region is out of range: its ops run eagerly, whose kernel "
+                                      "raises eager's error (Note [Checked indices])")
+            return roots
     fixes = [(k, r["shape"], r["stride"]) for k, r in enumerate(header["results"]) if r["stride"] is not None]
     if fixes:  # results eager lays out otherwise: copied into eager's strides
         results = restrided(results, fixes)
