@@ -633,3 +633,15 @@ def test_foreach_ops_lower_per_tensor():
     got = backend.load(backend.compile(gm, inputs))(inputs)
     for g, e in zip(got, step(*inputs)):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+@needs_stablehlo
+def test_a_region_whose_result_is_a_0_dim_bool_is_not_taken_for_its_bounds_flag(fresh_regions):
+    """Note [Checked indices]: the out-of-range flag is the last result only of a region that reads
+    indices; a region returning one 0-dim bool of its own (``all``: GPT-2's attention mask test)
+    returns it, in range or not."""
+    x = torch.randn(5)
+    with ae.adaptive_eager(**STABLEHLO):
+        got = [bool((x * k > -10).all()) for k in (1, 100)]
+    assert got == [bool((x * k > -10).all()) for k in (1, 100)]
+    assert ae.metrics()["blacklisted"] == 0, ae.metrics()

@@ -184,15 +184,15 @@ class StablehloBackend:
         return None
 
     def _lower_region(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
-                      ) -> tuple[list, list, list, str]:
+                      ) -> tuple[list, list, list, str, bool]:
         """The output plan (Note [Outputs that share storage]), the inputs the region writes (Note
-        [Regions that write their inputs]) and the StableHLO of ``gm``; the results end with the
-        out-of-range flag where ``gm`` reads indices (Note [Checked indices])."""
+        [Regions that write their inputs]), the StableHLO of ``gm``, and whether its results end
+        with the out-of-range flag (where ``gm`` reads indices: Note [Checked indices])."""
         gm, writes = _functional(gm)
         roots, results, outputs = _output_plan(gm, example_inputs, self.narrow_64bit)
         checked = _checks_indices(gm)
         text = _lower(_returning(gm, roots, checked), example_inputs, self.narrow_64bit)
-        return results + [OUT_OF_RANGE] * checked, outputs, writes, text
+        return results + [OUT_OF_RANGE] * checked, outputs, writes, text, checked
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> bytes:
         """Lower ``gm`` to StableHLO and compile it into a serialized XLA executable (Note [StableHLO lowering])."""
@@ -213,10 +213,10 @@ class StablehloBackend:
         start = time.perf_counter()
         lowered, self._lowered = self._lowered, None
         if lowered is not None and lowered[0]() is gm and lowered[1] == _input_key(example_inputs):
-            results, outputs, writes, text = lowered[2]  # lowered by ``unsupported`` a moment ago
+            results, outputs, writes, text, bounds = lowered[2]  # lowered by ``unsupported`` a moment ago
         else:
             try:
-                results, outputs, writes, text = self._lower_region(gm, example_inputs)
+                results, outputs, writes, text, bounds = self._lower_region(gm, example_inputs)
             except BackendCompileError as e:
                 e.target = self._culprit(gm)  # the fuser compiles the rest with it run alone
                 raise
@@ -230,7 +230,7 @@ class StablehloBackend:
             "results": results,
             "outputs": outputs,
             "writes": writes,
-            "bounds": results[-1:] == [OUT_OF_RANGE],  # Note [Checked indices]
+            "bounds": bounds,  # Note [Checked indices]
             **extra,
         }
         artifact = _pack(header, blob, self.magic)
