@@ -567,10 +567,10 @@ def test_a_split_region_stores_its_inputs_in_one_last_launch(fresh_regions):
     m = ae.metrics()
     assert m["compile_failures"] == 0 and kept, m
     # no write-back copy through the fuser: the split region's run is its 2 pieces (the updates and
-    # the checked index, then one that stores all 3 inputs), the 3 clones before those stores (stablehlo's
-    # caller), the 3 bessel_j0 run alone, and the index's range check (aminmax, 2 reads: Note
-    # [Errors from data]): Note [Launches of a compiled callable]
-    assert [launches[i] for i in (1, 2, 4)] == [2 + 3 + 3 + 3] * 3, launches
+    # the checked index, then one that stores all 3 inputs: no clone before those stores, as no
+    # store writes what another reads), the 3 bessel_j0 run alone, and the index's range check
+    # (aminmax, 2 reads: Note [Errors from data]): Note [Launches of a compiled callable]
+    assert [launches[i] for i in (1, 2, 4)] == [2 + 3 + 3] * 3, launches
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert [o is None for o in got_outs] == [o is None for o in want_outs] == [False, False, False, True, False]

@@ -375,8 +375,11 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
 
     writes = header.get("writes", [])
     n_out = len(outputs) - len(writes)
-    # a new value that is a view of an input is read before any store: another store may write that input
-    from_input = [of_input for of_input, _, _ in outputs[n_out:]]
+    # The stores run in order, each reading its new value then: a new value that is a view of an
+    # input is cloned first only where an earlier store or its own writes that input (distinct
+    # slots are distinct storages: a window whose written input shares storage with another input
+    # is not compiled, Note [In-place regions] in fuser.compilable)
+    from_input = [of_input and k in writes[:i + 1] for i, (of_input, k, _) in enumerate(outputs[n_out:])]
 
     def run(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         args = inputs
@@ -391,7 +394,7 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
             for of_input, k, view in outputs
         )
         if writes:
-            values = [v.clone() if of_input else v for v, of_input in zip(outs[n_out:], from_input)]
+            values = [v.clone() if overwritten else v for v, overwritten in zip(outs[n_out:], from_input)]
             store(inputs, list(zip(writes, values)))
             return outs[:n_out]
         return outs
