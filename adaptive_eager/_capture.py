@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fuser.backends._common import IndexOutOfRange, launches_of
+from fuser.backends._common import EagerWouldRaise, launches_of
 
 from ._flush import _modes_off, flush
 from ._log import log
@@ -81,7 +81,7 @@ from ._state import current_state
 #   decompositions (the lowering has its own); an op the lowering runs alone (Note [Ops that run
 #   alone] in fuser.backends._stablehlo_lowering) splits the graph, and each piece and op run
 #   alone counts as a launch. An index out of range makes the compiled run raise
-#   ``IndexOutOfRange`` having written nothing (Note [Checked indices] there): that call runs op by
+#   ``EagerWouldRaise`` having written nothing (Note [Checked indices] there): that call runs op by
 #   op, where eager's kernel raises its error. The ``neuron`` backend shares the lowering but has not run
 #   on hardware.
 # - A program that Program's codec cannot describe (an op outside ATen, a non-tensor output)
@@ -435,7 +435,7 @@ class _Graph:
             outs = run(inputs)
             if not self.checked:
                 self._check(outs)
-        except IndexOutOfRange:
+        except EagerWouldRaise:
             # Note [Checked indices] in fuser.backends._stablehlo_lowering: the run wrote nothing;
             # op by op, eager's kernel raises its error (the graph stays compiled)
             return self._op_by_op(args)

@@ -278,22 +278,25 @@ def _dense_literals():
 # Note [Checked indices]
 # ~~~~~~~~~~~~~~~~~~~~~~
 # XLA's gather and scatter clamp an index out of range (``x[tensor([1, 10])]`` of 5 values gives
-# ``x[1] + x[4]``) where eager raises (``IndexError: index 10 is out of bounds``). So the lowered
-# region computes, besides its results, one boolean: whether any index an op reads is out of the
-# range eager's kernel accepts (``_INDEX_CHECKS``: the indexed dimension's size, from ``-n`` where
-# eager counts a negative index from the end, else from 0; a class target of ``nll_loss`` in
-# ``[0, C)`` or ``ignore_index``), the ORs of each op's test. It is the executable's last result
-# (the header's ``bounds``), and the callable reads it before anything else (``caller`` in
-# ``stablehlo``): set, it raises ``IndexOutOfRange`` and stores nothing into the inputs, so the
+# ``x[1] + x[4]``) where eager raises (``IndexError: index 10 is out of bounds``), and XLA divides
+# integers by zero where eager raises ZeroDivisionError. So the lowered region computes, besides its
+# results, one boolean: whether any value an op reads is one its eager kernel refuses
+# (``_INDEX_CHECKS``: an index out of the indexed dimension's size, from ``-n`` where eager counts
+# a negative index from the end, else from 0; a class target of ``nll_loss`` out of ``[0, C)``,
+# not ``ignore_index``; an integer divisor of 0), the OR of each op's test. It is the executable's
+# last result (the header's ``bounds``), and the callable reads it before anything else (``caller``
+# in ``stablehlo``): set, it raises ``EagerWouldRaise`` and stores nothing into the inputs; its
 # caller runs the region's ops eagerly (a window's replay, a captured graph's op-by-op run), and
 # eager's kernel raises its own error, at the op, with the program's state as eager leaves it.
-# Why nothing is stored first: the eager run reads the region's inputs as they were, and a
-# parameter or optimizer state written by the failed run would be updated twice. (The neuron
-# backend, whose NEFF writes inputs as it runs, compiles such regions with write-backs instead:
-# ``stores_after_run`` is False, Note [In-place regions] in fuser.compilable.)
+# Nothing is stored first because that eager run reads the region's inputs as they were: a
+# parameter or optimizer state the failed run had written would be read updated, and updated twice.
+# (The neuron backend, whose NEFF writes inputs as it runs, compiles such regions with write-backs
+# instead: ``stores_after_run`` is False, Note [In-place regions] in fuser.compilable.)
 # Where eager counts a negative index from the end (``index``, ``index_put``, ``index_fill``), the
 # lowered op gets ``where(i < 0, i + n, i)``: XLA's gather would clamp it to 0. The test costs a
 # compare and a reduction per index (a few hundred token ids), and one byte read back per run.
+# Not caught: an int64 index beyond int32 where the region computes in 32 bits (Note [64-bit
+# types], neuron only): it is narrowed, wrapping, before the test.
 def _size(t: torch.Tensor, dim) -> int | None:
     """The size of ``t``'s dimension ``dim`` (a 0-dim tensor has one of size 1); None where unknown."""
     if type(dim) is not int or not isinstance(t, torch.Tensor):
@@ -361,8 +364,23 @@ def _target_check(target, args, kwargs):
     return [] if n is None else [(labels, 0, n, ignore if type(ignore) is int else None, None)]
 
 
+def _divisor_check(target, args, kwargs):
+    """Integer ``floor_divide``, ``fmod``, ``div`` with a rounding mode: no zero divisor (eager
+    raises ZeroDivisionError; XLA divides)."""
+    names = [a.name for a in target._schema.arguments]
+    if "other" not in names or (target._overloadpacket.__name__.startswith("div")
+                                and _arg(target, args, kwargs, "rounding_mode")[0] is None):
+        return []
+    self, _ = _arg(target, args, kwargs, "self")
+    other, _ = _arg(target, args, kwargs, "other")
+    if isinstance(self, torch.Tensor) and self.dtype not in _INT_INDEX or type(self) is float:
+        return []
+    return [(other, None, None, None, None)]
+
+
 # overload packet -> its check (Note [Checked indices]); each gives, per index it reads: (the
-# index, its least and its bound, an allowed value, where to put it wrapped or None)
+# index, its least and its bound, an allowed value, where to put it wrapped or None); a divisor
+# has no bounds: zero is its one bad value
 _INDEX_CHECKS = {
     **dict.fromkeys(("index", "index_put", "index_put_", "_index_put_impl", "_index_put_impl_"), _indices_check),
     **dict.fromkeys(("index_select", "gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_reduce",
@@ -370,6 +388,7 @@ _INDEX_CHECKS = {
                      "scatter_reduce_"), _dim_check(False)),
     **dict.fromkeys(("index_fill", "index_fill_"), _dim_check(True)),  # eager counts a negative index from the end
     "embedding": _embedding_check,
+    **dict.fromkeys(("floor_divide", "floor_divide_", "fmod", "fmod_", "div", "div_"), _divisor_check),
     # not their backward: autograd refuses a saved target changed since the forward read it
     **dict.fromkeys(("nll_loss_forward", "nll_loss2d_forward"), _target_check),
 }
@@ -399,12 +418,12 @@ class _Checked(torch.fx.Interpreter):
             for index, lo, hi, allowed, wrap in check(target, args, kwargs):
                 if not isinstance(index, torch.Tensor) or index.dtype not in _INT_INDEX or index.numel() == 0:
                     continue
-                bad = (index < lo) | (index >= hi)
+                bad = index == 0 if lo is None else (index < lo) | (index >= hi)
                 if allowed is not None:
                     bad = bad & (index != allowed)
                 bad = bad.any()
                 self.out_of_range = bad if self.out_of_range is None else self.out_of_range | bad
-                if wrap is not None and lo < 0:
+                if wrap is not None:
                     wrapped = torch.where(index < 0, index + hi, index)
                     where, k = wrap
                     box = args if type(where) is int else kwargs

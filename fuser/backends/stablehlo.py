@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import BackendCompileError, IndexOutOfRange, below_autograd, check_graph, op_name, restrided
+from ._common import BackendCompileError, EagerWouldRaise, below_autograd, check_graph, op_name, restrided
 from ._stablehlo_lowering import (
     OUT_OF_RANGE, _alone, _aliases, _checks_indices, _dtype, _examples, _functional, _input_key, _lower, _miscompiled,
     _output_plan, _returning, _signature, _wire, _write_back,
@@ -366,8 +366,8 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
         def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
             roots = computed(args)
             if roots.pop().item():
-                raise IndexOutOfRange("an index of the region is out of range: its ops run eagerly, whose kernel "
-                                      "raises eager's error (Note [Checked indices])")
+                raise EagerWouldRaise("the region reads a value its eager op refuses (an index out of range): its "
+                                      "ops run eagerly, whose kernel raises eager's error (Note [Checked indices])")
             return roots
     fixes = [(k, r["shape"], r["stride"]) for k, r in enumerate(header["results"]) if r["stride"] is not None]
     if fixes:  # results eager lays out otherwise: copied into eager's strides
