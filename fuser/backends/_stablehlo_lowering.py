@@ -369,8 +369,8 @@ def _divisor_check(target, args, kwargs):
     raises ZeroDivisionError; XLA divides)."""
     names = [a.name for a in target._schema.arguments]
     if "other" not in names or (target._overloadpacket.__name__.startswith("div")
-                                and _arg(target, args, kwargs, "rounding_mode")[0] is None):
-        return []
+                                and ("rounding_mode" not in names or _arg(target, args, kwargs, "rounding_mode")[0] is None)):
+        return []  # true division: a float result, no error
     self, _ = _arg(target, args, kwargs, "self")
     other, _ = _arg(target, args, kwargs, "other")
     if isinstance(self, torch.Tensor) and self.dtype not in _INT_INDEX or type(self) is float:
