@@ -24,7 +24,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fuser.backends._common import launches_of
+from fuser.backends._common import EagerWouldRaise, launches_of
 
 from ._flush import _modes_off, flush
 from ._log import log
@@ -79,9 +79,11 @@ from ._state import current_state
 # - Backends: ``inductor`` on cpu and cuda; ``stablehlo`` (on the emulated device, Note [Emulated
 #   tensors under Dynamo] in ``neuron_emulation``) and ``neuron`` on ``neuron``, through the lowering regions use, so a hot Trainium step is an executable for the
 #   forward, one for the backward and one for the optimizer step. Their graphs take no Inductor
-#   decompositions (the lowering has its own); an op the lowering runs alone (an index op: Note
-#   [Unchecked indices] in fuser.backends._stablehlo_lowering) splits the graph, and each piece
-#   and op run alone counts as a launch. The ``neuron`` backend shares the lowering but has not run
+#   decompositions (the lowering has its own); an op the lowering runs alone (Note [Ops that run
+#   alone] in fuser.backends._stablehlo_lowering) splits the graph, and each piece and op run
+#   alone counts as a launch. An index out of range makes the compiled run raise
+#   ``EagerWouldRaise`` having written nothing (Note [Checked indices] there): that call runs op by
+#   op, where eager's kernel raises its error. The ``neuron`` backend shares the lowering but has not run
 #   on hardware.
 # - A program that Program's codec cannot describe (an op outside ATen, a non-tensor output)
 #   keeps running op by op, counted (``module_uncompiled_graphs``).
@@ -472,16 +474,7 @@ class _Graph:
         if run is None and self.program is not None and time.perf_counter() >= self.next_poll:
             run = self._obtain()
         if run is None:
-            # each op of the graph runs on the device: as many launches (an optimizer's step is
-            # counted as one by ``_optim._count_launches``)
-            if self.who == "module":
-                METRICS.module_uncompiled_runs += 1
-                METRICS.launches += self.ops
-                METRICS.eager_equivalent_launches += self.ops
-            else:
-                METRICS.optimizer_uncompiled_runs += 1
-                METRICS.launches += self.ops - 1
-            return self._eager(args)
+            return self._op_by_op(args)
         inputs = list(args)
         mutated = self.program.mutated
         # Note [Written inputs]: an unverified artifact writes copies, so that a failed first run
@@ -493,6 +486,10 @@ class _Graph:
             outs = run(inputs)
             if not self.checked:
                 self._check(outs)
+        except EagerWouldRaise:
+            # Note [Checked indices] in fuser.backends._stablehlo_lowering: the run wrote nothing;
+            # op by op, eager's kernel raises its error (the graph stays compiled)
+            return self._op_by_op(args)
         except Exception as e:  # noqa: BLE001 - never the program's: the graph runs op by op from now on
             self._fail(e)
             return self._eager(args)
@@ -514,6 +511,18 @@ class _Graph:
             # the step itself is one launch (``_optim._count_launches``)
             METRICS.launches += launched - 1 + written
         return [None if how is None else (args[how[1]] if how[0] == "in" else outs[how[1]]) for how in self.plan]
+
+    def _op_by_op(self, args):
+        # each op of the graph runs on the device: as many launches (an optimizer's step is
+        # counted as one by ``_optim._count_launches``)
+        if self.who == "module":
+            METRICS.module_uncompiled_runs += 1
+            METRICS.launches += self.ops
+            METRICS.eager_equivalent_launches += self.ops
+        else:
+            METRICS.optimizer_uncompiled_runs += 1
+            METRICS.launches += self.ops - 1
+        return self._eager(args)
 
     def _check(self, outs) -> None:
         """Note [Artifacts from disk] in fuser.compile: an artifact's first outputs are checked."""

@@ -10,12 +10,17 @@ import torch.nn.functional as F
 
 import adaptive_eager as ae
 from adaptive_eager import adaptive_eager
+from fuser.backends.stablehlo import missing_requirements
 
 CONFIGS = {
     "replay": dict(backend="replay"),
     # every window compiled at first sight, in this thread
     "compiled": dict(backend="inductor", hot_after=1, async_compile=False),
 }
+if not missing_requirements():
+    # the lowering the neuron path uses: its regions check their indices (Note [Checked indices] in
+    # fuser.backends._stablehlo_lowering)
+    CONFIGS["stablehlo"] = dict(backend="stablehlo", hot_after=1, async_compile=False)
 
 
 def _pending(t: torch.Tensor, pending: bool) -> torch.Tensor:

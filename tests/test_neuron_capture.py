@@ -104,22 +104,72 @@ def test_a_foreach_step_lowers_whole(tmp_path):
 
 
 def test_a_split_captured_graph_counts_each_launch(tmp_path):
-    """An embedding (an index op runs alone on stablehlo: Note [Unchecked indices]) splits the
-    captured forward; ``metrics()`` counts its pieces and the op run alone, as the device does."""
+    """An op torch-mlir cannot lower (``bessel_j0``: Note [Ops that run alone]) splits the captured
+    forward; ``metrics()`` counts its pieces and the op run alone, as the device does."""
     r = _result("""
         class Tagger(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.emb, self.out = nn.Embedding(10, 8), nn.Linear(8, 3)
-            def forward(self, ids):
-                return self.out(torch.tanh(self.emb(ids)))
-        compare(Tagger(), torch.tensor([[1, 2, 3], [4, 5, 9]]), torch.randn(2, 3, 3))
+                self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+            def forward(self, x):
+                return self.out(torch.tanh(self.inp(x)) * torch.special.bessel_j0(x).sum(-1, keepdim=True))
+        compare(Tagger(), torch.randn(2, 3, 4), torch.randn(2, 3, 3))
         """, tmp_path)
     m = r["metrics"]
     assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
     assert m["module_compiled_runs"] and m["run_alone"], m
     assert all(device == counted for device, counted in _hot(r)), r
     assert all(counted > 4 for _, counted in _hot(r)), r  # the pieces are counted, not one launch per graph
+
+
+def test_an_embedding_forward_is_one_executable_and_raises_eagers_error_out_of_range(tmp_path):
+    """Note [Checked indices] in fuser.backends._stablehlo_lowering: an embedding no longer splits the
+    captured forward (it ran alone, the graph in pieces: 8 launches a step here); the executable
+    checks the ids. Ids out of range: the call raises eager's IndexError at the module call, with
+    the state (BatchNorm's running statistics) as eager leaves it, and the graph stays compiled."""
+    out = _child(textwrap.dedent(STEP) + textwrap.dedent("""
+        class Tagger(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.norm, self.out = nn.Embedding(10, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+            def forward(self, ids):
+                return self.out(torch.tanh(self.norm(self.emb(ids))))
+        base, ids, y = Tagger(), torch.tensor([1, 2, 3, 4, 5, -1 + 10]), torch.randn(6, 3)
+        compare(base, ids, y)
+
+        def out_of_range(device, adaptive=None):
+            torch.manual_seed(0)
+            model = copy.deepcopy(base).to(device)
+            import contextlib
+            with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+                for _ in range(4):
+                    model(ids.to(device)).sum().backward()
+                try:
+                    model(torch.tensor([1, 2, 30, 4, 5, 6]).to(device))  # eager raises here
+                    error = None
+                except IndexError as e:
+                    error = str(e)
+                after = model(ids.to(device)).detach().cpu().tolist()
+            return error, after, {k: v.cpu().tolist() for k, v in model.state_dict().items()}
+
+        want = out_of_range("cpu")
+        ae.reset_metrics()
+        got = out_of_range("neuron", {"hot_after": 1, "async_compile": False})
+        m = ae.metrics()
+        print(json.dumps({"want": want[0], "got": got[0], "state_equal": got[2] == want[2] or
+                          max(abs(a - b) for k in want[2] for a, b in zip(torch.tensor(got[2][k]).flatten().tolist(),
+                                                                          torch.tensor(want[2][k]).flatten().tolist())),
+                          "after_error": max(abs(a - b) for ra, rb in zip(got[1], want[1]) for a, b in zip(ra, rb)),
+                          "compiled_runs": m["module_compiled_runs"], "uncompiled": m["module_uncompiled_graphs"]}))
+        """), tmp_path)
+    r, e = (json.loads(line) for line in [x for x in out.strip().splitlines() if x.startswith("{")][-2:])
+    m = r["metrics"]
+    assert m["module_compiled_runs"] and not m["run_alone"] and not m["module_uncompiled_graphs"], m
+    assert all(device == counted <= 4 for device, counted in _hot(r)), r
+    # the last JSON line: the out-of-range call
+    assert e["want"] == e["got"] and e["got"] is not None, e
+    assert e["state_equal"] is True or e["state_equal"] <= 1e-6, e
+    assert e["after_error"] <= 1e-5 and not e["uncompiled"], e
 
 
 def test_batch_norm_statistics_are_written_in_place(tmp_path):

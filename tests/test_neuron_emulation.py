@@ -763,3 +763,48 @@ def test_adamw_takes_the_foreach_path_on_the_device_with_cpus_values(tmp_path):
     # Note [Foreach ops]: the foreach ops lower (none runs alone), and the per-step floats of their
     # lists are lifted, so the step compiles as the single-tensor one does, not once a step
     assert not r["run_alone"] and r["compiles"] <= 4, r
+
+
+@needs_stablehlo
+def test_an_index_out_of_range_in_a_compiled_region_raises_eagers_error_and_writes_nothing(tmp_path):
+    """Note [Checked indices] in fuser.backends._stablehlo_lowering: a step gathering rows by a
+    pending index and updating a state tensor runs as one executable (the gather checked inside,
+    not run alone); an index out of range raises eager's IndexError at the next sync, the state is
+    eager's (nothing stored by the failed run, the update not applied twice), the message names the
+    statement's line, and the region stays compiled for the next steps."""
+    out = _child("""
+        import json, sys
+        ne.emulate_neuron()
+
+        def run(device, adaptive=None):
+            import contextlib
+            table = torch.arange(40.0).reshape(10, 4).to(device)
+            state = torch.zeros(4, device=device)
+            good, bad = torch.tensor([1, -2, 3]).to(device), torch.tensor([1, 20, 3]).to(device)
+            outs, error = [], None
+            with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+                for k in range(6):
+                    idx = (bad if k == 4 else good) * 1  # a value of the window: the region checks it
+                    try:
+                        line = sys._getframe().f_lineno + 1
+                        state.add_(table[idx].sum(0))  # eager raises here, before the add
+                        outs.append(state.sum().item())  # adaptive eager at this sync
+                    except IndexError as e:
+                        error = str(e).splitlines()[0]
+                        named = f"recorded at {__file__}:{line}" in str(e) or adaptive is None
+                        outs.append(named)
+                m = ae.metrics()
+            return outs, state.cpu().tolist(), error, m
+
+        want = run("cpu")
+        ae.reset_metrics()
+        before = ne.launches()
+        got = run("neuron", {"hot_after": 1, "async_compile": False})
+        m = got[3]
+        print(json.dumps({"want": want[:3], "got": got[:3], "compiled_runs": m["compiled_runs"],
+                          "run_alone": m["run_alone"], "blacklisted": m["blacklisted"],
+                          "replay_reasons": m["replay_reasons"], "launches": ne.launches() - before}))
+        """, tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["got"] == r["want"] and r["want"][2] is not None, r
+    assert not r["run_alone"] and not r["blacklisted"] and r["compiled_runs"] >= 4, r

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -154,8 +155,9 @@ def test_ops_it_cannot_lower_run_alone_and_are_counted(fresh_regions):
     lambda x, i: x.scatter(0, i, torch.ones(2)),
 ], ids=["index", "index_select", "gather", "embedding", "index_put", "scatter"])
 def test_an_index_out_of_range_raises_eagers_error_instead_of_being_clamped(fresh_regions, index):
-    """XLA clamps a gather or scatter index out of range (Note [Unchecked indices]): compiled, x[[1, 10]]
-    of 5 values gave x[1] + x[4]. Such ops run alone, so eager raises, and in range they agree."""
+    """XLA clamps a gather or scatter index out of range: compiled, x[[1, 10]] of 5 values gave
+    x[1] + x[4]. The region checks its indices (Note [Checked indices]): in range it runs whole and
+    agrees with eager, out of range its run raises and the replay raises eager's own error."""
     x = torch.randn(5)
     good, bad = torch.tensor([1, 3]), torch.tensor([1, 10])
     with pytest.raises((IndexError, RuntimeError)) as eager:
@@ -164,9 +166,28 @@ def test_an_index_out_of_range_raises_eagers_error_instead_of_being_clamped(fres
     with ae.adaptive_eager(**STABLEHLO):
         got = index(x * 2, good).sin()
         torch.testing.assert_close(got, want)
-        with pytest.raises(type(eager.value)):
-            index(x * 2, bad).sin().sum().item()
-    assert ae.metrics()["run_alone"].get("miscompiled", 0) >= 1, ae.metrics()
+        with pytest.raises(type(eager.value), match=re.escape(str(eager.value))):
+            index(x * 2, bad.clone()).sin().sum().item()  # a pending index: the region checks it
+        got = index(x * 2, good).sin()
+        torch.testing.assert_close(got, want)
+    m = ae.metrics()
+    assert not m["run_alone"] and m["compiled_runs"] >= 2 and m["blacklisted"] == 0, m
+
+
+@needs_stablehlo
+@pytest.mark.parametrize("index", [
+    lambda x, i: x[i],
+    lambda x, i: x.index_put((i,), torch.ones(2)),
+    lambda x, i: x.index_fill(0, i, 3.0),
+], ids=["index", "index_put", "index_fill"])
+def test_negative_indices_count_from_the_end_in_a_region(fresh_regions, index):
+    """Eager counts these ops' negative indices from the end; XLA's gather would clamp them to 0."""
+    x = torch.randn(5)
+    with ae.adaptive_eager(**STABLEHLO):
+        got = [index(x * 2, i * 1) for i in (torch.tensor([-1, -5]), torch.tensor([-2, 4]))]
+        ae.sync()
+    torch.testing.assert_close(got, [index(x * 2, i) for i in (torch.tensor([-1, -5]), torch.tensor([-2, 4]))])
+    assert not ae.metrics()["run_alone"], ae.metrics()
 
 
 @needs_stablehlo
@@ -507,7 +528,7 @@ def test_variance_of_no_elements_is_nan_as_in_eager(fresh_regions):
 def _split_step(params, grads, index):
     for p, g in zip(params, grads):
         p.mul_(0.9).add_(torch.special.bessel_j0(g), alpha=-0.1)  # bessel_j0 runs alone: a split region
-    return params[0][index].sum() * 2  # indexing runs alone too (Note [Unchecked indices]): it may raise
+    return params[0][index].sum() * 2  # checked in the region (Note [Checked indices]): it may raise
 
 
 def _run_split_steps(options, indices):
@@ -536,19 +557,20 @@ def _run_split_steps(options, indices):
 def test_a_split_region_stores_its_inputs_in_one_last_launch(fresh_regions):
     """Note [A split region's stores]: a region split around ops that run alone stores the inputs it
     writes in one last piece, not one copy per tensor through the fuser; values, memory and version
-    counters are eager's. An index out of range (run alone) raises before that piece runs, so the
-    replay after the failed run applies each update once, as eager does."""
+    counters are eager's. An index out of range (checked in its piece: Note [Checked indices])
+    raises before that piece runs, so the replay after the failed run applies each update once, as
+    eager does."""
     good, bad = torch.tensor([1, 3]), torch.tensor([1, 10])
     indices = [good, good, good, bad, good]
     want, want_outs, _, _ = _run_split_steps(None, indices)
     got, got_outs, launches, kept = _run_split_steps(STABLEHLO, indices)
     m = ae.metrics()
     assert m["compile_failures"] == 0 and kept, m
-    # no write-back copy through the fuser: the split region's run is its 3 pieces (the last one
-    # stores all 3 inputs), the 3 clones before those stores (stablehlo's caller), the 4 ops run
-    # alone (3 bessel_j0, the index), and the index's range check (aminmax, 2 reads: Note [Errors
-    # from data]): Note [Launches of a compiled callable]
-    assert [launches[i] for i in (1, 2, 4)] == [3 + 3 + 4 + 3] * 3, launches
+    # no write-back copy through the fuser: the split region's run is its 2 pieces (the updates and
+    # the checked index, then one that stores all 3 inputs: no clone before those stores, as no
+    # store writes what another reads), the 3 bessel_j0 run alone, and the index's range check
+    # (aminmax, 2 reads: Note [Errors from data]): Note [Launches of a compiled callable]
+    assert [launches[i] for i in (1, 2, 4)] == [2 + 3 + 3] * 3, launches
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert [o is None for o in got_outs] == [o is None for o in want_outs] == [False, False, False, True, False]
@@ -611,3 +633,15 @@ def test_foreach_ops_lower_per_tensor():
     got = backend.load(backend.compile(gm, inputs))(inputs)
     for g, e in zip(got, step(*inputs)):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+@needs_stablehlo
+def test_a_region_whose_result_is_a_0_dim_bool_is_not_taken_for_its_bounds_flag(fresh_regions):
+    """Note [Checked indices]: the out-of-range flag is the last result only of a region that reads
+    indices; a region returning one 0-dim bool of its own (``all``: GPT-2's attention mask test)
+    returns it, in range or not."""
+    x = torch.randn(5)
+    with ae.adaptive_eager(**STABLEHLO):
+        got = [bool((x * k > -10).all()) for k in (1, 100)]
+    assert got == [bool((x * k > -10).all()) for k in (1, 100)]
+    assert ae.metrics()["blacklisted"] == 0, ae.metrics()

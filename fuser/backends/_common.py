@@ -59,6 +59,13 @@ def trace_lock():
 # count on (``below_autograd``, ``restrided``: plus its copies). On the emulated neuron device a
 # test holds this count to the device's own (Note [Emulated launches] in
 # adaptive_eager.neuron_emulation).
+class EagerWouldRaise(RuntimeError):
+    """A compiled run found a value its op's eager kernel refuses (an index out of range, an
+    integer divisor of 0) and wrote nothing (Note [Checked indices] in
+    ``fuser.backends._stablehlo_lowering``): the caller runs the ops eagerly instead, and eager's
+    kernel raises its own error at the op."""
+
+
 def launches_of(run) -> int:
     """The device launches one call of a compiled callable makes (Note [Launches of a compiled callable])."""
     return getattr(run, "launches", 1)

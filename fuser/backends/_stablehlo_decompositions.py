@@ -43,7 +43,7 @@ shape, and where it gives up (``NotImplemented``) the op stays and runs alone, a
   taken element by element and the others as they are: what torch's foreach fallback runs. Not
   one op in StableHLO either way: the lists become the executable's many inputs.
 - ``max_pool2d_with_indices_backward``: ``scatter_add`` of the gradient at the saved flat indices.
-  XLA clamps an index out of range (Note [Unchecked indices]), but these come from the forward's
+  XLA clamps an index out of range (Note [Checked indices]), but these come from the forward's
   ``max_pool2d_with_indices`` and are in range by construction (eager does not check them either).
 """
 

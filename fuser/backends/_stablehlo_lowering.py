@@ -86,16 +86,9 @@ _MISCOMPILED = {
     "aten.remainder.Tensor": (None, "C's fmod sign, not Python's: remainder(-1.5, 1.0) gives -0.5, eager 0.5"),
     "aten.logcumsumexp.default": (None, "exp overflows: logcumsumexp of [100.0] gives inf"),
     "aten.take.default": (None, "negative indices are not wrapped"),
-    # Note [Unchecked indices]
-    # XLA's gather and scatter clamp an index out of range where eager
-    # raises (x[tensor([1, 10])] of 5 values gave x[1] + x[4]); run alone, eager raises its error at
-    # the user's line. (A bounds-check output per region would keep them fused: not built yet.)
-    **dict.fromkeys([f"aten.{op}" for op in (
-        "index.Tensor", "index_select.default", "gather.default", "embedding.default", "index_put.default",
-        "index_put_.default", "index_add.default", "index_copy.default", "index_fill.int_Tensor",
-        "index_fill.int_Scalar", "index_reduce.default", "scatter.src", "scatter.value", "scatter.reduce",
-        "scatter.value_reduce", "scatter_add.default", "scatter_reduce.two", "take_along_dim.default",
-    )], (None, "an index out of range is clamped (XLA's gather and scatter), where eager raises")),
+    # an index out of range is clamped (XLA's gather and scatter) and these have no bounds check of
+    # their own yet (Note [Checked indices]): run alone, eager raises at the user's line
+    "aten.take_along_dim.default": (None, "an index out of range is clamped (XLA's gather), where eager raises"),
     # found with more OpInfo samples (AE_TEST_OPINFO_SAMPLES=12): torch-mlir's var of no elements
     **dict.fromkeys([f"aten.{op}" for op in (
         "var.correction", "var.dim", "var.default", "std.correction", "std.dim", "std.default",
@@ -282,13 +275,186 @@ def _dense_literals():
     return DenseLiterals()
 
 
-def _returning(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> Callable:
-    """A function computing ``gm``'s values of ``nodes`` (the storage roots), for tracing."""
+# Note [Checked indices]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# XLA's gather and scatter clamp an index out of range (``x[tensor([1, 10])]`` of 5 values gives
+# ``x[1] + x[4]``) where eager raises (``IndexError: index 10 is out of bounds``), and XLA divides
+# integers by zero where eager raises ZeroDivisionError. So the lowered region computes, besides its
+# results, one boolean: whether any value an op reads is one its eager kernel refuses
+# (``_INDEX_CHECKS``: an index out of the indexed dimension's size, from ``-n`` where eager counts
+# a negative index from the end, else from 0; a class target of ``nll_loss`` out of ``[0, C)``,
+# not ``ignore_index``; an integer divisor of 0), the OR of each op's test. It is the executable's
+# last result (the header's ``bounds``), and the callable reads it before anything else (``caller``
+# in ``stablehlo``): set, it raises ``EagerWouldRaise`` and stores nothing into the inputs; its
+# caller runs the region's ops eagerly (a window's replay, a captured graph's op-by-op run), and
+# eager's kernel raises its own error, at the op, with the program's state as eager leaves it.
+# Nothing is stored first because that eager run reads the region's inputs as they were: a
+# parameter or optimizer state the failed run had written would be read updated, and updated twice.
+# (The neuron backend, whose NEFF writes inputs as it runs, compiles such regions with write-backs
+# instead: ``stores_after_run`` is False, Note [In-place regions] in fuser.compilable.)
+# Where eager counts a negative index from the end (``index``, ``index_put``, ``index_fill``), the
+# lowered op gets ``where(i < 0, i + n, i)``: XLA's gather would clamp it to 0. The test costs a
+# compare and a reduction per index (a few hundred token ids), and one byte read back per run.
+# Not caught: an int64 index beyond int32 where the region computes in 32 bits (Note [64-bit
+# types], neuron only): it is narrowed, wrapping, before the test.
+def _size(t: torch.Tensor, dim) -> int | None:
+    """The size of ``t``'s dimension ``dim`` (a 0-dim tensor has one of size 1); None where unknown."""
+    if type(dim) is not int or not isinstance(t, torch.Tensor):
+        return None
+    n = t.dim()
+    if n == 0:
+        return 1 if dim in (0, -1) else None
+    dim = dim + n if dim < 0 else dim
+    size = t.shape[dim] if 0 <= dim < n else None
+    return size if type(size) is int else None
+
+
+def _arg(target, args, kwargs, name: str):
+    """(value, where) of argument ``name`` of a call of ``target``: where is its position or name."""
+    names = [a.name for a in target._schema.arguments]
+    pos = names.index(name)
+    if pos < len(args):
+        return args[pos], pos
+    return kwargs.get(name, target._schema.arguments[pos].default_value), name
+
+
+def _indices_check(target, args, kwargs):
+    """``index``, ``index_put``: a list of indices over ``self``'s leading dimensions."""
+    self, _ = _arg(target, args, kwargs, "self")
+    indices, where = _arg(target, args, kwargs, "indices")
+    checks, d = [], 0
+    for k, t in enumerate(indices):
+        if not isinstance(t, torch.Tensor):
+            d += 1
+            continue
+        if t.dtype in (torch.bool, torch.uint8):  # a mask: its shape is its metadata
+            d += t.dim()
+            continue
+        n = _size(self, d) if self.dim() > d else None
+        d += 1
+        if n is not None:
+            checks.append((t, -n, n, None, (where, k)))
+    return checks
+
+
+def _dim_check(wraps: bool):
+    def check(target, args, kwargs):
+        """An index along ``dim`` of ``self``: ``index_select``, ``gather``, ``scatter``..."""
+        self, _ = _arg(target, args, kwargs, "self")
+        dim, _ = _arg(target, args, kwargs, "dim")
+        index, where = _arg(target, args, kwargs, "index")
+        n = _size(self, dim)
+        return [] if n is None else [(index, -n if wraps else 0, n, None, (where, None) if wraps else None)]
+    return check
+
+
+def _embedding_check(target, args, kwargs):
+    weight, _ = _arg(target, args, kwargs, "weight")
+    indices, _ = _arg(target, args, kwargs, "indices")
+    n = _size(weight, 0) if weight.dim() else None
+    return [] if n is None else [(indices, 0, n, None, None)]
+
+
+def _target_check(target, args, kwargs):
+    """``nll_loss``: class ids in ``[0, C)``, or ``ignore_index``."""
+    self, _ = _arg(target, args, kwargs, "self")
+    labels, _ = _arg(target, args, kwargs, "target")
+    ignore, _ = _arg(target, args, kwargs, "ignore_index")
+    n = _size(self, 1 if self.dim() >= 2 else 0)
+    return [] if n is None else [(labels, 0, n, ignore if type(ignore) is int else None, None)]
+
+
+def _divisor_check(target, args, kwargs):
+    """Integer ``floor_divide``, ``fmod``, ``div`` with a rounding mode: no zero divisor (eager
+    raises ZeroDivisionError; XLA divides)."""
+    names = [a.name for a in target._schema.arguments]
+    if "other" not in names or (target._overloadpacket.__name__.startswith("div")
+                                and ("rounding_mode" not in names or _arg(target, args, kwargs, "rounding_mode")[0] is None)):
+        return []  # true division: a float result, no error
+    self, _ = _arg(target, args, kwargs, "self")
+    other, _ = _arg(target, args, kwargs, "other")
+    if isinstance(self, torch.Tensor) and self.dtype not in _INT_INDEX or type(self) is float:
+        return []
+    return [(other, None, None, None, None)]
+
+
+# overload packet -> its check (Note [Checked indices]); each gives, per index it reads: (the
+# index, its least and its bound, an allowed value, where to put it wrapped or None); a divisor
+# has no bounds: zero is its one bad value
+_INDEX_CHECKS = {
+    **dict.fromkeys(("index", "index_put", "index_put_", "_index_put_impl", "_index_put_impl_"), _indices_check),
+    **dict.fromkeys(("index_select", "gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_reduce",
+                     "index_reduce_", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+                     "scatter_reduce_"), _dim_check(False)),
+    **dict.fromkeys(("index_fill", "index_fill_"), _dim_check(True)),  # eager counts a negative index from the end
+    "embedding": _embedding_check,
+    **dict.fromkeys(("floor_divide", "floor_divide_", "fmod", "fmod_", "div", "div_"), _divisor_check),
+    # not their backward: autograd refuses a saved target changed since the forward read it
+    **dict.fromkeys(("nll_loss_forward", "nll_loss2d_forward"), _target_check),
+}
+_INT_INDEX = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
+                        torch.uint64})
+
+
+def _index_check(node: torch.fx.Node):
+    """The check of ``node``'s indices (Note [Checked indices]), or None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    return _INDEX_CHECKS.get(node.target._overloadpacket.__name__)
+
+
+class _Checked(torch.fx.Interpreter):
+    """Runs a graph for tracing, adding the bounds test of each index (Note [Checked indices]) to
+    ``out_of_range`` and wrapping the negative indices eager counts from the end."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.out_of_range = None
+
+    def call_function(self, target, args, kwargs):
+        check = _INDEX_CHECKS.get(target._overloadpacket.__name__) if isinstance(target, torch._ops.OpOverload) else None
+        if check is not None:
+            args, kwargs = list(args), dict(kwargs)
+            for index, lo, hi, allowed, wrap in check(target, args, kwargs):
+                if not isinstance(index, torch.Tensor) or index.dtype not in _INT_INDEX or index.numel() == 0:
+                    continue
+                bad = index == 0 if lo is None else (index < lo) | (index >= hi)
+                if allowed is not None:
+                    bad = bad & (index != allowed)
+                bad = bad.any()
+                self.out_of_range = bad if self.out_of_range is None else self.out_of_range | bad
+                if wrap is not None:
+                    wrapped = torch.where(index < 0, index + hi, index)
+                    where, k = wrap
+                    box = args if type(where) is int else kwargs
+                    if k is None:
+                        box[where] = wrapped
+                    else:
+                        box[where] = [*box[where][:k], wrapped, *box[where][k + 1:]]
+        return super().call_function(target, tuple(args), kwargs)
+
+
+def _checks_indices(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` holds an op whose indices the lowered region checks (Note [Checked indices])."""
+    return any(_index_check(n) is not None for n in gm.graph.nodes)
+
+
+# the executable's last result, when it checks indices (Note [Checked indices])
+OUT_OF_RANGE = {"shape": [], "dtype": "bool", "wire": "bool", "stride": None}
+
+
+def _returning(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], checked: bool = False) -> Callable:
+    """A function computing ``gm``'s values of ``nodes`` (the storage roots), for tracing; with
+    ``checked``, and whether an index was out of range (Note [Checked indices])."""
 
     def roots(*inputs):
-        interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
+        interpreter = _Checked(gm) if checked else torch.fx.Interpreter(gm, garbage_collect_values=False)
         interpreter.run(*inputs)
-        return tuple(interpreter.env[n] for n in nodes)
+        values = tuple(interpreter.env[n] for n in nodes)
+        if checked:
+            flag = interpreter.out_of_range
+            values += (torch.zeros((), dtype=torch.bool) if flag is None else flag,)
+        return values
 
     return roots
 

@@ -31,10 +31,10 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import BackendCompileError, below_autograd, check_graph, op_name, restrided
+from ._common import BackendCompileError, EagerWouldRaise, below_autograd, check_graph, op_name, restrided
 from ._stablehlo_lowering import (
-    _alone, _aliases, _dtype, _examples, _functional, _input_key, _lower, _miscompiled, _output_plan, _returning,
-    _signature, _wire, _write_back,
+    OUT_OF_RANGE, _alone, _aliases, _checks_indices, _dtype, _examples, _functional, _input_key, _lower, _miscompiled,
+    _output_plan, _returning, _signature, _wire, _write_back,
 )
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _FORMAT = 1
 # What the lowering lowers (Note [Our decompositions]): in the fingerprint, so a cached split region
 # whose ops ran alone before a decomposition existed is compiled again, whole. Bump on such a change.
-_LOWERING = 3
+_LOWERING = 4
 _MAGIC = b"adaptive-eager stablehlo\n"
 _DEVICE_TYPES = ("cpu",)
 _REQUIREMENTS = {"torch_mlir": "torch-mlir", "jax": "jax", "jaxlib": "jaxlib"}
@@ -184,12 +184,15 @@ class StablehloBackend:
         return None
 
     def _lower_region(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
-                      ) -> tuple[list, list, list, str]:
+                      ) -> tuple[list, list, list, str, bool]:
         """The output plan (Note [Outputs that share storage]), the inputs the region writes (Note
-        [Regions that write their inputs]) and the StableHLO of ``gm``."""
+        [Regions that write their inputs]), the StableHLO of ``gm``, and whether its results end
+        with the out-of-range flag (where ``gm`` reads indices: Note [Checked indices])."""
         gm, writes = _functional(gm)
         roots, results, outputs = _output_plan(gm, example_inputs, self.narrow_64bit)
-        return results, outputs, writes, _lower(_returning(gm, roots), example_inputs, self.narrow_64bit)
+        checked = _checks_indices(gm)
+        text = _lower(_returning(gm, roots, checked), example_inputs, self.narrow_64bit)
+        return results + [OUT_OF_RANGE] * checked, outputs, writes, text, checked
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> bytes:
         """Lower ``gm`` to StableHLO and compile it into a serialized XLA executable (Note [StableHLO lowering])."""
@@ -210,10 +213,10 @@ class StablehloBackend:
         start = time.perf_counter()
         lowered, self._lowered = self._lowered, None
         if lowered is not None and lowered[0]() is gm and lowered[1] == _input_key(example_inputs):
-            results, outputs, writes, text = lowered[2]  # lowered by ``unsupported`` a moment ago
+            results, outputs, writes, text, bounds = lowered[2]  # lowered by ``unsupported`` a moment ago
         else:
             try:
-                results, outputs, writes, text = self._lower_region(gm, example_inputs)
+                results, outputs, writes, text, bounds = self._lower_region(gm, example_inputs)
             except BackendCompileError as e:
                 e.target = self._culprit(gm)  # the fuser compiles the rest with it run alone
                 raise
@@ -227,6 +230,7 @@ class StablehloBackend:
             "results": results,
             "outputs": outputs,
             "writes": writes,
+            "bounds": bounds,  # Note [Checked indices]
             **extra,
         }
         artifact = _pack(header, blob, self.magic)
@@ -303,9 +307,13 @@ class StablehloBackend:
             cpu_data, on_device, ran = _HOST_DEVICES[self.device_type]
             on_cpu = results
 
+            # the out-of-range flag stays on the host: the callable reads it (Note [Checked indices])
+            n_device = len(header["results"]) - header.get("bounds", False)
+
             def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
                 ran()
-                return [on_device(r) for r in on_cpu([cpu_data(t) for t in args])]
+                roots = on_cpu([cpu_data(t) for t in args])
+                return [on_device(r) for r in roots[:n_device]] + roots[n_device:]
 
         return results
 
@@ -352,14 +360,26 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
             roots[k] = roots[k].to(dtype)
         return roots
 
+    if header.get("bounds"):  # Note [Checked indices]: the last result says whether an index was out of range
+        computed = results
+
+        def results(args: list[torch.Tensor]) -> list[torch.Tensor]:
+            roots = computed(args)
+            if roots.pop().item():
+                raise EagerWouldRaise("the region reads a value its eager op refuses (an index out of range): its "
+                                      "ops run eagerly, whose kernel raises eager's error (Note [Checked indices])")
+            return roots
     fixes = [(k, r["shape"], r["stride"]) for k, r in enumerate(header["results"]) if r["stride"] is not None]
     if fixes:  # results eager lays out otherwise: copied into eager's strides
         results = restrided(results, fixes)
 
     writes = header.get("writes", [])
     n_out = len(outputs) - len(writes)
-    # a new value that is a view of an input is read before any store: another store may write that input
-    from_input = [of_input for of_input, _, _ in outputs[n_out:]]
+    # The stores run in order, each reading its new value then: a new value that is a view of an
+    # input is cloned first only where an earlier store or its own writes that input (distinct
+    # slots are distinct storages: a window whose written input shares storage with another input
+    # is not compiled, Note [In-place regions] in fuser.compilable)
+    from_input = [of_input and k in writes[:i + 1] for i, (of_input, k, _) in enumerate(outputs[n_out:])]
 
     def run(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         args = inputs
@@ -374,7 +394,7 @@ def caller(execute: Callable[[list[torch.Tensor]], list[torch.Tensor]], header: 
             for of_input, k, view in outputs
         )
         if writes:
-            values = [v.clone() if of_input else v for v, of_input in zip(outs[n_out:], from_input)]
+            values = [v.clone() if overwritten else v for v, overwritten in zip(outs[n_out:], from_input)]
             store(inputs, list(zip(writes, values)))
             return outs[:n_out]
         return outs
