@@ -22,6 +22,7 @@ import weakref
 from collections import Counter
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fuser.backends._common import EagerWouldRaise, launches_of
@@ -948,8 +949,21 @@ class _Recorded(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         graphs = ctx.graphs
-        tangents = [g.contiguous() for g, grad in zip(grads, graphs.requires_grad) if grad]
+        tangents = [_traced_strides(g) for g, grad in zip(grads, graphs.requires_grad) if grad]
         return (None, *graphs.backward([*ctx.saved_tensors, *tangents]))
+
+
+def _traced_strides(g: torch.Tensor) -> torch.Tensor:
+    """A tangent in the contiguous strides it was traced with, made as AOTAutograd's runtime makes it
+    (``coerce_to_expected_memory_format``: ``empty_strided`` and ``copy_``, not ``contiguous()``): the
+    window recorded before the backward then has the structure a process that traced recorded, and
+    runs the region the cache holds for it (``contiguous()`` made a new one, compiled again)."""
+    strides = make_contiguous_strides_for(g.shape)
+    if g.stride() == strides:
+        return g
+    out = torch.empty_strided(g.shape, strides, dtype=g.dtype, device=g.device, layout=g.layout)
+    out.copy_(g)
+    return out
 
 
 def misses() -> Counter:
