@@ -462,13 +462,14 @@ def resize_outs(st: TracerState, f, entry: _Resizes, args, kwargs) -> bool:
 # inputs, the rows leave the key the same whatever rows the sampler picks.
 # Views are recorded (as view nodes over their real input: Note [Out kinds] in fuser.window) where
 # taking them as inputs would hand a region two inputs over one memory, one of them written, which
-# its graph cannot express (``fuser.compilable._inputs_alias``): a view of memory a pending op of
+# its graph cannot always express (Note [Inputs over one memory] in fuser.compilable): a view of memory a pending op of
 # the window writes already (``Window.written``), or of memory some earlier window wrote
 # (``_flush.WRITTEN``: parameters, optimizer state and buffers that recorded steps update,
 # learned at each flush from the window's written real inputs, ``_flush.learn_written``). The
 # first window that views a tensor and then writes it (a parameter's ``W.t()`` in the forward,
-# the optimizer's recorded update after it) is replayed ("aliased_inputs": ``fuser.regions.run``),
-# in eager's order, with eager's values; from the next window on its views are recorded as before. A real tensor of one
+# the optimizer's recorded update after it) has both as inputs: the region derives a transpose
+# from the written input inside its graph, and replays anything else ("aliased_inputs"); from the
+# next window on its views are recorded as before. A real tensor of one
 # element stays recorded: the scalar fast path may write it before the window runs (Note [Scalar
 # fast path]; ``Window.viewed``). A bounded table (Note [Bounded tables] in _signatures) of weak
 # references: a storage forgotten costs one replayed window, never a wrong value, and an address a

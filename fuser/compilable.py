@@ -10,22 +10,80 @@ from .window import Out, Window
 _untyped_storage = torch._C.TensorBase.untyped_storage
 
 
-def _inputs_alias(window: Window) -> bool:
-    """Whether a written real input shares storage with another real input.
-
-    The graph treats each slot as its own buffer; two slots over one storage with a write through
-    one of them (``p`` and ``p.view(-1)``) cannot be expressed, so such windows are replayed.
-    """
+# Note [Inputs over one memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The graph treats each real input (slot) as its own buffer. Two slots over one storage with a
+# write through one of them cannot be given to it as they are: the graph would read the other
+# slot's memory as it was before the window, or as the compiled code has half written it. The
+# common case is a parameter's transpose: ``nn.Linear`` saves ``weight.t()`` for its backward,
+# and when the forward ends in an earlier window (a ``loss.item()`` between forward and
+# backward) that saved view is a real input of the window whose optimizer step writes
+# ``weight``, every step. Such a slot V is *derived*: when V is not written, has W's dtype and
+# storage offset and its (size, stride) pairs are W's in another order (``W.t()``, ``W.mT``,
+# ``W.permute(...)``, ``W.detach()``), it covers exactly W's elements, and the graph makes it
+# inside, as ``permute(W, perm)`` of W's input (``fuser.program.Program.derived``). Functionalization
+# then keeps V in step with W: a read of V before W's write in program order sees W's old value,
+# a read after it the new one, as eager's reads through the one memory do; V's own slot stays in
+# the graph's signature, unread. Which slots are derived, and from which, is not in the window's
+# signature (a real input is keyed by its shape, strides and dtype): for a window that passed a
+# view (``Window.passed``: Note [Views of unwritten memory] in adaptive_eager._record), where
+# shared memory is expected, every window is checked and the derived slots are part of its
+# region key (``fuser.regions.run``); a window that passed none is checked at its structure's
+# first sight (as whether its inputs alias at all always was), its entry keeps what was found,
+# and each later window of it checks only that those slots still share their base's memory
+# (``derived_hold``), else it replays. Anything else over a written storage (a slice of W, a
+# second written slot, a view with another dtype) is replayed, counted ``aliased_inputs``.
+def _input_aliases(window: Window) -> tuple | None:
+    """The derived slots of ``window`` as ``(slot, base slot, permutation)``, () when no written
+    real input shares storage with another real input, None when one does in a way the graph
+    cannot express (Note [Inputs over one memory])."""
     if not window.mutated:
-        return False
-    seen: dict[int, int] = {}
-    mutated_storages = set()
-    for slot, t in enumerate(window.real_inputs):
-        sid = _untyped_storage(t)._cdata
-        if slot in window.mutated:
-            mutated_storages.add(sid)
-        seen[sid] = seen.get(sid, 0) + 1
-    return any(seen[s] > 1 for s in mutated_storages)
+        return ()
+    real = window.real_inputs
+    groups: dict[int, list[int]] = {}
+    for slot, t in enumerate(real):
+        groups.setdefault(_untyped_storage(t)._cdata, []).append(slot)
+    derived = []
+    for slots in groups.values():
+        if len(slots) < 2:
+            continue
+        written = [s for s in slots if s in window.mutated]
+        if not written:
+            continue
+        if len(written) > 1:
+            return None
+        base = written[0]
+        for s in slots:
+            if s != base:
+                perm = _permutation(real[s], real[base])
+                if perm is None:
+                    return None
+                derived.append((s, base, perm))
+    return tuple(derived)
+
+
+def derived_hold(derived: tuple, window: Window) -> bool:
+    """Whether ``window``'s real inputs are over one memory as ``derived`` says (the derived slots
+    its region's first window had): a check of those slots only."""
+    real = window.real_inputs
+    return all(_untyped_storage(real[v])._cdata == _untyped_storage(real[w])._cdata
+               and _permutation(real[v], real[w]) == perm for v, w, perm in derived)
+
+
+def _permutation(v: torch.Tensor, w: torch.Tensor) -> tuple[int, ...] | None:
+    """``perm`` with ``w.permute(perm)`` of ``v``'s geometry over the same memory, else None."""
+    if v.dtype != w.dtype or v.dim() != w.dim() or v.storage_offset() != w.storage_offset():
+        return None
+    pairs = list(zip(w.shape, w.stride()))
+    perm = []
+    for pair in zip(v.shape, v.stride()):
+        for j, p in enumerate(pairs):
+            if p == pair and j not in perm:
+                perm.append(j)
+                break
+        else:
+            return None
+    return tuple(perm)
 
 
 def _checks(window: Window) -> bool:
@@ -54,8 +112,6 @@ GRAD_MODE_OPS = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
 
 
 def _not_compilable(window: Window) -> str | None:
-    if _inputs_alias(window):
-        return "aliased_inputs"
     if _writes_overlapping(window):
         return "overlapping_write"
     if any(n.func in GRAD_MODE_OPS for n in window.nodes):

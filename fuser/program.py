@@ -74,7 +74,7 @@ class Program:
     in another thread or process, after the window itself is gone."""
 
     def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False,
-                 default_dtype=None):
+                 default_dtype=None, derived=()):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
         # what ``i * 1.5`` and factories without dtype= make: a window runs under the default dtype
         # it was recorded under (Note [Meta cache key] in adaptive_eager._meta), and so is traced
@@ -92,10 +92,13 @@ class Program:
         # Note [In-place regions]: the compiled region writes the ``mutated`` inputs itself (the
         # graph keeps functionalization's trailing copy_ nodes) instead of returning their values
         self.inplace = bool(inplace) and not self.dims
+        # (slot, base slot, permutation): slots the graph makes from a written input instead of
+        # reading their own (Note [Inputs over one memory] in fuser.compilable)
+        self.derived = tuple(derived)
 
     @classmethod
     def from_window(cls, window: Window, live: list[Out], mutated: tuple[int, ...], lifted=(),
-                    inplace: bool = False, stores_after_run: bool = False) -> Program:
+                    inplace: bool = False, stores_after_run: bool = False, derived=()) -> Program:
         slots = {id(t): s for s, t in enumerate(window.real_inputs)}
         lifted_set = set(lifted)
 
@@ -134,11 +137,11 @@ class Program:
         inputs = [(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in window.real_inputs]
         scalars = tuple(window.scalars[i] for i in lifted)
         return cls(ops, inputs, [o.uid for o in live], mutated, tuple(lifted), scalars,
-                   inplace=inplace and bool(mutated))
+                   inplace=inplace and bool(mutated), derived=derived)
 
     def _document(self) -> dict:
         """The program as JSON data: its one encoding (Note [One codec] in fuser.backends._common)."""
-        return {
+        doc = {
             "format": FORMAT,
             "ops": [[str(func), encode_value(args, _leaf), encode_value(kwargs, _leaf),
                      [None if o is None else [o[0], o[1], encode_value(o[2], _leaf)] for o in outs]]
@@ -150,6 +153,9 @@ class Program:
             "dynamic": [list(d) for d in self.dynamic], "dims": [list(d) for d in self.dims],
             "inplace": self.inplace, "default_dtype": str(self.default_dtype).removeprefix("torch."),
         }
+        if self.derived:  # only where there are any: the keys of every other program stay as they were
+            doc["derived"] = [[v, w, list(perm)] for v, w, perm in self.derived]
+        return doc
 
     def to_bytes(self) -> bytes:
         """JSON (OpOverloads and torch enums do not pickle): what a compile worker process gets."""
@@ -166,7 +172,8 @@ class Program:
         inputs = [(tuple(shape), tuple(stride), getattr(torch, dtype), device) for shape, stride, dtype, device in doc["inputs"]]
         return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]),
                    [tuple(d) for d in doc["dynamic"]], [tuple(d) for d in doc["dims"]], doc["inplace"],
-                   getattr(torch, doc["default_dtype"]))
+                   getattr(torch, doc["default_dtype"]),
+                   tuple((v, w, tuple(perm)) for v, w, perm in doc.get("derived", ())))
 
     def digest(self, fingerprint: str) -> str:
         """The persistent region key: xxh3_128 of the program's one encoding (``to_bytes``'s, keys
@@ -226,8 +233,14 @@ class Program:
         from torch.fx.experimental.proxy_tensor import make_fx
         from torch.func import functionalize
 
+        derived = self.derived
+
         def program(*inputs):
-            return self.evaluate(list(inputs))
+            inputs = list(inputs)
+            if derived:  # Note [Inputs over one memory] in fuser.compilable
+                for v, w, perm in derived:
+                    inputs[v] = torch.ops.aten.permute.default(inputs[w], list(perm))
+            return self.evaluate(inputs)
 
         decompositions = None
         if self.lifted:

@@ -30,7 +30,7 @@ import torch
 from neff_cache import LIMIT_EXCEEDED
 
 from .artifacts import _result, _store, _submit, abandoned, compile_thread_stopped, finished_jobs, submit_job
-from .compilable import _checks, _inputs_alias, _not_compilable
+from .compilable import _checks, _input_aliases, _not_compilable, derived_hold
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load, cache_fingerprint
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, replay_window
@@ -87,12 +87,13 @@ class _Flush:
     most once, by the first step that needs them). ``validated``: the window's ``nodes`` are the
     tracer's records, not Nodes (Note [Validated windows])."""
 
-    __slots__ = ("window", "live", "mutated", "lifted", "counts", "validated")
+    __slots__ = ("window", "live", "mutated", "lifted", "counts", "validated", "derived")
 
-    def __init__(self, window: Window, live: list[Out], validated: bool = False):
+    def __init__(self, window: Window, live: list[Out], validated: bool = False, derived: tuple | None = ()):
         self.window = window
         self.live = live
         self.mutated = tuple(sorted(window.mutated))
+        self.derived = derived  # Note [Inputs over one memory] in fuser.compilable
         self.lifted: tuple[int, ...] = ()
         self.counts: tuple[int, int] | None = None
         self.validated = validated
@@ -136,29 +137,33 @@ def run(window: Window, live: list[Out], backend, options, validated: _Entry | N
     """Run ``window`` (``live``: its values the program can still observe) compiled when its key
     is hot or on disk, else by replay (Note [Tiers]); ``validated``: Note [Validated windows]."""
     with table.LOCK:  # Note [One lock for the region tables] in fuser.table
-        done = _replayed_whatever_key(window, live, validated)
+        derived = _input_aliases(window) if window.passed and window.mutated else ()
+        done = _replayed_whatever_key(window, live, validated, derived)
         if done is not None:
             return done
         if validated is not None:
-            return _run_validated(window, live, validated)
-        return _run_window(_Flush(window, live), backend, options)
+            return _run_validated(window, live, validated, derived)
+        return _run_window(_Flush(window, live, derived=derived), backend, options)
 
 
 def run_resumed(window: Window, resume: _Resume, backend, options, now: bool) -> FlushResult:
     """The run a declined validated window takes up, its Nodes made (Note [Validated windows])."""
     with table.LOCK:
-        flush = _Flush(window, resume.live)
+        derived = _input_aliases(window) if window.passed and window.mutated else ()
+        flush = _Flush(window, resume.live, derived=derived)
         if resume.error is not None:
             return _after_failed_run(resume.entry, flush, resume.error, resume.check)
-        done = _replayed_whatever_key(window, resume.live, None)
+        done = _replayed_whatever_key(window, resume.live, None, derived)
         if done is not None:
             return done
         return _run_keyed_now(flush) if now else _run_window(flush, backend, options)
 
 
-def _replayed_whatever_key(window: Window, live: list[Out], validated: _Entry | None) -> FlushResult | None:
-    """The windows replayed whatever their key: a validated one declined with that reason first."""
-    if window.passed and window.mutated and _inputs_alias(window):
+def _replayed_whatever_key(window: Window, live: list[Out], validated: _Entry | None,
+                           derived: tuple | None) -> FlushResult | None:
+    """The windows replayed whatever their key: a validated one declined with that reason first;
+    ``derived``: ``_input_aliases(window)`` for a window that passed a view and writes."""
+    if derived is None:
         if validated is not None:
             return _declined("aliased_inputs", _Resume(live))
         return _replay_aliased(window, live)
@@ -177,22 +182,25 @@ def _replay_bits(window: Window, live: list[Out]) -> FlushResult:
 
 
 def _replay_aliased(window: Window, live: list[Out]) -> FlushResult:
-    """A window that writes memory it also reads through an input taken from a view (Note [Views
-    of unwritten memory] in adaptive_eager._record): replayed, whatever its key, since a key does
-    not say which inputs share memory."""
+    """A window that writes memory it also reads through an input the graph cannot make from the
+    written one (Note [Inputs over one memory] in fuser.compilable): replayed, whatever its key."""
     STATS.not_compiled["aliased_inputs"] += 1
     return _replay(_Flush(window, live), "aliased_inputs", None)
 
 
-def _run_validated(window: Window, live: list[Out], entry: _Entry) -> FlushResult:
+def _run_validated(window: Window, live: list[Out], entry: _Entry, derived: tuple) -> FlushResult:
     """A window the tracer validated against ``entry`` (Note [Validated windows]): if its live
     values are those the region returns, the region runs without a key; else declined."""
+    if entry.derived != derived:  # not in the tracer's template: Note [Inputs over one memory] in fuser.compilable
+        if window.passed or not derived_hold(entry.derived, window):
+            return _declined("aliased_inputs", _Resume(live))
+        derived = entry.derived
     outputs = entry.outputs
     if entry.run is not None and not entry.forgotten and len(live) == len(outputs) and all(
             o.uid == u for o, u in zip(live, outputs)):
         STATS.cache_hits_memory += 1
         entry.group.last = tuple(window.scalars)  # as ``_scalar_key`` keeps it (the baked values are equal)
-        return _run_or_replay(entry, _Flush(window, live, validated=True), "compiled")
+        return _run_or_replay(entry, _Flush(window, live, validated=True, derived=derived), "compiled")
     return _declined("liveness" if entry.run is not None and not entry.forgotten else "region",
                      _Resume(live))
 
@@ -202,12 +210,13 @@ def run_now(window: Window, live: list[Out], validated: _Entry | None = None) ->
     adaptive_eager._mode): compiled if its region's callable is in memory, else replayed
     ("fork"); no compile, load, store access or background job, and no wait for one in flight."""
     with table.LOCK:
-        done = _replayed_whatever_key(window, live, validated)
+        derived = _input_aliases(window) if window.passed and window.mutated else ()
+        done = _replayed_whatever_key(window, live, validated, derived)
         if done is not None:
             return done
         if validated is not None:
-            return _run_validated(window, live, validated)
-        return _run_keyed_now(_Flush(window, live))
+            return _run_validated(window, live, validated, derived)
+        return _run_keyed_now(_Flush(window, live, derived=derived))
 
 
 def _run_keyed_now(flush: _Flush) -> FlushResult:
@@ -215,6 +224,8 @@ def _run_keyed_now(flush: _Flush) -> FlushResult:
     entry = _entry_of(flush)
     if entry is None:
         return FlushResult(0, 0, len(window.nodes), "dead", None)
+    if flush.derived is None:
+        return _replay_aliased(window, flush.live)
     if entry.run is not None:
         STATS.cache_hits_memory += 1
         return _run_or_replay(entry, flush, "compiled")
@@ -228,11 +239,17 @@ def _entry_of(flush: _Flush) -> _Entry | None:
     if not flush.live and not flush.mutated and not _checks(window):
         return None
     structure = (tuple(window.sigs), tuple(o.uid for o in flush.live), flush.mutated)
+    if flush.derived:  # which inputs share memory is not in the signature: Note [Inputs over one memory]
+        structure += (flush.derived,)
     group, flush.lifted, baked = _scalar_key(structure, window.scalars, window)
     entry = CACHE.get((group, flush.lifted, baked))  # the group stands for the structure: Note [Region key]
     entry.group = group
     if entry.outputs is None:
         entry.outputs = structure[1]
+    if flush.derived:
+        entry.derived = flush.derived  # part of its structure: the hot path compares it (``_run_validated``)
+    elif entry.derived:  # found at the first sight of a window that passed no view: Note [Inputs over one memory]
+        flush.derived = entry.derived if derived_hold(entry.derived, window) else None
     return entry
 
 
@@ -240,6 +257,8 @@ def _run_window(flush: _Flush, backend, options) -> FlushResult:
     entry = _entry_of(flush)
     if entry is None:
         return FlushResult(0, 0, len(flush.window.nodes), "dead", None)  # nothing observable: every op is dead
+    if flush.derived is None:
+        return _replay_aliased(flush.window, flush.live)
     wait = not options.async_compile
     if entry.future is not None and (wait or entry.future.done()):
         _collect(entry)
@@ -262,6 +281,14 @@ def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
             return _Plan("replay", entry.blacklisted)
     if entry.seen == 1 or entry.other_process:
         # A region compiled by an earlier run or another process is used at first sight.
+        if not flush.derived and flush.window.mutated:
+            # a window that passed no view is checked here only: Note [Inputs over one memory]
+            aliases = _input_aliases(flush.window)
+            if aliases is None:
+                STATS.not_compiled["aliased_inputs"] += 1
+                entry.blacklisted = "aliased_inputs"
+                return _Plan("replay", "aliased_inputs")
+            entry.derived = flush.derived = aliases
         reason = _not_compilable(flush.window)
         if reason is not None:
             STATS.not_compiled[reason] += 1
@@ -275,7 +302,8 @@ def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
             return _Plan("load", data=data)
         if entry.other_process and abandoned(entry.pkey, store):
             entry.other_process = False  # compiled below, by this process
-    if entry.shape is not None and entry.shape_class.dynamic_ok and getattr(backend, "dynamic_shapes", False):
+    if (entry.shape is not None and entry.shape_class.dynamic_ok and getattr(backend, "dynamic_shapes", False)
+            and not flush.derived):  # a shape class does not tell derived inputs apart (Note [Inputs over one memory])
         return _Plan("dynamic")
     return _per_shape(entry, options)
 
@@ -382,7 +410,7 @@ def _describe(entry: _Entry, flush: _Flush, backend) -> bool:
     entry.counts = flush.mark()
     program = Program.from_window(flush.window, flush.live, flush.mutated, flush.lifted,
                                   inplace=getattr(backend, "writes_inputs", False),
-                                  stores_after_run=getattr(backend, "stores_after_run", False))
+                                  stores_after_run=getattr(backend, "stores_after_run", False), derived=flush.derived)
     try:
         pkey = program.digest(cache_fingerprint(backend))
     except TypeError as e:

@@ -256,7 +256,7 @@ def _with_symbols(program: Program, cls: _ShapeClass) -> Program:
     ops = [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
            for func, args, kwargs, outs in program.ops]
     return Program(ops, program.inputs, program.live, program.mutated, program.lifted, program.scalars,
-                   cls.reps, cls.dims, default_dtype=program.default_dtype)
+                   cls.reps, cls.dims, default_dtype=program.default_dtype, derived=program.derived)
 
 
 class _GuardInputs(dict):

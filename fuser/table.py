@@ -22,7 +22,7 @@ _REGION_IDS = itertools.count(1)
 class _Entry:
     __slots__ = ("seen", "run", "n_live", "mutated", "inplace", "blacklisted", "future", "lifted_inputs", "group",
                  "program", "pkey", "other_process", "counts", "region", "shape_class", "shape", "dynamic",
-                 "outputs", "forgotten", "loading", "__weakref__")
+                 "outputs", "forgotten", "loading", "derived", "__weakref__")
 
     def __init__(self):
         # short id for logs and the profiler: pkey[:8] once the persistent key is known
@@ -37,6 +37,7 @@ class _Entry:
         self.run = None  # the loaded compiled callable
         self.n_live = 0
         self.mutated: tuple[int, ...] = ()
+        self.derived: tuple = ()  # Note [Inputs over one memory] in fuser.compilable
         self.inplace = False  # the compiled region writes ``mutated`` itself (Note [In-place regions])
         self.blacklisted: str | None = None  # why it is never compiled (a memoized failure: Note [Tiers])
         self.lifted_inputs: list[tuple[int, torch.dtype]] = []  # (index in Window.scalars, dtype)

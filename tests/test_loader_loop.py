@@ -63,10 +63,11 @@ def test_a_view_of_memory_the_window_writes_later_is_read_in_eagers_order(fresh_
             got.append(step(w, r))
             ae.sync()
     m = ae.metrics()
-    # the first window is replayed (two inputs over w's memory, one written); from then on w's views
-    # are recorded and the window compiles; r's view stays an input
-    assert m["replay_reasons"] == {"aliased_inputs": 1}, m["replay_reasons"]
-    assert m["compiled_runs"] == 3, m
+    # the first window has two inputs over w's memory, one written: its transpose is derived from w
+    # inside the graph (Note [Inputs over one memory] in fuser.compilable); from then on w's views are
+    # recorded; r's view stays an input
+    assert m["replay_reasons"] == {}, m["replay_reasons"]
+    assert m["compiled_runs"] == 4, m
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(w, want_w)
