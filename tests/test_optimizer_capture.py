@@ -516,9 +516,10 @@ def test_a_warm_process_without_a_compiler_runs_every_step_compiled(tmp_path):
     assert warm["module_uncompiled_runs"] == 0 and warm["module_compiled_runs"] > 0, warm
     assert warm["optimizer_uncompiled_runs"] == 0, warm
     # windows replay only at their first sight in the process (Note [Tiers] in fuser.regions: the
-    # two recorded steps before the captures), never for want of a compiler
+    # two recorded steps before the captures, and the last loss's ``item()``), never for want of a
+    # compiler
     assert set(warm["replay_reasons"]) <= {"cold"} and warm["compiled_runs"] > 0, json.dumps(warm)
-    assert warm["replayed_regions"] <= HOT_AFTER, json.dumps(warm)
+    assert warm["replayed_regions"] <= HOT_AFTER + 1, json.dumps(warm)
     # Note [Captures from the cache] in adaptive_eager._capture: the warm captures ran no AOTAutograd
     # trace, each built from the record the cold process kept
     records = warm["capture_records"]
