@@ -289,3 +289,16 @@ def test_no_examples_docstring_states_a_time(example):
     doc = ast.get_docstring(ast.parse((ROOT / "examples" / example).read_text())) or ""
     times = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:s|ms|min|seconds|minutes)\b", doc)
     assert not times, f"{example}'s docstring states {times}"
+
+
+def test_every_counter_of_metrics_is_named_in_the_observability_page():
+    """docs/observability.md lists what ``metrics()`` returns; a counter added or renamed without
+    the page had left it stale (``capture_records`` and the ``module_*`` counters were missing)."""
+    import pathlib
+
+    import adaptive_eager as ae
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    missing = [k for k in ae.metrics() if f"`{k}`" not in page and not (
+        k.startswith("optimizer_") and f"`module_{k[len('optimizer_'):]}`" in page)]
+    assert not missing, f"docs/observability.md does not name {missing}"
