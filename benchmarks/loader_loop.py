@@ -5,8 +5,8 @@ options: counts per epoch, not times.
 
 A 20-64-1 MLP trained with AdamW on 1000 rows, batches of 32 (31 full batches and one of 8 an
 epoch), ``num_workers=0``, in a cold cache directory, then in a second process on the same cache.
-Prints, per process and epoch: windows, compiled runs, and the windows replayed while cold or while
-their compile (or load) was in flight. Note [Views of unwritten memory] in adaptive_eager._record
+Prints, per process and epoch: windows (and how many had nothing to run), compiled runs, and the
+windows replayed, while cold or while their compile (or load) was in flight. Note [Views of unwritten memory] in adaptive_eager._record
 says why a shuffled batch once made a new window each step; Note [Warm workers] in neff_cache.jobs
 why the first compile lands sooner.
 """
@@ -46,6 +46,7 @@ def train(epochs: int, shuffle: bool) -> list[dict]:
             reasons = {k: v - before["replay_reasons"].get(k, 0) for k, v in m["replay_reasons"].items()}
             rows.append({"windows": m["windows"] - before["windows"],
                          "compiled": m["compiled_runs"] - before["compiled_runs"],
+                         "replayed": m["replayed_regions"] - before["replayed_regions"],
                          "cold": reasons.get("cold", 0),
                          "in_flight": reasons.get("compiling", 0) + reasons.get("loading", 0)})
     return rows
@@ -67,12 +68,16 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--child", "--epochs", str(args.epochs), "--shuffle",
                                   shuffle], env=env, check=True, capture_output=True, text=True).stdout
             rows = json.loads(out.strip().splitlines()[-1])
-            total = sum(r["windows"] for r in rows)
+            ran = sum(r["compiled"] + r["replayed"] for r in rows)
             compiled = sum(r["compiled"] for r in rows)
-            print(f"shuffle {shuffle}, {process}: {compiled}/{total} windows compiled ({100 * compiled / total:.0f}%)")
+            print(f"shuffle {shuffle}, {process}: {compiled}/{ran} windows that ran ops compiled "
+                  f"({100 * compiled / max(ran, 1):.0f}%)")
             for epoch, r in enumerate(rows):
-                print(f"  epoch {epoch}: windows {r['windows']}, compiled {r['compiled']}, cold {r['cold']}, "
-                      f"compiling or loading {r['in_flight']}")
+                # a window none of whose ops is needed runs nothing (an optimizer step's flush
+                # right after a captured call): neither compiled nor replayed
+                print(f"  epoch {epoch}: windows {r['windows']} ({r['windows'] - r['compiled'] - r['replayed']} "
+                      f"with nothing to run), compiled {r['compiled']}, replayed {r['replayed']}: cold "
+                      f"{r['cold']}, compiling or loading {r['in_flight']}")
 
 
 if __name__ == "__main__":
