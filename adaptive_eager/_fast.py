@@ -14,7 +14,7 @@ from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Node, Out, Window, finish_
 
 from ._emit import alias_out, hot_placeholder, mark_written, placeholder, view_out, write_overlaps
 from ._record import (_DECLINED, _append, _cut, _decline, _demote, _dtype_changed, _keyword, _number, _numbers,
-                      _real_slot)
+                      _push_scalars, _real_slot)
 from ._source import _user_source
 from ._state import TracerState, _default_dtype, _strided
 from ._threads import _Elsewhere, pending_mark
@@ -111,9 +111,7 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         res = hot_placeholder(st.alloc_cpu, window, p.spec, p.uid)
         o = None  # a fresh value's record: its Out is the window's only while its tensor lives (Note [Hot liveness])
     if fpos:
-        sc = window.scalars
-        for pos in fpos:
-            sc.append(args[pos] if type(pos) is int else kwargs[pos])
+        _push_scalars(window.scalars, fpos, args, kwargs)
     nodes.append(o)  # its hot record: Note [Hot windows]; counted in METRICS when the window ends
     window.pending_bytes += p.nbytes
     if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:

@@ -140,18 +140,23 @@ def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, f
     if floats:
         node.fbase = len(window.scalars)
         node.fpos = floats
-        sc = window.scalars
-        for pos in floats:
-            if type(pos) is int:
-                sc.append(args[pos])
-            elif type(pos) is str:
-                sc.append(kwargs[pos])
-            else:
-                sc.append(args[pos[0]][pos[1]])
+        _push_scalars(window.scalars, floats, args, kwargs)
     window.nodes.append(node)
     window.pending_bytes += nbytes
     METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
     _cut(st, window)
+
+
+def _push_scalars(sc: list, floats, args, kwargs) -> None:
+    """Append an op's liftable floats to ``Window.scalars`` (``sc``) in the order of ``floats``:
+    positions, keyword names, or (list position, index) (Note [Scalar recording] in ``_ops``)."""
+    for pos in floats:
+        if type(pos) is int:
+            sc.append(args[pos])
+        elif type(pos) is str:
+            sc.append(kwargs[pos])
+        else:
+            sc.append(args[pos[0]][pos[1]])
 
 
 def _cut(st: TracerState, window: Window) -> None:
