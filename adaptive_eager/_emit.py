@@ -70,7 +70,7 @@ def placeholder(st, window: Window, spec: tuple, uid: int, device):
 def hot_placeholder(alloc, window: Window, spec: tuple, uid: int):
     """``placeholder`` in a hot window (Note [Hot liveness] in ``_hot``): the Out is a hot one, held
     by its tensor's mark and by a ``HotRef`` in ``Window.alive``, which the tensor's death removes; no
-    storage handle. Its other fields are set when it is adopted (``fuser.replay.adopt_hot``) or
+    storage handle. Its other fields are set when it is adopted (``adopt_hot``) or
     demoted dead (``dead_out``)."""
     t = alloc(spec[0], spec[1], spec[2])
     o = hot_out(window.token, FRESH, uid, spec, -1)
