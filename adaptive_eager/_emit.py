@@ -1,6 +1,7 @@
 """What recording an op leaves in its window besides the Node, made here for every path (``_record``'s
 general path and views, ``_fast``'s fast path and hot records, ``_hot``'s demotion): its Outs, the
-placeholders they mark, and the write marks. Every Out the tracer makes comes from ``hot_out``.
+placeholders they mark, and the write marks. Every Out the tracer makes is made here: by ``hot_out``,
+or by ``placeholder`` and ``hot_placeholder``, which spell its stores inline (each is once per op).
 
 The hottest code of the library (Note [Hot record cost] in ``_hot``): no pytree walking, no strings."""
 
@@ -59,8 +60,18 @@ def placeholder(st, window: Window, spec: tuple, uid: int, device):
     else:
         p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
     h = _untyped_storage(p)._weak_ref()
-    o = hot_out(window.token, FRESH, uid, spec, -1)
-    finish_hot(o, _weakref(p), h)
+    # ``hot_out`` and ``finish_hot``, inline: one op in two makes one (Note [Hot record cost] in ``_hot``)
+    o = _new(Out)
+    o.win = window.token
+    o.kind = FRESH
+    o.uid = uid
+    o.meta = spec
+    o.slot = -1
+    o.storage = h
+    o.ref = _weakref(p)
+    o.tensor = o.alias = o.value = None
+    o.needed = o.live = False
+    o.last = -1
     p._ae = o
     window.fresh.append(o)
     window.handles.append(h)
@@ -73,7 +84,13 @@ def hot_placeholder(alloc, window: Window, spec: tuple, uid: int):
     storage handle. Its other fields are set when it is adopted (``adopt_hot``) or
     demoted dead (``dead_out``)."""
     t = alloc(spec[0], spec[1], spec[2])
-    o = hot_out(window.token, FRESH, uid, spec, -1)
+    o = _new(Out)  # ``hot_out``, inline: every hot op makes one (Note [Hot record cost] in ``_hot``)
+    o.win = window.token
+    o.kind = FRESH
+    o.uid = uid
+    o.meta = spec
+    o.slot = -1
+    o.storage = None
     r = HotRef(t, window.discard)
     r.out = o
     window.alive.add(r)

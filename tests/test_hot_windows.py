@@ -1010,15 +1010,27 @@ def test_a_hot_step_counts_the_launches_a_full_recording_counts(fresh_regions):
 
 
 def test_every_out_the_tracer_makes_has_every_field():
-    """Every Out comes from ``_emit.hot_out``, completed by ``finish_hot`` (Note [Hot Outs] in
-    fuser.window) except a hot window's FRESH ones until their adoption: a field added to ``Out`` and
-    not to those two fails here."""
+    """Every Out the tracer makes comes from ``_emit`` (``hot_out`` completed by ``finish_hot``, Note
+    [Hot Outs] in fuser.window, or ``placeholder``'s inline stores), a hot window's FRESH ones
+    completed at their adoption: a field added to ``Out`` and not there fails here."""
     import weakref
 
     from adaptive_eager import _emit
 
     token, spec, t = object(), ((2, 3), (3, 1), torch.float32), torch.zeros(2, 3)
     made = [_emit.view_out(token, 7, spec, weakref.ref(t), 4), _emit.dead_out(token, 8, spec)]
+
+    class _Window:  # what ``placeholder`` touches of a window
+        token, fresh, handles, others = object(), [], [], []
+
+        def slot_of(self, t):
+            return 0
+
+    class _State:
+        alloc_cpu = None
+
+    p, o = _emit.placeholder(_State(), _Window(), spec, 9, torch.device("cpu"))
+    made += [o, _emit.alias_out(_Window(), t, t, 10), _emit.alias_out(_Window(), p, o, 11)]
     for o in made:
         for name in Out.__slots__:
             assert hasattr(o, name), name
