@@ -10,18 +10,17 @@ from __future__ import annotations
 import weakref
 
 import torch
-from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, HotRef as _HotRef, Node, Out, Window, finish_hot
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Node, Out, Window, finish_hot
 
-from ._metrics import METRICS
-from ._record import _DECLINED, _alias_out, _append, _cut, _decline, _demote, _dtype_changed, _numbers, _placeholder
+from ._emit import alias_out, hot_placeholder, mark_written, placeholder, view_out, write_overlaps
+from ._record import (_DECLINED, _append, _cut, _decline, _demote, _dtype_changed, _keyword, _number, _numbers,
+                      _push_scalars, _real_slot)
 from ._source import _user_source
 from ._state import TracerState, _default_dtype, _strided
 from ._threads import _Elsewhere, pending_mark
 
 _Tensor = torch.Tensor
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
-_storage_use_count = torch._C._storage_Use_Count
-_new = object.__new__
 _get_default_device = torch.get_default_device
 _weakref = weakref.ref
 
@@ -101,40 +100,18 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     if f.fast_inplace:
         res = args[0]
         written = _untyped_storage(res)._cdata
-        if _storage_use_count(written) > 2:  # another tensor over its memory: Note [Overlapping writes]
-            for j, _ in p.tensors[1:]:
-                a = args[j]
-                if a is not res and _untyped_storage(a)._cdata == written:
-                    return _miss(window, n0, "overlap")  # the general path decides
-        o = _alias_out(window, res, src if src is not None else res, p.uid)
-        window.written.add(written)
-        if o.slot >= 0:
-            window.mutated.add(o.slot)
+        if write_overlaps(f, args, res, written):
+            return _miss(window, n0, "overlap")  # the general path decides
+        o = alias_out(window, res, src if src is not None else res, p.uid)
+        mark_written(window, written, o.slot)
     elif p.multi is not None:
         res = _hot_outputs(st, window, p)
         o = None  # its record: its Outs are the window's only while their tensors live
     else:
-        # ``_placeholder`` in a hot window (Note [Hot liveness] in ``_hot``): the Out is held by its
-        # tensor's mark and by a ``HotRef`` in ``Window.alive``, which the tensor's death removes; no
-        # storage handle, and the Out is a hot one (Note [Hot Outs] in fuser.window): its other
-        # fields are set when it is adopted (``_hot.adopt_hot``) or demoted dead
-        res = st.alloc_cpu(p.shape, p.stride, p.dtype)
-        o = _new(Out)
-        o.win = token
-        o.kind = FRESH
-        o.uid = p.uid
-        o.meta = p.spec
-        o.slot = -1
-        o.storage = None
-        r = _HotRef(res, window.discard)
-        r.out = o
-        window.alive.add(r)
-        res._ae = o
+        res = hot_placeholder(st.alloc_cpu, window, p.spec, p.uid)
         o = None  # a fresh value's record: its Out is the window's only while its tensor lives (Note [Hot liveness])
     if fpos:
-        sc = window.scalars
-        for pos in fpos:
-            sc.append(args[pos] if type(pos) is int else kwargs[pos])
+        _push_scalars(window.scalars, fpos, args, kwargs)
     nodes.append(o)  # its hot record: Note [Hot windows]; counted in METRICS when the window ends
     window.pending_bytes += p.nbytes
     if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:
@@ -199,35 +176,15 @@ def _hot_slot(window: Window, a, slot: int, n0: int) -> str | None:
         # a sparse tensor too: Note [Tensors the mode leaves alone] in _state; a bit: Note
         # [Conjugate and negative bits] in fuser.compilable (recorded in full, the window replays)
         return "metadata"
-    window.slots[id(a)] = slot
-    real.append(a)
+    window.slot_of(a)  # at ``slot``: the next one
     return None
 
 
 def _hot_outputs(st: TracerState, window: Window, p):
     """The placeholders of a hot op with several outputs, or a list (Note [Hot views] in ``_hot``),
     each made as ``_record_hot`` makes one; answered as ``_record._record`` answers them."""
-    token = window.token
-    alive, discard = window.alive, window.discard
     alloc = st.alloc_cpu
-    results = []
-    for uid, spec in p.multi:
-        if spec is None:
-            results.append(None)
-            continue
-        t = alloc(spec[0], spec[1], spec[2])
-        o = _new(Out)
-        o.win = token
-        o.kind = FRESH
-        o.uid = uid
-        o.meta = spec
-        o.slot = -1
-        o.storage = None
-        r = _HotRef(t, discard)
-        r.out = o
-        alive.add(r)
-        t._ae = o
-        results.append(t)
+    results = [None if spec is None else hot_placeholder(alloc, window, spec, uid) for uid, spec in p.multi]
     f = p.f
     if f.returns_list:
         return results
@@ -281,32 +238,19 @@ def _record_hot_view(st: TracerState, window: Window, f, args, kwargs):
     elif p.viewed:
         window.viewed.add(_untyped_storage(a)._cdata)
     if multi is None:
-        vo = _view_out(token, p.uid, p.spec, _weakref(res), slot)  # held weakly (Note [Weak window])
+        vo = view_out(token, p.uid, p.spec, _weakref(res), slot)  # held weakly (Note [Weak window])
         res._ae = vo
         window.others.append(vo)
         nodes.append(vo)  # its hot record; a view adds no bytes and makes no cut, as in a full recording
         return res
     vos = []
     for v, (uid, spec) in zip(res, multi):
-        vo = _view_out(token, uid, spec, _weakref(v), slot)
+        vo = view_out(token, uid, spec, _weakref(v), slot)
         v._ae = vo
         window.others.append(vo)
         vos.append(vo)
     nodes.append(tuple(vos))  # its hot record: its VIEW Outs
     return res
-
-
-def _view_out(token, uid: int, spec, ref, slot: int) -> Out:
-    """``Out(token, VIEW, uid, spec, ref, slot=slot)``, without ``Out.__init__``'s keyword parsing
-    (Note [Hot view cost] in ``_hot``): the fields a hot Out has, then ``finish_hot``'s."""
-    o = _new(Out)
-    o.win = token
-    o.kind = VIEW
-    o.uid = uid
-    o.meta = spec
-    o.slot = slot
-    finish_hot(o, ref, None)
-    return o
 
 
 def _pin(window: Window, o: Out, t) -> None:
@@ -330,7 +274,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
     nargs = None
     inputs = []
     refs = []
-    floats = None
+    floats = []  # Note [Scalar recording] in _ops
     attr = st.target_attr
     scalar_fast_path = st.scalar_fast_path
     first = None
@@ -341,13 +285,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
         if a is None:
             continue
         if not isinstance(a, _Tensor):
-            if a.__class__ is float and f.liftable:
-                sig[i] = float
-                if floats is None:
-                    floats = []
-                floats.append(i)
-            else:
-                sig[i] = (a.__class__, a)
+            sig[i] = _number(f, a, i, floats)
             continue
         if attr is None or not getattr(a, attr):
             return _decline(window, n0)
@@ -368,17 +306,15 @@ def _record_fast(st: TracerState, f, args, kwargs):
                 raise _Elsewhere(o.win.owner, a)
         if scalar_fast_path and a.numel() == 1:
             return _decline(window, n0)  # snapshots and the scalar fast path: the general path
-        slot = window.slots.get(id(a))
+        slot = _real_slot(window, a)
         if slot is None:
-            if a.layout is not _strided:  # sparse: Note [Tensors the mode leaves alone] in _state
-                return _decline(window, n0)
-            slot = window.slot_of(a)
+            return _decline(window, n0)
         refs.append(-1 - slot)
         sig[i] = (a.shape, a.stride(), a.dtype)
     if first is None:
         return _decline(window, n0)
     if f.scalar_pos:
-        floats = _numbers(f, args, n, sig, floats)
+        _numbers(f, args, n, sig, floats)
     for i in f.seq_pos:
         if i < n and type(args[i]) is list:
             sig[i] = tuple(args[i])
@@ -386,13 +322,7 @@ def _record_fast(st: TracerState, f, args, kwargs):
     if kwargs:  # fast_inplace only: numbers and flags (``alpha=``, ``value=``)
         ksig = []
         for k, v in kwargs.items():
-            if v.__class__ is float and f.liftable:
-                ksig.append((k, float))
-                if floats is None:
-                    floats = []
-                floats.append(k)
-            else:
-                ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
+            ksig.append(_keyword(f, k, v, floats))
         ksig = tuple(ksig)
     # several devices of the target type (cuda:0, cuda:1): the first tensor's, as ``_record`` picks
     device = first.device if st.device_varies else st.device
@@ -408,12 +338,8 @@ def _record_fast(st: TracerState, f, args, kwargs):
     if f.fast_inplace:
         res = args[0]
         written = _untyped_storage(res)._cdata
-        if _storage_use_count(written) > 2:  # another tensor over its memory: Note [Overlapping writes]
-            for i in f.tensor_pos[1:]:
-                if i < n:
-                    a = args[i]
-                    if isinstance(a, _Tensor) and a is not res and _untyped_storage(a)._cdata == written:
-                        return _decline(window, n0)  # the general path decides
+        if write_overlaps(f, args, res, written):
+            return _decline(window, n0)  # the general path decides
     if window.hot is not None:
         _demote(window, "op")
     if nargs is None:
@@ -422,12 +348,10 @@ def _record_fast(st: TracerState, f, args, kwargs):
     uid = (node.index + 1) * OUTS_PER_NODE
     if f.fast_inplace:
         node.mutates = True
-        o = _alias_out(window, res, nargs[0], uid)
-        window.written.add(written)
-        if o.slot >= 0:
-            window.mutated.add(o.slot)
+        o = alias_out(window, res, nargs[0], uid)
+        mark_written(window, written, o.slot)
     else:
-        res, o = _placeholder(st, window, specs[0], uid, device)
+        res, o = placeholder(st, window, specs[0], uid, device)
     node.outs.append(o)
     _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
     return res

@@ -149,8 +149,8 @@ noisy at this load): the placeholder's alloc + free 320-600 ns, its mark (``_ae`
 per tensor) ~80, the ``HotRef`` and ``alive.add`` 155-180 (plus its callback at the tensor's
 death), an ``Out`` by ``__init__`` 135-245 against 137-143 for a hot Out, a facts lookup by the
 ``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id``, the default-dtype
-check 22-45, a Python call ~35. What went, per op: ``Out.__init__`` (Note [Hot Outs]), the calls of
-``_hot_placeholder`` and ``_cut`` (inlined; ``_cut`` runs only at a cut), the two ``METRICS``
+check 22-45, a Python call ~35. What went, per op: ``Out.__init__`` (Note [Hot Outs]), the call of
+``_cut`` (inlined; it runs only at a cut), the two ``METRICS``
 increments (``count_hot`` counts a window's records when it ends, ``metrics()`` adds the open
 windows': ``_state.pending_hot_ops``), the ``OpOverload`` hash (``_ops.FACTS_BY_ID``), the empty
 kwargs dict, and a real input's ``slots`` lookup when the tensor already sits in its slot
@@ -167,9 +167,8 @@ what a hot view adds to the empty mode's view is its Out, its weak reference and
 Python frames went (timed alone, 200k calls, session 21): the view is called through the
 overload's C++ callable (``OpFacts.call``, ``OpOverload._op``) instead of ``OpOverload.__call__``,
 whose frame only forwards to it (1.23 against 1.57 us for a ``t``), and its VIEW Out is made without
-``Out.__init__``'s keyword parsing (``_fast._view_out``, which sets the rest with ``finish_hot``: 0.2-0.3
-against 0.49 us), every field set as ``__init__`` sets it (tests/test_hot_windows.py compares
-the two).
+``Out.__init__``'s keyword parsing (``_emit.view_out``: ``_emit.hot_out``, then ``finish_hot``: 0.2-0.3
+against 0.49 us), as every Out the tracer makes is.
 """
 
 from __future__ import annotations
@@ -182,6 +181,7 @@ import torch
 from fuser.window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot, storage_bytes
 
 from . import _ops
+from ._emit import dead_out
 from ._metrics import METRICS
 from ._source import _user_source
 
@@ -288,7 +288,7 @@ class Template:
             if out is None and p.multi is None:  # a fresh value: its Out if something still holds it, else a dead one
                 out = outs.get(p.uid)
                 if out is None:
-                    out = outs[p.uid] = Out(token, FRESH, p.uid, p.spec)
+                    out = outs[p.uid] = dead_out(token, p.uid, p.spec)
             args = [None] * p.n
             inputs = []
             for pos, ref in p.tensors:
@@ -328,7 +328,7 @@ class Template:
                         continue
                     o = outs.get(uid)
                     if o is None:
-                        o = outs[uid] = Out(token, FRESH, uid, spec)
+                        o = outs[uid] = dead_out(token, uid, spec)
                     node.outs.append(o)
             if p.fpos:
                 node.fbase = fbase

@@ -9,9 +9,10 @@ from __future__ import annotations
 import weakref
 
 import torch
-from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window
+from fuser.window import OUTS_PER_NODE, Node, Window
 
 from . import _signatures
+from ._emit import alias_out as _alias_out, mark_written, placeholder as _placeholder, view_out
 from ._flush import flush, is_written
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
@@ -23,7 +24,6 @@ from ._threads import _check_elsewhere, pending_mark
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
-_empty_strided = torch.empty_strided
 _weakref = weakref.ref
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _storage_use_count = torch._C._storage_Use_Count
@@ -91,50 +91,42 @@ def _decline(window: Window, n0: int):
     return _DECLINED
 
 
-def _alias_out(window: Window, t, src, uid: int) -> Out:
-    """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
-    (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
-    if type(src) is Out:  # a pending value: held weakly (Note [Weak window])
-        o = Out(window.token, ALIAS, uid, src.meta, _weakref(t), slot=src.slot, alias=src)
-    else:
-        o = Out(window.token, ALIAS, uid, (t.shape, t.stride(), t.dtype), slot=window.slot_of(t), tensor=t, alias=src)
-    t._ae = o
-    window.others.append(o)
-    return o
+def _number(f, v, i: int, floats: list):
+    """The signature of number ``v`` at argument position ``i``, for every path: a liftable float is
+    ``float``, its value a window scalar (Note [Scalar recording] in ``_ops``: its position joins
+    ``floats``); any other number its type and value (1, 1.0 and True hash alike but promote
+    differently)."""
+    if v.__class__ is float and f.liftable:
+        floats.append(i)
+        return float
+    return (v.__class__, v)
 
 
-def _numbers(f, args, n: int, sig: list, floats: list | None) -> list | None:
-    """The signatures of an op's number arguments (``f.scalar_pos``), for either path: a liftable
-    float is ``float``, its value a window scalar (Note [Scalar recording] in ``_ops``: its position
-    joins ``floats``, made here if None); any other number its type and value (1, 1.0 and True hash
-    alike but promote differently). Answers ``floats``."""
+def _numbers(f, args, n: int, sig: list, floats: list) -> None:
+    """The signatures of an op's number arguments (``f.scalar_pos``): ``_number``'s."""
     for i in f.scalar_pos:
         if i < n:
-            v = args[i]
-            if v.__class__ is float and f.liftable:
-                sig[i] = float
-                if floats is None:
-                    floats = []
-                floats.append(i)
-            else:
-                sig[i] = (v.__class__, v)
-    return floats
+            sig[i] = _number(f, args[i], i, floats)
 
 
-def _placeholder(st: TracerState, window: Window, spec: tuple, uid: int, device):
-    """A fresh output of a recorded op: an uninitialized tensor with eager's metadata (``spec``),
-    marked with its Out, which the window holds weakly (Note [Weak window]); both returned."""
-    alloc = st.alloc_cpu
-    if alloc is not None:
-        p = alloc(spec[0], spec[1], spec[2])
-    else:
-        p = _empty_strided(spec[0], spec[1], dtype=spec[2], device=device)
-    h = _untyped_storage(p)._weak_ref()
-    o = Out(window.token, FRESH, uid, spec, _weakref(p), h)
-    p._ae = o
-    window.fresh.append(o)
-    window.handles.append(h)
-    return p, o
+def _keyword(f, k: str, v, floats: list) -> tuple:
+    """The signature of keyword ``k``'s value ``v`` (not a tensor), for every path: a liftable float
+    as ``_number``'s (its name joins ``floats``), anything else its type and value."""
+    if v.__class__ is float and f.liftable:
+        floats.append(k)
+        return (k, float)
+    return (k, v.__class__, tuple(v) if type(v) is list else v)
+
+
+def _real_slot(window: Window, a) -> int | None:
+    """The slot of real input ``a``, registered at the next one on its first use; None for a tensor
+    the mode leaves alone (sparse: Note [Tensors the mode leaves alone] in _state)."""
+    slot = window.slots.get(id(a))
+    if slot is None:
+        if a.layout is not _strided:
+            return None
+        slot = window.slot_of(a)
+    return slot
 
 
 def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, floats, args, kwargs,
@@ -148,18 +140,23 @@ def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, f
     if floats:
         node.fbase = len(window.scalars)
         node.fpos = floats
-        sc = window.scalars
-        for pos in floats:
-            if type(pos) is int:
-                sc.append(args[pos])
-            elif type(pos) is str:
-                sc.append(kwargs[pos])
-            else:
-                sc.append(args[pos[0]][pos[1]])
+        _push_scalars(window.scalars, floats, args, kwargs)
     window.nodes.append(node)
     window.pending_bytes += nbytes
     METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
     _cut(st, window)
+
+
+def _push_scalars(sc: list, floats, args, kwargs) -> None:
+    """Append an op's liftable floats to ``Window.scalars`` (``sc``) in the order of ``floats``:
+    positions, keyword names, or (list position, index) (Note [Scalar recording] in ``_ops``)."""
+    for pos in floats:
+        if type(pos) is int:
+            sc.append(args[pos])
+        elif type(pos) is str:
+            sc.append(kwargs[pos])
+        else:
+            sc.append(args[pos[0]][pos[1]])
 
 
 def _cut(st: TracerState, window: Window) -> None:
@@ -189,7 +186,6 @@ def _record(st: TracerState, f, args, kwargs):
     device = None
     only_real_scalars = st.scalar_fast_path  # Note [Scalar fast path]
     refs = []  # Note [Window signature] in fuser.window
-    slots = window.slots
     floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
     for i in f.tensor_pos:
         if i >= n:
@@ -198,11 +194,7 @@ def _record(st: TracerState, f, args, kwargs):
         if a is None:
             continue
         if not isinstance(a, _Tensor):  # a Python number passed where the schema says Tensor
-            if a.__class__ is float and f.liftable:
-                sig[i] = float
-                floats.append(i)
-            else:
-                sig[i] = (a.__class__, a)
+            sig[i] = _number(f, a, i, floats)
             continue
         if not _on_target(st, a):
             if a.dim() == 0 and a.is_cpu and i not in f.write_pos:
@@ -226,11 +218,9 @@ def _record(st: TracerState, f, args, kwargs):
         else:
             if o is not None:
                 _check_elsewhere(a, o)
-            slot = slots.get(id(a))
+            slot = _real_slot(window, a)
             if slot is None:
-                if a.layout is not _strided:  # sparse: Note [Tensors the mode leaves alone] in _state
-                    return _DECLINED
-                slot = window.slot_of(a)
+                return _DECLINED
             if st.scalar_fast_path:
                 if a.dim():
                     only_real_scalars = False
@@ -263,14 +253,16 @@ def _record(st: TracerState, f, args, kwargs):
             else:
                 if o is not None:
                     _check_elsewhere(a, o)
-                if id(a) not in slots and a.layout is not _strided:  # Note [Tensors the mode leaves alone] in _state
-                    return _DECLINED
                 if st.scalar_fast_path:
                     if a.dim():
                         only_real_scalars = False
-                    if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
+                    if (a.numel() == 1 and i not in f.write_pos and not _written(window, a)
+                            and a.layout is _strided):
                         a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
-                refs.append(-1 - window.slot_of(a))
+                slot = _real_slot(window, a)
+                if slot is None:
+                    return _DECLINED
+                refs.append(-1 - slot)
             lsig.append((a.shape, a.stride(), a.dtype))
         if nargs is None:
             nargs = list(args)
@@ -306,9 +298,10 @@ def _record(st: TracerState, f, args, kwargs):
                 else:
                     if o is not None:
                         _check_elsewhere(v, o)
-                    if v.layout is not _strided:  # sparse: Note [Tensors the mode leaves alone] in _state
+                    slot = _real_slot(window, v)
+                    if slot is None:
                         return _DECLINED
-                    refs.append(-1 - window.slot_of(v))
+                    refs.append(-1 - slot)
                 ksig.append((k, v.shape, v.stride(), v.dtype))
             else:
                 if k == "device" and v is not None:
@@ -316,11 +309,7 @@ def _record(st: TracerState, f, args, kwargs):
                     if dv.type != st.target:
                         return _DECLINED
                     device = dv
-                if v.__class__ is float and f.liftable:
-                    ksig.append((k, float))
-                    floats.append(k)
-                else:
-                    ksig.append((k, v.__class__, tuple(v) if type(v) is list else v))
+                ksig.append(_keyword(f, k, v, floats))
         ksig = tuple(ksig)
     if device is None:
         if not f.factory:
@@ -400,12 +389,8 @@ def _record(st: TracerState, f, args, kwargs):
         # Every written argument (BatchNorm's running stats are written but not returned; foreach
         # ops write lists): later reads must flush, compiled regions write back.
         for t, sid in written:
-            window.written.add(sid)
             o = getattr(t, "_ae", None)
-            live = o is not None and o.win is window.token
-            slot = o.slot if live else window.slot_of(t)
-            if slot >= 0:
-                window.mutated.add(slot)
+            mark_written(window, sid, o.slot if o is not None and o.win is window.token else window.slot_of(t))
     _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
     if f.nrets == 0:
         return None
@@ -532,7 +517,7 @@ def _record_view(st: TracerState, f, args, kwargs):
     uid = (node.index + 1) * OUTS_PER_NODE
     for j, v in enumerate(views):
         # held weakly (Note [Weak window]); alive, it keeps its root's storage alive
-        vo = Out(window.token, VIEW, uid + j, (v.shape, v.stride(), v.dtype), _weakref(v), slot=slot)
+        vo = view_out(window.token, uid + j, (v.shape, v.stride(), v.dtype), _weakref(v), slot)
         v._ae = vo
         node.outs.append(vo)
         window.others.append(vo)

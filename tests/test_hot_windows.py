@@ -1009,19 +1009,32 @@ def test_a_hot_step_counts_the_launches_a_full_recording_counts(fresh_regions):
     assert (recorded, launches, 0) == counts(False)
 
 
-def test_a_hot_view_out_is_the_out_its_init_makes():
-    """``_fast._view_out`` (Note [Hot view cost] in ``_hot``) sets every field ``Out.__init__`` sets,
-    to the same values: a field added to ``Out`` and not to it fails here."""
+def test_every_out_the_tracer_makes_has_every_field():
+    """Every Out the tracer makes comes from ``_emit`` (``hot_out`` completed by ``finish_hot``, Note
+    [Hot Outs] in fuser.window, or ``placeholder``'s inline stores), a hot window's FRESH ones
+    completed at their adoption: a field added to ``Out`` and not there fails here."""
     import weakref
 
-    from adaptive_eager._fast import _view_out
-    from fuser.window import VIEW
+    from adaptive_eager import _emit
 
     token, spec, t = object(), ((2, 3), (3, 1), torch.float32), torch.zeros(2, 3)
-    ref = weakref.ref(t)
-    made, expected = _view_out(token, 7, spec, ref, 4), Out(token, VIEW, 7, spec, ref, slot=4)
-    for name in Out.__slots__:
-        assert getattr(made, name) is getattr(expected, name) or getattr(made, name) == getattr(expected, name), name
+    made = [_emit.view_out(token, 7, spec, weakref.ref(t), 4), _emit.dead_out(token, 8, spec)]
+
+    class _Window:  # what ``placeholder`` touches of a window
+        token, fresh, handles, others = object(), [], [], []
+
+        def slot_of(self, t):
+            return 0
+
+    class _State:
+        alloc_cpu = None
+
+    p, o = _emit.placeholder(_State(), _Window(), spec, 9, torch.device("cpu"))
+    made += [o, _emit.alias_out(_Window(), t, t, 10), _emit.alias_out(_Window(), p, o, 11)]
+    for o in made:
+        for name in Out.__slots__:
+            assert hasattr(o, name), name
+    assert (made[0].slot, made[0].ref(), made[0].live, made[0].last) == (4, t, False, -1)
 
 
 def test_a_hot_view_calls_the_overloads_own_callable():
