@@ -872,7 +872,9 @@ def _write_record(key: str, graphs: dict, options, who: str) -> None:
     store = _store(options)
     fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
     try:
-        store.put(key, json.dumps(record).encode(), fingerprint=fingerprint, backend=options.backend,
+        # not a compiled artifact: tagged as the op-metadata tables are (``backend="meta"``), so
+        # that the cache's listings tell records from what a compiler made
+        store.put(key, json.dumps(record).encode(), fingerprint=fingerprint, backend="capture_record",
                   compile_seconds=0.0)
     except Exception as e:  # noqa: BLE001 - the store logs its own failures; the capture goes on
         log.info("adaptive_eager: a capture's record was not kept: %s", e)
