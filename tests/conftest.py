@@ -14,6 +14,8 @@ SLOW_VARIANTS = {
     "test_tracer.py::test_a_flushed_window_is_freed_by_reference_counting[inductor]",
     # 77 s; compile-in-process (31 s) runs the same four threads against compiled regions
     "test_threads.py::test_four_threads_train_at_once_with_compiled_regions[compile-in-background]",
+    # 15 s under load (session 24); its inductor twin (14 s) checks the same once-a-process warning
+    "test_kernel_warnings.py::test_a_once_a_process_warning_comes_once[replay]",
 }
 
 
