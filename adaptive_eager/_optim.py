@@ -14,8 +14,6 @@ in ``Optimizer.profile_hook_step``, and run eagerly every step.
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 import time
 import types
 import warnings
@@ -109,26 +107,6 @@ _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile
 # (``_is_fx_tracing_tls``). Such a step runs recorded, as a cold one does.
 _NESTED_TRACE = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
-# Note [Imports ahead of the capture]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Dynamo's optimizer handling imports ``torch._inductor.cudagraph_trees`` (``_is_static_for_cudagraphs``,
-# for every tensor of the step, CUDA or not), which pulls in Inductor's compile_fx, graph, pattern
-# matcher and their templates. In a warm process the compile thread (Note [Compile thread] in
-# fuser.artifacts) imports much of the same while it loads the captured modules' kernels, which
-# happens in the step that captures: the capturing thread then waits on those modules' import
-# locks and shares the GIL with the rest of that import. So the first cold step of a capturable
-# optimizer hands that import to the compile thread, once per process: it runs under the cold
-# steps (``hot_after`` of them) instead of the capturing one. The main thread's CPU in the capture
-# is the same (that import is ~0.06 s of it once Inductor is loaded); what moves is the wall time it
-# waited. Importing on another thread is what the compile thread already does (Python's per-module
-# import locks); a failed import here is Dynamo's to report at the capture, as it would anyway.
-# Measured with a 6-step blocks8 loop (AdamW over 34 params, warm cache, 2 shared cores at load
-# 5-7, interleaved pairs): ``optimizer_capture_seconds`` 8.08 -> 7.51 s and 5.38 -> 2.76 s; with the
-# import handed over at the mode's entry instead, 4.32/3.51/5.37 -> 2.93/3.35/3.87 s; the capture's
-# main-thread CPU (1.5-2.2 s) and the whole loop's time unchanged within that noise.
-_AHEAD = "torch._inductor.cudagraph_trees"
-_imported_ahead = False
-
 _saved: list[tuple] = []  # (class, its step) and (cell, what it held), to put back
 _is_compiling = torch.compiler.is_compiling
 
@@ -215,8 +193,6 @@ def _step(st, opt, raw):
             METRICS.optimizer_misses[cap.off] += 1
             return raw(opt)
         if cap.steps < st.options.hot_after:
-            if cap.steps == 0:
-                _import_ahead()
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
             before = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches
@@ -302,18 +278,6 @@ def _static_shapes(opt) -> None:
             for t in (p.grad, *opt.state.get(p, {}).values()):
                 if isinstance(t, torch.Tensor) and t.dim():
                     mark(t)
-
-
-def _import_ahead() -> None:
-    """Note [Imports ahead of the capture]: once per process, on the compile thread; nothing waits for it."""
-    global _imported_ahead
-    if _imported_ahead:
-        return
-    _imported_ahead = True
-    from fuser import artifacts
-
-    if _AHEAD not in sys.modules and not artifacts.compile_thread_stopped():
-        artifacts._submit(importlib.import_module, _AHEAD)
 
 
 def _traced_elsewhere() -> bool:

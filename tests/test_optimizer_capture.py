@@ -8,7 +8,6 @@ Inductor compile, so each test stays short) under the name ``replay``; the 1,000
 """
 
 import functools
-import importlib
 import json
 import os
 import subprocess
@@ -559,28 +558,3 @@ def test_a_second_capture_of_the_same_step_is_built_from_its_record(tmp_path, mo
     # every capture that kept a record is built from it; a capture that did not trace again
     assert len(traces) == 2 * first - written and m["capture_records"].get("optimizer_hit") == written, m
     assert m["optimizer_hot_steps"] >= 1, m
-
-
-def test_dynamos_optimizer_imports_are_handed_to_the_compile_thread(monkeypatch):
-    """Note [Imports ahead of the capture]: the first cold step of a captured optimizer submits the
-    import Dynamo's optimizer handling makes, once per process, and nothing waits for it."""
-    from concurrent.futures import Future
-
-    from fuser import artifacts
-
-    submitted = []
-
-    def submit(fn, *args):
-        submitted.append((fn, args))
-        future = Future()
-        future.set_result(None)
-        return future
-
-    monkeypatch.setattr(artifacts, "_submit", submit)
-    monkeypatch.setattr(_optim, "_imported_ahead", False)
-    monkeypatch.setattr(_optim, "_AHEAD", "adaptive_eager_test_not_imported")
-    make = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
-    _train(make, HOT_AFTER + 2, True)
-    _train(make, 2, True)  # another optimizer: already handed over
-    assert [args for fn, args in submitted if fn is importlib.import_module] == \
-        [("adaptive_eager_test_not_imported",)], submitted
