@@ -1,7 +1,7 @@
 """Dynamo's trace of an optimizer step alone, by variant: what stays of the optimizer capture in a
 process whose capture is built from a record (Note [Captures from the cache] in adaptive_eager._capture).
 
-    python benchmarks/dynamo_optimizer_trace.py [default|foreach|no_gc ...]
+    python benchmarks/dynamo_optimizer_trace.py [default|foreach|no_gc ...] [--repeats 5]
 
 AdamW over the 8-block model's 34 parameters (``user_step.py``'s), CPU, its state made by one step
 first as at a capture. Each variant's step body is traced with ``fullgraph`` and a backend that
@@ -13,9 +13,9 @@ CPU); ``foreach``: ``foreach=True``; ``no_gc``: Dynamo's ``run_gc_after_compile`
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
-import sys
 import time
 
 import torch
@@ -26,7 +26,15 @@ VARIANTS = {"default": ({}, None), "foreach": ({}, True), "no_gc": ({"run_gc_aft
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(VARIANTS)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*",
+                        help=f"any of {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default 5)")
+    args = parser.parse_args()
+    unknown = [n for n in args.variants if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}")
+    names = args.variants or list(VARIANTS)
     layers: list[nn.Module] = []
     for _ in range(8):
         layers += [nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()]
@@ -54,7 +62,7 @@ def main() -> None:
 
     trace(names[0])  # the imports
     cpu: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(int(os.environ.get("REPS", "5"))):
+    for _ in range(args.repeats):
         for n in names:
             cpu[n].append(trace(n))
     for n in names:
