@@ -1,7 +1,8 @@
-"""What recording an op leaves in its window besides the Node, made here for every path (``_record``'s
-general path and views, ``_fast``'s fast path and hot records, ``_hot``'s demotion): its Outs, the
-placeholders they mark, and the write marks. Every Out the tracer makes is made here: by ``hot_out``,
-or by ``placeholder`` and ``hot_placeholder``, which spell its stores inline (each is once per op).
+"""What recording an op leaves in its window, made here for every path (``_record``'s general path and
+views, ``_fast``'s fast path and hot records, ``_hot``'s demotion): its Node, its Outs, the
+placeholders they mark, and the write marks. Every Node the tracer makes is made by ``node``; every
+Out by ``hot_out``, or by ``placeholder`` and ``hot_placeholder``, which spell its stores inline (each
+is once per op).
 
 The hottest code of the library (Note [Hot record cost] in ``_hot``): no pytree walking, no strings."""
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from fuser.window import ALIAS, FRESH, VIEW, HotRef, Out, Window, finish_hot
+from fuser.window import ALIAS, FRESH, VIEW, HotRef, Node, Out, Window, finish_hot
 
 _Tensor = torch.Tensor
 _new = object.__new__
@@ -18,6 +19,26 @@ _weakref = weakref.ref
 _empty_strided = torch.empty_strided
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _storage_use_count = torch._C._storage_Use_Count
+
+
+def node(func, args, kwargs, inputs, source, index: int, mutates: bool, is_view: bool) -> Node:
+    """The Node of a recorded op, for every path: ``Node.__init__``'s fields, stored without calling
+    the class (Note [Hot record cost] in ``_hot``), so a field added to ``Node`` must be added here
+    (tests/test_hot_windows.py checks every field is set)."""
+    n = _new(Node)
+    n.index = index
+    n.fpos = ()
+    n.fbase = 0
+    n.func = func
+    n.args = args
+    n.kwargs = kwargs
+    n.inputs = inputs
+    n.outs = []
+    n.mutates = mutates
+    n.is_view = is_view
+    n.source = source
+    n.needed = False
+    return n
 
 
 def hot_out(token, kind: int, uid: int, meta, slot: int) -> Out:

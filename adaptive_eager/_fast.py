@@ -10,9 +10,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Node, Out, Window, finish_hot
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Out, Window, finish_hot
 
-from ._emit import alias_out, hot_placeholder, mark_written, placeholder, view_out, write_overlaps
+from ._emit import alias_out, hot_placeholder, mark_written, node as _node, placeholder, view_out, write_overlaps
 from ._record import (_DECLINED, _append, _cut, _decline, _demote, _dtype_changed, _keyword, _number, _numbers,
                       _push_scalars, _real_slot)
 from ._source import _user_source
@@ -344,10 +344,9 @@ def _record_fast(st: TracerState, f, args, kwargs):
         _demote(window, "op")
     if nargs is None:
         nargs = list(args)
-    node = Node(f.func, nargs, kwargs, inputs, _user_source(3), len(window.nodes))
+    node = _node(f.func, nargs, kwargs, inputs, _user_source(3), len(window.nodes), f.fast_inplace, False)
     uid = (node.index + 1) * OUTS_PER_NODE
     if f.fast_inplace:
-        node.mutates = True
         o = alias_out(window, res, nargs[0], uid)
         mark_written(window, written, o.slot)
     else:

@@ -181,7 +181,7 @@ import torch
 from fuser.window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot, storage_bytes
 
 from . import _ops
-from ._emit import dead_out
+from ._emit import dead_out, node as _node
 from ._metrics import METRICS
 from ._source import _user_source
 
@@ -314,9 +314,7 @@ class Template:
                 else:
                     floats[pos] = scalars[fbase + j]
             kwargs = {name: floats[name] if v is float else v for name, v in p.kw}
-            node = Node(p.f.func, args, kwargs, inputs, p.source, k)
-            node.mutates = p.f.fast_inplace
-            node.is_view = p.view
+            node = _node(p.f.func, args, kwargs, inputs, p.source, k, p.f.fast_inplace, p.view)
             if p.multi is None:
                 node.outs.append(out)
             elif p.view:

@@ -12,7 +12,7 @@ import torch
 from fuser.window import OUTS_PER_NODE, Node, Window
 
 from . import _signatures
-from ._emit import alias_out as _alias_out, mark_written, placeholder as _placeholder, view_out
+from ._emit import alias_out as _alias_out, mark_written, node as _node, placeholder as _placeholder, view_out
 from ._flush import flush, is_written
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
@@ -362,9 +362,9 @@ def _record(st: TracerState, f, args, kwargs):
             # later (Note [Scalar fast path])
             snap = nargs[i] = args[i].clone()
             refs[r] = -1 - window.slot_of(snap)
-    node = Node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(4), len(window.nodes))
     # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
-    node.mutates = f.mutates or f.nrets == 0
+    node = _node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(4), len(window.nodes),
+                 f.mutates or f.nrets == 0, False)
     outs = node.outs
     results = []
     alias_ret = f.alias_ret
@@ -511,8 +511,7 @@ def _record_view(st: TracerState, f, args, kwargs):
         if st.scalar_fast_path and a.numel() == 1:
             # a pending op may read this one-element tensor through the view: no fast-path writes
             window.viewed.add(_untyped_storage(a)._cdata)
-    node = Node(f.func, nargs, kwargs, inputs, None, len(window.nodes))
-    node.is_view = True
+    node = _node(f.func, nargs, kwargs, inputs, None, len(window.nodes), False, True)
     views = res if isinstance(res, (tuple, list)) else (res,)
     uid = (node.index + 1) * OUTS_PER_NODE
     for j, v in enumerate(views):

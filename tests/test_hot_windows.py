@@ -1037,6 +1037,20 @@ def test_every_out_the_tracer_makes_has_every_field():
     assert (made[0].slot, made[0].ref(), made[0].live, made[0].last) == (4, t, False, -1)
 
 
+def test_every_node_the_tracer_makes_has_every_field():
+    """Every Node the tracer makes comes from ``_emit.node``, which stores ``Node.__init__``'s fields
+    without calling it: a field added to ``Node`` and not there fails here, and the two agree."""
+    from adaptive_eager import _emit
+    from fuser.window import Node
+
+    args, kwargs, inputs = [1], {"a": 2}, []
+    made = _emit.node(torch.ops.aten.add.Tensor, args, kwargs, inputs, None, 3, True, False)
+    ref = Node(torch.ops.aten.add.Tensor, args, kwargs, inputs, None, 3)
+    ref.mutates = True
+    for name in Node.__slots__:
+        assert getattr(made, name) == getattr(ref, name), name
+
+
 def test_a_hot_view_calls_the_overloads_own_callable():
     """``OpFacts.call`` is what ``OpOverload.__call__`` forwards to (Note [Hot view cost] in ``_hot``)."""
     from adaptive_eager._ops import facts_for
