@@ -137,19 +137,32 @@ def run(window: Window, live: list[Out], backend, options, validated: _Entry | N
     """Run ``window`` (``live``: its values the program can still observe) compiled when its key
     is hot or on disk, else by replay (Note [Tiers]); ``validated``: Note [Validated windows]."""
     with table.LOCK:  # Note [One lock for the region tables] in fuser.table
-        derived = _input_aliases(window) if window.passed and window.mutated else ()
-        done = _replayed_whatever_key(window, live, validated, derived)
+        done, derived = _before_the_key(window, live, validated)
         if done is not None:
             return done
-        if validated is not None:
-            return _run_validated(window, live, validated, derived)
         return _run_window(_Flush(window, live, derived=derived), backend, options)
+
+
+def _derived(window: Window) -> tuple | None:
+    """``_input_aliases`` for a window that passed a view and writes (Note [Inputs over one memory]
+    in fuser.compilable), else ()."""
+    return _input_aliases(window) if window.passed and window.mutated else ()
+
+
+def _before_the_key(window: Window, live: list[Out], validated: _Entry | None):
+    """What ``run`` and ``run_now`` settle before a key is built: (the result, if the window replays
+    whatever its key or was validated, else None; its derived inputs)."""
+    derived = _derived(window)
+    done = _replayed_whatever_key(window, live, validated, derived)
+    if done is None and validated is not None:
+        done = _run_validated(window, live, validated, derived)
+    return done, derived
 
 
 def run_resumed(window: Window, resume: _Resume, backend, options, now: bool) -> FlushResult:
     """The run a declined validated window takes up, its Nodes made (Note [Validated windows])."""
     with table.LOCK:
-        derived = _input_aliases(window) if window.passed and window.mutated else ()
+        derived = _derived(window)
         flush = _Flush(window, resume.live, derived=derived)
         if resume.error is not None:
             return _after_failed_run(resume.entry, flush, resume.error, resume.check)
@@ -210,12 +223,9 @@ def run_now(window: Window, live: list[Out], validated: _Entry | None = None) ->
     adaptive_eager._mode): compiled if its region's callable is in memory, else replayed
     ("fork"); no compile, load, store access or background job, and no wait for one in flight."""
     with table.LOCK:
-        derived = _input_aliases(window) if window.passed and window.mutated else ()
-        done = _replayed_whatever_key(window, live, validated, derived)
+        done, derived = _before_the_key(window, live, validated)
         if done is not None:
             return done
-        if validated is not None:
-            return _run_validated(window, live, validated, derived)
         return _run_keyed_now(_Flush(window, live, derived=derived))
 
 

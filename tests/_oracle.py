@@ -136,3 +136,20 @@ def artifacts(store) -> list:
     in adaptive_eager._meta_disk) and the captures' records (Note [Captures from the cache] in
     adaptive_eager._capture): the compiled artifacts."""
     return [e for e in store.entries() if e["backend"] not in ("meta", "capture_record")]
+
+
+def count_aot_traces(monkeypatch):
+    """How many AOTAutograd traces our backend starts (Note [Captures from the cache]); a region's
+    Inductor compile makes its own, which are not counted."""
+    import torch._dynamo.backends.common as common
+
+    traces = []
+    real = common.aot_autograd
+
+    def counted(**kwargs):
+        if getattr(kwargs["fw_compiler"], "__qualname__", "").startswith("_Backend.__call__"):
+            traces.append(1)
+        return real(**kwargs)
+
+    monkeypatch.setattr(common, "aot_autograd", counted)
+    return traces

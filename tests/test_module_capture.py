@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import adaptive_eager as ae
+from _oracle import count_aot_traces
 from adaptive_eager import _capture
 
 HOT_AFTER = 2  # calls 1-2 are recorded, call 3 is captured
@@ -251,23 +252,6 @@ def test_off_switch_records_every_call(_uncompiled):
     assert ae.metrics()["module_captured_calls"] == 0
 
 
-def _count_aot_traces(monkeypatch):
-    """How many AOTAutograd traces our backend starts (Note [Captures from the cache]); a region's
-    Inductor compile makes its own, which are not counted."""
-    import torch._dynamo.backends.common as common
-
-    traces = []
-    real = common.aot_autograd
-
-    def counted(**kwargs):
-        if getattr(kwargs["fw_compiler"], "__qualname__", "").startswith("_Backend.__call__"):
-            traces.append(1)
-        return real(**kwargs)
-
-    monkeypatch.setattr(common, "aot_autograd", counted)
-    return traces
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_second_capture_of_the_same_graph_is_built_from_its_record(tmp_path, monkeypatch, compiled):
     """Note [Captures from the cache]: a module of the same structure, captured again (here after
@@ -275,7 +259,7 @@ def test_a_second_capture_of_the_same_graph_is_built_from_its_record(tmp_path, m
     does, op by op (its Program) and compiled."""
     if not compiled:
         monkeypatch.setattr(_capture._Graph, "_obtain", lambda self: None)
-    traces = _count_aot_traces(monkeypatch)
+    traces = count_aot_traces(monkeypatch)
     steps = 6
     eager = _train(_mlp(), _batches(steps), False)
     options = {"async_compile": False, "cache_dir": str(tmp_path)}
@@ -296,7 +280,7 @@ def test_a_second_capture_of_the_same_graph_is_built_from_its_record(tmp_path, m
 def test_a_training_graph_that_writes_a_buffer_keeps_no_record(_uncompiled, tmp_path, monkeypatch):
     """BatchNorm's running statistics are written by a training graph (AOTAutograd's wrapper copies
     them back): no record, counted; the next capture traces again and still gives eager's values."""
-    traces = _count_aot_traces(monkeypatch)
+    traces = count_aot_traces(monkeypatch)
     steps = 5
     eager = _train(_mlp(nn.BatchNorm1d), _batches(steps), False)
     for _ in range(2):

@@ -532,17 +532,9 @@ def test_a_second_capture_of_the_same_step_is_built_from_its_record(tmp_path, mo
     """Note [Captures from the cache] in adaptive_eager._capture: the same step captured again (after
     ``torch._dynamo.reset()``, as in a new process) runs no AOTAutograd trace of ours, and its
     values are eager's; a scheduled lr (a graph input after the recapture) is keyed and kept too."""
-    import torch._dynamo.backends.common as common
+    from _oracle import count_aot_traces
 
-    traces = []
-    real = common.aot_autograd
-
-    def counted(**kwargs):
-        if getattr(kwargs["fw_compiler"], "__qualname__", "").startswith("_Backend.__call__"):
-            traces.append(1)
-        return real(**kwargs)
-
-    monkeypatch.setattr(common, "aot_autograd", counted)
+    traces = count_aot_traces(monkeypatch)
     make = functools.partial(CASES[case], f=False)
     sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
     kw = {"steps": 8, "backend": "inductor", "cache_dir": str(tmp_path), "sched": sched}
