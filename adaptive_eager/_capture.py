@@ -864,7 +864,7 @@ def _write_record(key: str, graphs: dict, options, who: str) -> None:
         if saved < 0 or len(tangents) != sum(requires_grad):
             return declined("tangents")
         for shape, stride, _, _ in tangents:
-            if tuple(stride) != _contiguous(shape):
+            if tuple(stride) != make_contiguous_strides_for(shape):
                 return declined("tangents")
         record.update(requires_grad=requires_grad, saved=saved, backward=backward.describe())
     elif len(forward.plan) != n_out:
@@ -880,14 +880,6 @@ def _write_record(key: str, graphs: dict, options, who: str) -> None:
         log.info("adaptive_eager: a capture's record was not kept: %s", e)
         return declined("store")
     METRICS.capture_records[f"{who}_written"] += 1
-
-
-def _contiguous(shape) -> tuple:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _from_record(key: str, gm, options, who: str):
