@@ -79,7 +79,46 @@ def cnn(device):
     return model, lambda m: nn.functional.cross_entropy(m(x), y)
 
 
-WORKLOADS = {"blocks8": blocks8, "rnn": rnn, "cnn": cnn}
+def gemm(device):
+    """GEMM-bound: 3 x (Linear(1024, 1024), GELU) + Linear(1024, 1), batch 64."""
+    layers = []
+    for _ in range(3):
+        layers += [nn.Linear(1024, 1024), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(1024, 1)).to(device)
+    x, y = torch.randn(64, 1024, device=device), torch.randn(64, 1, device=device)
+    return model, lambda m: nn.functional.mse_loss(m(x), y)
+
+
+def _stock(name):
+    """A stock Hugging Face model from a small config (4 layers, width 128, vocab 1000; the
+    config's own dropout), batch 4 x 64 tokens, the model's own loss. ``loss_type`` is set because
+    transformers logs a ``warning_once`` in ``loss_function`` otherwise."""
+
+    def build(device):
+        import transformers
+
+        common = dict(vocab_size=1000, bos_token_id=0, eos_token_id=0)
+        if name == "gpt2":
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_layer=4, n_embd=128, n_head=4, n_positions=128, **common))
+        elif name == "bert":
+            model = transformers.BertForMaskedLM(transformers.BertConfig(
+                num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=512,
+                max_position_embeddings=128, vocab_size=1000))
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=512, max_position_embeddings=128, **common))
+        model.loss_type = "ForMaskedLM" if name == "bert" else "ForCausalLM"
+        model = model.to(device)
+        ids = torch.randint(1, 1000, (4, 64), generator=torch.Generator().manual_seed(0)).to(device)
+        return model, lambda m: m(input_ids=ids, labels=ids).loss
+    build.__doc__ = f"stock {name}: " + (_stock.__doc__ or "")
+    return build
+
+
+WORKLOADS = {"blocks8": blocks8, "rnn": rnn, "cnn": cnn, "gemm": gemm,
+             **{n: _stock(n) for n in ("gpt2", "bert", "llama")}}
 
 
 _UNCOMPILED = ("module_uncompiled_runs", "optimizer_uncompiled_runs")  # captured graphs run op by op
@@ -89,6 +128,7 @@ class Variant:
     def __init__(self, name, device, build, wrap=None, context=None):
         torch.manual_seed(0)
         model, self.loss_of = build(device)
+        model.train()
         self.model = wrap(model) if wrap else model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.name, self.device, self.context = name, device, context
@@ -160,7 +200,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--steps", type=int, default=200, help="steps per variant (default 200)")
     parser.add_argument("--round", type=int, default=20, help="steps of one variant before the next runs")
-    parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(WORKLOADS)}"
+                        " (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile variants")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
