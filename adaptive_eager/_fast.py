@@ -13,8 +13,8 @@ import torch
 from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Out, Window, finish_hot
 
 from ._emit import alias_out, hot_placeholder, mark_written, node as _node, placeholder, view_out, write_overlaps
-from ._record import (_DECLINED, _append, _cut, _decline, _demote, _dtype_changed, _keyword, _number, _numbers,
-                      _push_scalars, _real_slot)
+from ._record import (_DECLINED, _add, _append, _decline, _demote, _dtype_changed, _keyword, _number, _numbers,
+                      _real_slot)
 from ._source import _user_source
 from ._state import TracerState, _default_dtype, _strided
 from ._threads import _Elsewhere, pending_mark
@@ -110,12 +110,7 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     else:
         res = hot_placeholder(st.alloc_cpu, window, p.spec, p.uid)
         o = None  # a fresh value's record: its Out is the window's only while its tensor lives (Note [Hot liveness])
-    if fpos:
-        _push_scalars(window.scalars, fpos, args, kwargs)
-    nodes.append(o)  # its hot record: Note [Hot windows]; counted in METRICS when the window ends
-    window.pending_bytes += p.nbytes
-    if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:
-        _cut(st, window)
+    _add(st, window, o, fpos, args, kwargs, p.nbytes)  # its hot record: Note [Hot windows]
     return res
 
 

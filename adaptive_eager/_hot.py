@@ -150,7 +150,8 @@ per tensor) ~80, the ``HotRef`` and ``alive.add`` 155-180 (plus its callback at 
 death), an ``Out`` by ``__init__`` 135-245 against 137-143 for a hot Out, a facts lookup by the
 ``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id``, the default-dtype
 check 22-45, a Python call ~35. What went, per op: ``Out.__init__`` (Note [Hot Outs]), the call of
-``_cut`` (inlined; it runs only at a cut), the two ``METRICS``
+``_cut`` (``_record._add``, the tail every path ends an op with, checks the cut inline and calls
+it only at one; that one call also pushes the op's floats), the two ``METRICS``
 increments (``count_hot`` counts a window's records when it ends, ``metrics()`` adds the open
 windows': ``_state.pending_hot_ops``), the ``OpOverload`` hash (``_ops.FACTS_BY_ID``), the empty
 kwargs dict, and a real input's ``slots`` lookup when the tensor already sits in its slot

@@ -131,20 +131,31 @@ def _real_slot(window: Window, a) -> int | None:
 
 def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, floats, args, kwargs,
             nbytes: int) -> None:
-    """The window's tail, for an op recorded by either path: its signature and dataflow refs (Note
-    [Window signature] in fuser.window), its liftable floats (Note [Scalar recording] in ``_ops``:
-    positions, keyword names, or (list position, index)), the node, and the window's cuts."""
+    """The window's tail for an op recorded in full (the general and fast paths): its signature and
+    dataflow refs (Note [Window signature] in fuser.window), where its floats start, its count, then
+    ``_add``."""
     sigs = window.sigs
     sigs.append(eid)
     sigs.extend(refs)
     if floats:
         node.fbase = len(window.scalars)
         node.fpos = floats
-        _push_scalars(window.scalars, floats, args, kwargs)
-    window.nodes.append(node)
-    window.pending_bytes += nbytes
     METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
-    _cut(st, window)
+    _add(st, window, node, floats, args, kwargs, nbytes)
+
+
+def _add(st: TracerState, window: Window, record, floats, args, kwargs, nbytes: int) -> None:
+    """What every path adds to the window for an op (a hot record counts its ops when the window
+    ends): its liftable floats (Note [Scalar recording] in ``_ops``: positions, keyword names, or
+    (list position, index)), its record (a Node, or a hot record: Note [Hot windows] in ``_hot``), its
+    output bytes, and the window's cut (Note [Period detection]) or byte cap after it."""
+    if floats:
+        _push_scalars(window.scalars, floats, args, kwargs)
+    nodes = window.nodes
+    nodes.append(record)
+    window.pending_bytes += nbytes
+    if len(nodes) >= st.cut_at or window.pending_bytes >= st.max_bytes:
+        _cut(st, window)
 
 
 def _push_scalars(sc: list, floats, args, kwargs) -> None:
