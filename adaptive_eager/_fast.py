@@ -13,10 +13,10 @@ import torch
 from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Out, Window, finish_hot
 
 from ._emit import alias_out, hot_placeholder, mark_written, node as _node, placeholder, view_out, write_overlaps
-from ._record import (_DECLINED, _add, _append, _decline, _demote, _dtype_changed, _keyword, _number, _numbers,
+from ._record import (_DECLINED, _add, _append, _decline, _demote, _dtype_check, _keyword, _number, _numbers,
                       _real_slot)
 from ._source import _user_source
-from ._state import TracerState, _default_dtype, _strided
+from ._state import TracerState, _strided
 from ._threads import _Elsewhere, pending_mark
 
 _Tensor = torch.Tensor
@@ -62,7 +62,7 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     p = ops[i]
     if p.f is not f or len(args) != p.n:
         return _miss(window, n0, "op")
-    if _default_dtype() is not st.dtype:
+    if not _dtype_check(st, True):
         return _miss(window, n0, "default_dtype")
     token = window.token
     src = None  # an in-place op's first argument as recorded: its Out when pending
@@ -260,8 +260,7 @@ def _pin(window: Window, o: Out, t) -> None:
 def _record_fast(st: TracerState, f, args, kwargs):
     """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
     write and return their first argument): Note [Record fast path]."""
-    if _default_dtype() is not st.dtype:
-        _dtype_changed(st)  # Note [Meta cache key]
+    _dtype_check(st, False)
     window = st.window
     n0 = len(window.real_inputs)
     n = len(args)

@@ -25,11 +25,10 @@ from ._ops import (
 )
 from ._fast import _record_fast, _record_hot, _record_hot_view
 from ._meta import _Resizes
-from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs,
+from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_check, _record, _record_view, _unslot, resize_outs,
                       view_of_unwritten)
 from ._state import (
     TracerState,
-    _default_dtype,
     _on_target,
     _register,
     _step_back,
@@ -169,8 +168,7 @@ def _record_checked(st: TracerState, f, args, kwargs):
 
 
 def _record_or_run(st: TracerState, f, args, kwargs):
-    if _default_dtype() is not st.dtype:
-        _dtype_changed(st)  # Note [Meta cache key]
+    _dtype_check(st, False)
     window = st.window
     n0 = len(window.real_inputs)
     try:

@@ -67,12 +67,20 @@ def _scalars_settled(window: Window, f, args, n: int) -> bool:
     return True
 
 
-def _dtype_changed(st: TracerState) -> None:
-    """The program changed the default dtype: the open window runs under the old one first, and
-    the ops from here on read the new one's meta cache (Note [Meta cache key])."""
+def _dtype_check(st: TracerState, hot: bool) -> bool:
+    """Every path's check, at each op, that the default dtype is still the one the open window
+    records under (Note [Meta cache key]); True if so. If the program changed it, a recording path
+    (``hot`` False) runs the open window under the old one first (reason ``default_dtype``), reads
+    the new one's meta cache from here on, and records (True); a hot record answers False: a
+    mismatch, cause ``default_dtype``, and the op takes a recording path, which does the former."""
+    if _default_dtype() is st.dtype:
+        return True
+    if hot:
+        return False
     flush(st, "default_dtype")
     dtype = st.dtype = _default_dtype()
     st.meta_cache = _META_CACHES.setdefault(dtype, {})
+    return True
 
 
 def _unslot(window: Window, n0: int) -> None:
