@@ -14,6 +14,7 @@ from fuser.window import OUTS_PER_NODE, Node, Window
 from . import _signatures
 from ._emit import alias_out as _alias_out, mark_written, node as _node, placeholder as _placeholder, view_out
 from ._flush import flush, is_written
+from ._hot import expect_hot
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
 from ._args import _tensors
@@ -67,20 +68,26 @@ def _scalars_settled(window: Window, f, args, n: int) -> bool:
     return True
 
 
-def _dtype_check(st: TracerState, hot: bool) -> bool:
-    """Every path's check, at each op, that the default dtype is still the one the open window
-    records under (Note [Meta cache key]); True if so. If the program changed it, a recording path
-    (``hot`` False) runs the open window under the old one first (reason ``default_dtype``), reads
-    the new one's meta cache from here on, and records (True); a hot record answers False: a
-    mismatch, cause ``default_dtype``, and the op takes a recording path, which does the former."""
-    if _default_dtype() is st.dtype:
-        return True
-    if hot:
-        return False
+def _dtype_check(st: TracerState) -> None:
+    """The check, before any path (hot, fast or general) records an op, that the default dtype is
+    still the one the open window records under (Note [Meta cache key]); ``LazyMode.__torch_dispatch__``
+    has it inline. If the program changed it: a hot window stops being hot (cause ``default_dtype``:
+    its template's outputs were made under the old one), the open window runs under the old one
+    (reason ``default_dtype``), the ops from here on read the new one's meta cache, and the next
+    window is armed only with a template made under the new one (the flush armed it under the old)."""
+    if _default_dtype() is not st.dtype:
+        _dtype_changed(st)
+
+
+def _dtype_changed(st: TracerState) -> None:
+    """``_dtype_check``'s answer to a change (see there)."""
+    window = st.window
+    if window.hot is not None:
+        _demote(window, "default_dtype")
     flush(st, "default_dtype")
     dtype = st.dtype = _default_dtype()
     st.meta_cache = _META_CACHES.setdefault(dtype, {})
-    return True
+    expect_hot(st)
 
 
 def _unslot(window: Window, n0: int) -> None:
@@ -158,24 +165,19 @@ def _add(st: TracerState, window: Window, record, floats, args, kwargs, nbytes: 
     (list position, index)), its record (a Node, or a hot record: Note [Hot windows] in ``_hot``), its
     output bytes, and the window's cut (Note [Period detection]) or byte cap after it."""
     if floats:
-        _push_scalars(window.scalars, floats, args, kwargs)
+        sc = window.scalars
+        for pos in floats:
+            if type(pos) is int:
+                sc.append(args[pos])
+            elif type(pos) is str:
+                sc.append(kwargs[pos])
+            else:
+                sc.append(args[pos[0]][pos[1]])
     nodes = window.nodes
     nodes.append(record)
     window.pending_bytes += nbytes
     if len(nodes) >= st.cut_at or window.pending_bytes >= st.max_bytes:
         _cut(st, window)
-
-
-def _push_scalars(sc: list, floats, args, kwargs) -> None:
-    """Append an op's liftable floats to ``Window.scalars`` (``sc``) in the order of ``floats``:
-    positions, keyword names, or (list position, index) (Note [Scalar recording] in ``_ops``)."""
-    for pos in floats:
-        if type(pos) is int:
-            sc.append(args[pos])
-        elif type(pos) is str:
-            sc.append(kwargs[pos])
-        else:
-            sc.append(args[pos[0]][pos[1]])
 
 
 def _cut(st: TracerState, window: Window) -> None:
