@@ -104,7 +104,7 @@ def hot_placeholder(alloc, window: Window, spec: tuple, uid: int):
     by its tensor's mark and by a ``HotRef`` in ``Window.alive``, which the tensor's death removes; no
     storage handle. Its other fields are set when it is adopted (``adopt_hot``) or
     demoted dead (``dead_out``)."""
-    t = alloc(spec[0], spec[1], spec[2])
+    t = alloc(*spec)  # (shape, stride, dtype)
     o = _new(Out)  # ``hot_out``, inline: every hot op makes one (Note [Hot record cost] in ``_hot``)
     o.win = window.token
     o.kind = FRESH

@@ -13,10 +13,10 @@ import torch
 from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Out, Window, finish_hot
 
 from ._emit import alias_out, hot_placeholder, mark_written, node as _node, placeholder, view_out, write_overlaps
-from ._record import (_DECLINED, _append, _cut, _decline, _demote, _dtype_changed, _keyword, _number, _numbers,
-                      _push_scalars, _real_slot)
+from ._record import (_DECLINED, _add, _append, _decline, _demote, _keyword, _number, _numbers,
+                      _real_slot)
 from ._source import _user_source
-from ._state import TracerState, _default_dtype, _strided
+from ._state import TracerState, _strided
 from ._threads import _Elsewhere, pending_mark
 
 _Tensor = torch.Tensor
@@ -50,30 +50,25 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     [Hot views] in ``_hot``): the same placeholders or ALIAS Out, slots and marks as
     ``_record_fast`` (or, for the general path's ops a template holds, ``_record._record``), without
     its signature, meta lookup or Node. ``_DECLINED`` (nothing changed) when it does not match.
-    ``kwargs`` may be None (none given). Note [Hot record cost] says what each line costs."""
-    nodes = window.nodes
-    i = len(nodes)
-    hot = window.hot
-    ops = hot.ops
+    ``kwargs`` may be None (none given); the caller checked the default dtype (``_record._dtype_check``).
+    Note [Hot record cost] says what each line costs."""
+    i = len(window.nodes)
+    ops = window.hot.ops
     real = window.real_inputs
     n0 = len(real)
-    if i >= len(ops):
+    try:
+        p = ops[i]
+    except IndexError:  # no cost when not raised, unlike a length test
         return _miss(window, n0, "past_end")
-    p = ops[i]
     if p.f is not f or len(args) != p.n:
         return _miss(window, n0, "op")
-    if _default_dtype() is not st.dtype:
-        return _miss(window, n0, "default_dtype")
     token = window.token
-    src = None  # an in-place op's first argument as recorded: its Out when pending
     for pos, ref in p.tensors:
         a = args[pos]
         o = getattr(a, "_ae", None)
         if ref > 0:
             if o is None or o.win is not token or o.uid != ref:
                 return _miss(window, n0, "binding")
-            if pos == 0:
-                src = o
             continue
         if o is not None and (o.win is token or pending_mark(o)):
             return _miss(window, n0, "binding")
@@ -83,14 +78,15 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         cause = _hot_slot(window, a, slot, n0)  # its first use in this window: registered there
         if cause is not None:
             return _miss(window, n0, cause)
-    if p.lists:
-        cause = _hot_lists(window, p, args, n0)
-        if cause is not None:
-            return _miss(window, n0, cause)
-    if p.factory and _get_default_device().type != st.target:
-        return _miss(window, n0, "metadata")  # the general path declines it: not ours
-    if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
-        return _miss(window, n0, "scalar")
+    if p.other or kwargs:
+        if p.lists:
+            cause = _hot_lists(window, p, args, n0)
+            if cause is not None:
+                return _miss(window, n0, cause)
+        if p.factory and _get_default_device().type != st.target:
+            return _miss(window, n0, "metadata")  # the general path declines it: not ours
+        if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
+            return _miss(window, n0, "scalar")
     fpos = p.fpos
     if fpos:
         for pos, v in zip(fpos, p.fvals):
@@ -102,7 +98,8 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
         written = _untyped_storage(res)._cdata
         if write_overlaps(f, args, res, written):
             return _miss(window, n0, "overlap")  # the general path decides
-        o = alias_out(window, res, src if src is not None else res, p.uid)
+        o = getattr(res, "_ae", None)  # validated above: a pending value of this window, or real
+        o = alias_out(window, res, o if o is not None and o.win is token else res, p.uid)
         mark_written(window, written, o.slot)
     elif p.multi is not None:
         res = _hot_outputs(st, window, p)
@@ -110,12 +107,7 @@ def _record_hot(st: TracerState, window: Window, f, args, kwargs):
     else:
         res = hot_placeholder(st.alloc_cpu, window, p.spec, p.uid)
         o = None  # a fresh value's record: its Out is the window's only while its tensor lives (Note [Hot liveness])
-    if fpos:
-        _push_scalars(window.scalars, fpos, args, kwargs)
-    nodes.append(o)  # its hot record: Note [Hot windows]; counted in METRICS when the window ends
-    window.pending_bytes += p.nbytes
-    if i >= st.cut_at - 1 or window.pending_bytes >= st.max_bytes:
-        _cut(st, window)
+    _add(st, window, o, fpos, args, kwargs, p.nbytes)  # its hot record: Note [Hot windows]
     return res
 
 
@@ -264,9 +256,8 @@ def _pin(window: Window, o: Out, t) -> None:
 
 def _record_fast(st: TracerState, f, args, kwargs):
     """``_record`` for ``OpFacts.fast`` ops (no keywords) and ``OpFacts.fast_inplace`` ops (they
-    write and return their first argument): Note [Record fast path]."""
-    if _default_dtype() is not st.dtype:
-        _dtype_changed(st)  # Note [Meta cache key]
+    write and return their first argument): Note [Record fast path]. The caller checked the default
+    dtype (``_record._dtype_check``)."""
     window = st.window
     n0 = len(window.real_inputs)
     n = len(args)

@@ -150,11 +150,18 @@ per tensor) ~80, the ``HotRef`` and ``alive.add`` 155-180 (plus its callback at 
 death), an ``Out`` by ``__init__`` 135-245 against 137-143 for a hot Out, a facts lookup by the
 ``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id``, the default-dtype
 check 22-45, a Python call ~35. What went, per op: ``Out.__init__`` (Note [Hot Outs]), the call of
-``_cut`` (inlined; it runs only at a cut), the two ``METRICS``
+``_cut`` (``_record._add``, the tail every path ends an op with, checks the cut inline and calls
+it only at one; that one call also pushes the op's floats), the two ``METRICS``
 increments (``count_hot`` counts a window's records when it ends, ``metrics()`` adds the open
 windows': ``_state.pending_hot_ops``), the ``OpOverload`` hash (``_ops.FACTS_BY_ID``), the empty
-kwargs dict, and a real input's ``slots`` lookup when the tensor already sits in its slot
-(identity with ``real_inputs[slot]``). What stands is the mark, the ``HotRef`` and the allocation
+kwargs dict, a real input's ``slots`` lookup when the tensor already sits in its slot
+(identity with ``real_inputs[slot]``), the tests of a position's rarer parts (lists, a factory,
+other arguments, keywords: one flag, ``_Pos.other``), the test of the template's length (an
+``IndexError`` costs nothing until raised) and the search for an in-place op's source (read only
+for an in-place op). Those pay for the call of ``_record._add``, the one tail of every path (~40
+bytecodes and a call per op): counted with ``sys.settrace`` on the tiny-op loop, an op's dispatch
+and hot record run 346 bytecodes and 7.0 Python calls, against 366 and 6.3 with the tail inline
+and those tests as they were. What stands is the mark, the ``HotRef`` and the allocation
 (each is what makes a value pending, live while its tensor lives, and real memory), and the
 comparison itself, one bytecode at a time: fewer lines would need code specialized per position.
 
@@ -206,7 +213,7 @@ class _Pos:
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
                  "nbytes", "source", "sig_end", "pending", "view", "offset", "viewed", "lists", "multi",
-                 "factory")
+                 "factory", "other")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -237,6 +244,7 @@ class _Pos:
         self.lists: tuple = ()
         self.multi: tuple | None = None
         self.factory = False  # an op of no tensor (``zeros``): the default device must still be the target
+        self.other = False  # any of ``lists``, ``factory``, ``consts``, ``kw``: one test skips them all
 
 
 class Template:
@@ -494,6 +502,7 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
         if isinstance(v, _Tensor) or type(v) is Out:
             return None
     p.kw = tuple((name, float if name in node.fpos else v) for name, v in node.kwargs.items())
+    p.other = bool(p.lists or p.factory or p.consts or p.kw)
     if fast:
         o = node.outs[0]
         if o is None or o.kind != (ALIAS if f.fast_inplace else FRESH):

@@ -312,8 +312,10 @@ def _eager_layouts(f, args, kwargs, specs: list):
 #   default dtype: when the program changes it (``torch.set_default_dtype``) with ops pending, the
 #   window is flushed first (reason ``default_dtype``), and it runs, and is compiled, under the
 #   dtype it was recorded under (``_recorded_dtype``: at a flush the program may have changed it
-#   since). So the record path pays one ``torch.get_default_dtype()`` (40 ns) per op, and nothing in
-#   the key; the structure ids hold the dtype too, so regions of two dtypes never share a key.
+#   since). So an op pays one ``torch.get_default_dtype()`` (40 ns) before any path records it,
+#   ``_record._dtype_check`` (a hot window stops being hot there, cause ``default_dtype``), and
+#   nothing in the key; the structure ids hold the dtype too, so regions of two dtypes never share
+#   a key.
 # - the default device: keyed for factories without ``device=`` (``torch.set_default_device`` is a
 #   function mode above the dispatcher, which fills ``device=`` in for most of them); any other op
 #   takes its device from its tensors.

@@ -25,8 +25,8 @@ from ._ops import (
 )
 from ._fast import _record_fast, _record_hot, _record_hot_view
 from ._meta import _Resizes
-from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _record, _record_view, _unslot, resize_outs,
-                      view_of_unwritten)
+from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _dtype_check, _record, _record_view,
+                      _unslot, resize_outs, view_of_unwritten)
 from ._state import (
     TracerState,
     _default_dtype,
@@ -127,6 +127,7 @@ def _record_made(st: TracerState, f, args, kwargs=None):
     without dropout): in a hot window it is validated first, as a dispatched op is (Note [Hot
     windows] in _hot), so a step with dropout or attention runs hot; a drawn tensor is a new real
     input each step, in the slot the template has for it."""
+    _dtype_check(st)
     window = st.window
     if window.hot is not None:
         res = _record_hot(st, window, f, args, kwargs)
@@ -137,6 +138,7 @@ def _record_made(st: TracerState, f, args, kwargs=None):
 
 def _record_op(st: TracerState, f, args, kwargs):
     """A RECORD op: hot, fast or general path (``LazyMode.__torch_dispatch__`` has this inline)."""
+    _dtype_check(st)
     window = st.window
     if window.hot is not None:
         res = _record_hot(st, window, f, args, kwargs)
@@ -169,8 +171,8 @@ def _record_checked(st: TracerState, f, args, kwargs):
 
 
 def _record_or_run(st: TracerState, f, args, kwargs):
-    if _default_dtype() is not st.dtype:
-        _dtype_changed(st)  # Note [Meta cache key]
+    """The general path (``_record``) or, for an op it does not record, eager; its caller checked the
+    default dtype (``_record._dtype_check``)."""
     window = st.window
     n0 = len(window.real_inputs)
     try:
@@ -241,6 +243,8 @@ class LazyMode(TorchDispatchMode):
                 f = facts_for(func)
             kind = f.kind
             if kind == RECORD:  # ``_record_op``, inline: the hottest lines of the library
+                if _default_dtype() is not st.dtype:  # ``_dtype_check``, inline
+                    _dtype_changed(st)
                 window = st.window
                 if window.hot is not None:  # Note [Hot windows] in _hot
                     res = _record_hot(st, window, f, args, kwargs)  # kwargs None or a dict
@@ -281,6 +285,7 @@ class LazyMode(TorchDispatchMode):
                 # are marked written and functionalization returns their new values
                 mutating = len(args) > 5 and args[5] and args[3] is not None and args[4] is not None
                 bn = torch.ops.aten._native_batch_norm_legit.default if mutating else func
+                _dtype_check(st)
                 return _record_or_run(st, facts_for(bn), args, kwargs)
             if kind == RANDOM_NEW:
                 if _touches_target(st, f, args, kwargs):

@@ -14,6 +14,7 @@ from fuser.window import OUTS_PER_NODE, Node, Window
 from . import _signatures
 from ._emit import alias_out as _alias_out, mark_written, node as _node, placeholder as _placeholder, view_out
 from ._flush import flush, is_written
+from ._hot import expect_hot
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
 from ._args import _tensors
@@ -67,12 +68,26 @@ def _scalars_settled(window: Window, f, args, n: int) -> bool:
     return True
 
 
+def _dtype_check(st: TracerState) -> None:
+    """The check, before any path (hot, fast or general) records an op, that the default dtype is
+    still the one the open window records under (Note [Meta cache key]); ``LazyMode.__torch_dispatch__``
+    has it inline. If the program changed it: a hot window stops being hot (cause ``default_dtype``:
+    its template's outputs were made under the old one), the open window runs under the old one
+    (reason ``default_dtype``), the ops from here on read the new one's meta cache, and the next
+    window is armed only with a template made under the new one (the flush armed it under the old)."""
+    if _default_dtype() is not st.dtype:
+        _dtype_changed(st)
+
+
 def _dtype_changed(st: TracerState) -> None:
-    """The program changed the default dtype: the open window runs under the old one first, and
-    the ops from here on read the new one's meta cache (Note [Meta cache key])."""
+    """``_dtype_check``'s answer to a change (see there)."""
+    window = st.window
+    if window.hot is not None:
+        _demote(window, "default_dtype")
     flush(st, "default_dtype")
     dtype = st.dtype = _default_dtype()
     st.meta_cache = _META_CACHES.setdefault(dtype, {})
+    expect_hot(st)
 
 
 def _unslot(window: Window, n0: int) -> None:
@@ -131,32 +146,38 @@ def _real_slot(window: Window, a) -> int | None:
 
 def _append(st: TracerState, window: Window, node: Node, eid: int, refs: list, floats, args, kwargs,
             nbytes: int) -> None:
-    """The window's tail, for an op recorded by either path: its signature and dataflow refs (Note
-    [Window signature] in fuser.window), its liftable floats (Note [Scalar recording] in ``_ops``:
-    positions, keyword names, or (list position, index)), the node, and the window's cuts."""
+    """The window's tail for an op recorded in full (the general and fast paths): its signature and
+    dataflow refs (Note [Window signature] in fuser.window), where its floats start, its count, then
+    ``_add``."""
     sigs = window.sigs
     sigs.append(eid)
     sigs.extend(refs)
     if floats:
         node.fbase = len(window.scalars)
         node.fpos = floats
-        _push_scalars(window.scalars, floats, args, kwargs)
-    window.nodes.append(node)
-    window.pending_bytes += nbytes
     METRICS.ops_recorded += 1  # one eager launch each: counted in eager_equivalent_launches
-    _cut(st, window)
+    _add(st, window, node, floats, args, kwargs, nbytes)
 
 
-def _push_scalars(sc: list, floats, args, kwargs) -> None:
-    """Append an op's liftable floats to ``Window.scalars`` (``sc``) in the order of ``floats``:
-    positions, keyword names, or (list position, index) (Note [Scalar recording] in ``_ops``)."""
-    for pos in floats:
-        if type(pos) is int:
-            sc.append(args[pos])
-        elif type(pos) is str:
-            sc.append(kwargs[pos])
-        else:
-            sc.append(args[pos[0]][pos[1]])
+def _add(st: TracerState, window: Window, record, floats, args, kwargs, nbytes: int) -> None:
+    """What every path adds to the window for an op (a hot record counts its ops when the window
+    ends): its liftable floats (Note [Scalar recording] in ``_ops``: positions, keyword names, or
+    (list position, index)), its record (a Node, or a hot record: Note [Hot windows] in ``_hot``), its
+    output bytes, and the window's cut (Note [Period detection]) or byte cap after it."""
+    if floats:
+        sc = window.scalars
+        for pos in floats:
+            if type(pos) is int:
+                sc.append(args[pos])
+            elif type(pos) is str:
+                sc.append(kwargs[pos])
+            else:
+                sc.append(args[pos[0]][pos[1]])
+    nodes = window.nodes
+    nodes.append(record)
+    window.pending_bytes += nbytes
+    if len(nodes) >= st.cut_at or window.pending_bytes >= st.max_bytes:
+        _cut(st, window)
 
 
 def _cut(st: TracerState, window: Window) -> None:

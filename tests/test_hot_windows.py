@@ -1076,3 +1076,72 @@ def test_explain_names_the_op_that_keeps_a_compiled_window_from_running_hot(fres
     text = ae.explain()
     assert "cannot run hot" in text and "aten::mul.out" in text and "test_hot_windows.py" in text, text
     torch.testing.assert_close(y, x * 2 + 1)
+
+
+def test_a_hot_window_whose_default_dtype_changes_mid_window(fresh_regions):
+    """The program changes the default dtype in a hot window: the next op does not match (cause
+    ``default_dtype``), and the recording path flushes the window under the old one (reason
+    ``default_dtype``, Note [Meta cache key]); every value is eager's."""
+    x, w = torch.randn(16), torch.randn(16)
+    ambient = torch.get_default_dtype()
+
+    def step():
+        y = x
+        for i in range(N):
+            if i == 20:
+                torch.set_default_dtype(torch.float64)
+            y = _op(i, y, x, w) + torch.ones(16) if i == 20 else _op(i, y, x, w)
+        return y
+
+    try:
+        want = step()
+        torch.set_default_dtype(ambient)
+        with ae.adaptive_eager(**SYNC):
+            _hot_loop(x, w)
+            before = ae.metrics()
+            got = step()
+            ae.sync()
+            after = ae.metrics()
+            torch.set_default_dtype(ambient)
+    finally:
+        torch.set_default_dtype(ambient)
+    torch.testing.assert_close(got, want)
+    assert got.dtype == want.dtype == torch.float64  # ``torch.ones`` read the new default dtype
+    assert after["hot_windows"] == before["hot_windows"]  # it did not run hot
+    assert after["flushes"].get("default_dtype", 0) - before["flushes"].get("default_dtype", 0) == 1, after["flushes"]
+    assert after["hot_mismatches"].get("default_dtype", 0) - before["hot_mismatches"].get("default_dtype", 0) == 1
+
+
+def test_the_window_after_a_default_dtype_change_is_not_recorded_against_the_old_dtype(fresh_regions):
+    """The flush at a default-dtype change arms the next window with the template expected next,
+    made under the old dtype. The op after the change matches that template's first position (an
+    integer tensor times a float: its dtype is the default dtype's) and must not be recorded
+    against it: eager makes it under the new one."""
+    x, w = torch.randn(16), torch.randn(16)
+    ints = torch.arange(16)
+    ambient = torch.get_default_dtype()
+
+    def step(change=False):
+        y = ints * 0.5
+        for i in range(1, N):
+            if change and i == 26:
+                torch.set_default_dtype(torch.float64)
+            y = ints * 0.5 + y if change and i == 26 else _op(i, y, x, w)
+        return y
+
+    try:
+        want = step(True)
+        torch.set_default_dtype(ambient)
+        with ae.adaptive_eager(**SYNC):
+            for _ in range(3):
+                y = step()
+                ae.sync()
+            before = ae.metrics()
+            assert before["hot_windows"] >= 1, before["hot_mismatches"]
+            got = step(True)
+            ae.sync()
+            torch.set_default_dtype(ambient)
+    finally:
+        torch.set_default_dtype(ambient)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want)
