@@ -72,8 +72,9 @@ from ._state import current_state
 #   are pending values of the recorded loss backward; they are computed first (``sync_value``,
 #   whichever thread's window holds them) and the graph runs with the mode suspended.
 # - Not captured, counted in ``metrics()["module_capture_misses"]``, with the line in explain():
-#   a forward with random ops (``random``: windows draw eager's random numbers, an artifact
-#   would not), a module with hooks anywhere in it (``hooks``: their Python must run every call;
+#   a forward with random ops other than dropout, whose masks the call draws as eager does (Note
+#   [Masks drawn by the call]; ``random``: windows draw eager's random numbers, an artifact would
+#   not), a module with hooks anywhere in it (``hooks``: their Python must run every call;
 #   Dynamo would inline and guard them, but backward hooks break the graph), a trace that fails,
 #   the ``replay`` backend or a device its backend does not compile captures for (``backend``:
 #   ``replay`` is bitwise eager, which a compiled graph is not; ``_DYNAMO_BACKENDS``).
@@ -372,7 +373,10 @@ class _Backend:
             # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
             # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
             # records: Inductor's table would turn embedding's backward into index_put, which runs alone
-            decompositions = select_decomp_table() if options.backend == "inductor" else {}
+            decompositions = {}
+            if options.backend == "inductor":
+                # Note [Masks drawn by the call]: dropout stays one op, whose mask the call draws
+                decompositions = {op: f for op, f in select_decomp_table().items() if op is not _DROPOUT}
             # the backward graph is made now, not at the first backward, so that the record is whole
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=key is not None):
                 compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
@@ -400,17 +404,15 @@ class _Graph:
     def __init__(self, gm, example_inputs, kind: str, options, who: str = "module", parts=None):
         if gm is None:  # Note [Captures from the cache]: a record's graph, whose op-by-op run is its Program's
             self._setup(kind, options, who)
+            self.draws = parts["draws"]
             self.ops = parts["ops"]
             self.program, self.plan, self.n_live, self.expected, self.may_write = (
                 parts["program"], parts["plan"], parts["n_live"], parts["expected"], parts["may_write"])
             self.source = self.program
             return
-        if kind == "forward":
-            for node in gm.graph.nodes:
-                if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
-                        torch.Tag.nondeterministic_seeded in node.target.tags:
-                    raise _Decline("random", str(node.target))
+        draws = _masks_drawn_by_the_call(gm, options) if kind == "forward" else []
         self._setup(kind, options, who)
+        self.draws = draws
         self.gm = gm
         self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
         try:
@@ -444,7 +446,9 @@ class _Graph:
         """What rebuilds this graph with no trace (Note [Captures from the cache]), as JSON."""
         return {"program": json.loads(self.source.to_bytes()), "plan": [None if h is None else list(h) for h in self.plan],
                 "n_live": self.n_live, "may_write": self.may_write, "ops": self.ops,
-                "expected": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in self.expected]}
+                "expected": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in self.expected],
+                "draws": [[list(shape), list(stride), str(dtype).removeprefix("torch."), p]
+                          for shape, stride, dtype, p in self.draws]}
 
     @classmethod
     def from_description(cls, doc: dict, kind: str, options, who: str):
@@ -453,7 +457,9 @@ class _Graph:
         parts = {"program": Program.from_bytes(json.dumps(doc["program"]).encode()),
                  "plan": [None if h is None else tuple(h) for h in doc["plan"]], "n_live": doc["n_live"],
                  "may_write": doc["may_write"], "ops": doc["ops"],
-                 "expected": [(tuple(shape), getattr(torch, dtype)) for shape, dtype in doc["expected"]]}
+                 "expected": [(tuple(shape), getattr(torch, dtype)) for shape, dtype in doc["expected"]],
+                 "draws": [(tuple(shape), tuple(stride), getattr(torch, dtype), p)
+                           for shape, stride, dtype, p in doc.get("draws", ())]}
         return cls(None, None, kind, options, who, parts)
 
     def __call__(self, *args):
@@ -468,6 +474,12 @@ class _Graph:
                     sync_value(t, "module_capture")  # the loss backward's tangents are pending
             with _modes_off():
                 return self._call(args)
+        if self.draws:
+            # Note [Masks drawn by the call]: in the graph's order, before anything of it runs
+            device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
+            args = [*args, *(_draw_mask(draw, device) for draw in self.draws)]
+            if self.who == "module":
+                METRICS.launches += len(self.draws)
         return self._call(args)
 
     def _call(self, args):
@@ -601,6 +613,77 @@ class _Graph:
             self.checked = type(run) is not _Unverified
             self.run = run.run if type(run) is _Unverified else run
             return self.run
+
+
+# Note [Masks drawn by the call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A training forward with dropout (every stock transformer's) is captured with eager's random
+# numbers. Dropout's draw depends on its input's shape, strides, dtype and device and on p, not on
+# its values, and nothing else in a captured forward draws (any other random op declines the
+# capture: ``random``). So the call draws each mask itself, before the graph runs, in the graph's
+# order, with the very function eager calls (``F.dropout``, on a tensor of ones laid out as the
+# input: its non-zeros are the mask), and the graph takes the masks as inputs: its
+# ``native_dropout`` (kept out of Inductor's decompositions, which would draw with ``rand`` inside
+# the compiled code) becomes ``input * mask * (1 / (1 - p))``, native_dropout's own formula. The
+# generator advances as eager's does and the masks are eager's bit for bit, compiled or op by op
+# (tests/test_module_capture.py compares the zeros of every output and the generator's next
+# draws). Inductor's ``fallback_random`` would keep the draw in the graph, but as ``rand`` and a
+# comparison, whose numbers are not those of eager's ``bernoulli_``. Only the ``inductor`` backend
+# draws so (its devices' kernels are eager's); p of 0 or 1 and empty inputs, which eager's CPU
+# dropout answers without a draw, decline.
+_DROPOUT = torch.ops.aten.native_dropout.default
+
+
+def _masks_drawn_by_the_call(gm, options) -> list:
+    """Turn each ``native_dropout`` of a forward graph into a mask input (Note [Masks drawn by the
+    call]); the (shape, stride, dtype, p) of each draw in order, or ``_Decline("random")``."""
+    graph = gm.graph
+    draws = []
+    last = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            last = node
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
+                torch.Tag.nondeterministic_seeded not in node.target.tags:
+            continue
+        if options.backend != "inductor" or node.target is not _DROPOUT:
+            raise _Decline("random", str(node.target))
+        x, p = node.args[0], node.args[1]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or train is not True or not 0 < p < 1 or val.numel() == 0:
+            raise _Decline("random", f"{node.target} p={p} train={train}")
+        out_val = node.meta["val"][0]
+        with val.fake_mode:  # eager's draw is on ``empty_like(input)``: its layout, not the input's
+            layout = torch.empty_like(val)
+            mask_val = torch.empty_like(val, dtype=torch.bool)
+        with graph.inserting_after(last):
+            mask = last = graph.placeholder(f"dropout_mask_{len(draws)}")
+        mask.meta["val"] = mask_val
+        with graph.inserting_before(node):
+            kept = graph.call_function(torch.ops.aten.mul.Tensor, (x, mask))
+            out = graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
+        kept.meta["val"] = out.meta["val"] = out_val
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+                graph.erase_node(user)
+            else:
+                raise _Decline("random", "native_dropout read whole")
+        graph.erase_node(node)
+        draws.append((tuple(layout.shape), tuple(layout.stride()), val.dtype, float(p)))
+    if draws:
+        gm.recompile()
+    return draws
+
+
+def _draw_mask(draw, device) -> torch.Tensor:
+    """Eager's dropout mask for an input laid out as ``draw`` says (Note [Masks drawn by the call])."""
+    shape, stride, dtype, p = draw
+    with torch.no_grad():
+        ones = torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(1)
+        return torch.nn.functional.dropout(ones, p, True) != 0
 
 
 # Note [Written inputs]

@@ -167,8 +167,9 @@ REPLAYED: dict[str, str] = {
 # Why a hot module call ran recorded instead of as its captured call (``metrics()["module_capture_misses"]``,
 # Note [Captured modules] in _capture), for explain().
 CAPTURE_MISSES: dict[str, str] = {
-    "random": "its forward draws random numbers (dropout): it stays recorded, so the numbers are eager's. Nothing to "
-              "change (in eval() it is captured)",
+    "random": "its forward draws random numbers other than dropout's masks (or dropout on a backend that cannot draw "
+              "them, p of 0 or 1): it stays recorded, so the numbers are eager's. Nothing to change (in eval() it is "
+              "captured)",
     "hooks": "a hook is registered on it or a submodule (or globally): hooks run their Python every call, so it stays "
              "recorded",
     "backend": "captures compile with the inductor backend on cpu or cuda and the stablehlo or neuron backend on "

@@ -193,20 +193,92 @@ def test_a_new_batch_size_misses_and_gives_eagers_values(_uncompiled):
     assert m["module_captured_calls"] == len(xs) - HOT_AFTER - 1
 
 
-def test_dropout_is_not_captured_and_keeps_eagers_random_numbers():
-    def model():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+def _dropout_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.GELU(), nn.Linear(16, 4), nn.Dropout(0.3))
 
+
+def _outputs(model, xs, lazy, **options):
+    """Training steps that keep each forward's output and, after them, the generator's next draws."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outs = []
+    with ae.adaptive_eager(**options) if lazy else _nothing():
+        for x in xs:
+            opt.zero_grad()
+            y = model(x)
+            (y ** 2).mean().backward()
+            opt.step()
+            outs.append(y.detach().clone())
+        after = torch.rand(3)
+    return outs, after
+
+
+def _assert_eagers_draws(eager, lazy):
+    """Every dropout mask is eager's (the zeros of each output, bit for bit), the values are within
+    compiled tolerances, and the generator is where eager's is."""
+    for a, b in zip(eager[0], lazy[0]):
+        assert torch.equal(a == 0, b == 0)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert torch.equal(lazy[1], eager[1])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dropout_is_captured_with_eagers_random_numbers(tmp_path, monkeypatch, compiled):
+    """Note [Masks drawn by the call]: a forward with dropout is captured; each call draws eager's
+    masks in eager's order, op by op and compiled."""
+    if not compiled:
+        monkeypatch.setattr(_capture._Graph, "_obtain", lambda self: None)
+    steps = 6
+    torch.manual_seed(5)
+    eager = _outputs(_dropout_model(), _batches(steps), False)
+    torch.manual_seed(5)
+    lazy = _outputs(_dropout_model(), _batches(steps), True, async_compile=False, cache_dir=str(tmp_path))
+    _assert_eagers_draws(eager, lazy)
+    m = ae.metrics()
+    assert m["module_capture_misses"] == {}, m["module_capture_misses"]
+    assert m["module_captured_calls"] == steps - HOT_AFTER
+    key = "module_compiled_runs" if compiled else "module_uncompiled_runs"
+    assert m[key] == 2 * (steps - HOT_AFTER), m
+
+
+def test_dropout_masks_are_drawn_from_a_record_as_from_a_trace(tmp_path, monkeypatch):
+    """Note [Captures from the cache]: a capture rebuilt from its record draws the same masks."""
+    traces = count_aot_traces(monkeypatch)
     steps = 5
     torch.manual_seed(5)
-    eager = _train(model(), _batches(steps), False)
-    after_eager = torch.rand(3)
-    torch.manual_seed(5)
-    lazy = _train(model(), _batches(steps), True)
-    after_lazy = torch.rand(3)
-    _assert_same(eager, lazy)
-    assert torch.equal(after_lazy, after_eager)
+    eager = _outputs(_dropout_model(), _batches(steps), False)
+    traced = []
+    for hit in ("module_written", "module_hit"):
+        traced.append(len(traces))
+        torch._dynamo.reset()
+        ae.reset_metrics()
+        torch.manual_seed(5)
+        lazy = _outputs(_dropout_model(), _batches(steps), True, async_compile=False, cache_dir=str(tmp_path))
+        _assert_eagers_draws(eager, lazy)
+        assert ae.metrics()["capture_records"].get(hit) == 1, ae.metrics()["capture_records"]
+    assert len(traces) == traced[1] > traced[0], traces  # the first run traced, the second did not
+
+
+def test_a_forward_with_another_random_op_is_not_captured_and_keeps_eagers_random_numbers():
+    """Only dropout's mask is drawn by the call: a forward that draws otherwise (here ``randn_like``)
+    stays recorded, counted, with eager's numbers."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.lin(x + 0.1 * torch.randn_like(x))
+
+    steps = 5
+    torch.manual_seed(0)
+    eager = _outputs(Noisy(), _batches(steps), False)
+    torch.manual_seed(0)
+    lazy = _outputs(Noisy(), _batches(steps), True)
+    for a, b in zip(eager[0], lazy[0]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert torch.equal(lazy[1], eager[1])
     m = ae.metrics()
     assert m["module_capture_misses"]["random"] == steps - HOT_AFTER
     assert m["module_captures"] == 0 and m["module_captured_calls"] == 0
