@@ -66,8 +66,9 @@ from ._state import current_state
 #   and AOTAutograd's cache entries were not used: they hold generated source whose load reruns
 #   the C++ compiler, and pickles (DESIGN.md "Persistent cache"). Until a graph's artifact is
 #   loaded it runs op by op (``gm`` itself), with the mode suspended, at eager's speed less the
-#   module's Python. Dynamo's trace and AOTAutograd's (a few hundred ms for a small model) stay
-#   in the step that captures; only lowering and compiling move off it.
+#   module's Python. Dynamo's trace stays in the step that captures; with async compiles on cpu,
+#   AOTAutograd's moves to the worker too, and the graph Dynamo made runs eagerly until it lands
+#   (Note [Traces off the step]).
 # - The backward: the autograd engine calls ``_Graph`` while the mode is on, with tangents that
 #   are pending values of the recorded loss backward; they are computed first (``sync_value``,
 #   whichever thread's window holds them) and the graph runs with the mode suspended.
@@ -196,6 +197,8 @@ def _run(st, module, cap: _Cap, args, kwargs):
         try:
             with _modes_off():
                 out = cap.fn(*args, **kwargs)
+        except _Decline as e:  # Note [Traces off the step]: raised before the call ran anything
+            return _failed_recapture(module, cap, e, args, kwargs)
         except RuntimeError as e:
             if recapture or not str(e).startswith(_RECOMPILE):
                 if not recapture:
@@ -343,53 +346,214 @@ class _Backend:
         self.who = who
 
     def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._inductor.decomposition import select_decomp_table
-
         options, who = self.options, self.who
-        key = compiled = None
+        key = doc = compiled = None
         try:
-            key = _record_key(gm, example_inputs, options, who)
+            doc = _record_doc(gm, example_inputs, options, who)
+            key = _key_of(doc)
         except _Decline as e:
             METRICS.capture_records[f"{who}_unkeyed:{e.cause}"] += 1
         if key is not None:
             compiled = _from_record(key, gm, options, who)
+            if compiled is None and _traces_off_step(options):
+                compiled = _Interim.start(key, doc, gm, options, who)
         if compiled is None:
-            graphs: dict = {}
-
-            def forward(fgm, examples):
-                graphs["forward"] = _Graph(fgm, examples, "forward", options, who)
-                return graphs["forward"]
-
-            def backward(bgm, examples):
-                graphs["backward"] = _Graph(bgm, examples, "backward", options, who)
-                run = torch._dynamo.disable(graphs["backward"], recursive=True)
-                run._boxed_call = True
-                return run
-
-            # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
-            backward._is_wrapped_bw_compiler = True
-            # Note [Written inputs]: an inference graph writes its inputs itself (trailing copy_)
-            # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
-            # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
-            # records: Inductor's table would turn embedding's backward into index_put, which runs alone
-            decompositions = {}
-            if options.backend == "inductor":
-                # Note [Masks drawn by the call]: dropout stays one op, whose mask the call draws
-                decompositions = {op: f for op, f in select_decomp_table().items() if op is not _DROPOUT}
-            # the backward graph is made now, not at the first backward, so that the record is whole
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=key is not None):
-                compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
-                                        decompositions=decompositions,
-                                        keep_inference_input_mutations=True)(gm, example_inputs)
+            compiled, graphs, meta = _aot_trace(gm, example_inputs, options, who, key is not None)
             if key is not None:
-                _write_record(key, graphs, options, who)
+                _write_record(key, graphs, meta, options, who)
         cap = None if self.cap is None else self.cap()
         if cap is not None:
             cap.captures += 1
         if who == "module":
             METRICS.module_captures += 1
         return compiled
+
+
+def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
+    """AOTAutograd's trace of Dynamo's graph with our compilers (Note [Captured modules]): the callable,
+    the ``_Graph`` per forward, backward or inference graph, and AOTAutograd's metadata of the trace.
+    ``whole``: the backward graph is made now, not at the first backward, so that a record is whole.
+    Outside Dynamo's compile (a worker's trace, the trace after a worker declined: Note [Traces off
+    the step]) it runs in a tracing context of its own, with a fake mode of its own."""
+    import contextlib
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs: dict = {}
+
+    def forward(fgm, examples):
+        graphs["forward"] = _Graph(fgm, examples, "forward", options, who)
+        return graphs["forward"]
+
+    def backward(bgm, examples):
+        graphs["backward"] = _Graph(bgm, examples, "backward", options, who)
+        run = torch._dynamo.disable(graphs["backward"], recursive=True)
+        run._boxed_call = True
+        return run
+
+    # already ``disable``d, as AotAutograd would wrap it: its wrapper would hide ``_boxed_call``
+    backward._is_wrapped_bw_compiler = True
+    # Note [Written inputs]: an inference graph writes its inputs itself (trailing copy_)
+    # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
+    # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
+    # records: Inductor's table would turn embedding's backward into index_put, which runs alone
+    decompositions = {}
+    if options.backend == "inductor":
+        # Note [Masks drawn by the call]: dropout stays one op, whose mask the call draws
+        decompositions = {op: f for op, f in select_decomp_table().items() if op is not _DROPOUT}
+    context = torch._guards.TracingContext.try_get()
+    with contextlib.ExitStack() as stack:
+        if context is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            context = torch._guards.TracingContext(FakeTensorMode())
+            stack.enter_context(torch._guards.tracing(context))
+        stack.enter_context(torch._functorch.config.patch(force_non_lazy_backward_lowering=whole))
+        compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
+                                decompositions=decompositions, keep_inference_input_mutations=True)(gm, example_inputs)
+    return compiled, graphs, context.fw_metadata
+
+
+# Note [Traces off the step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# AOTAutograd's trace of a captured graph costs seconds on a loaded machine (3 s for an 8-block
+# MLP, 11 s for AdamW's step over it), and a cold run's capturing step stalled for it. Dynamo's
+# trace stays in the step (it is what guards the call, and it is fast); AOTAutograd's moves to a
+# compile worker process, as a graph's compile does (Note [Background compiles] in
+# fuser.artifacts: the PT2 stack is not thread-safe, so never a thread of this process). The job
+# is the graph's record (Note [Captures from the cache]): its payload is the JSON the record's key
+# hashes (``_record_doc``), from which the worker (``_capture_trace.trace_job``) rebuilds Dynamo's
+# graph, inputs of the same metadata and the ambient state, checks that the rebuilt graph has the
+# same JSON (anything it could not reproduce, such as an autocast state, declines the job), traces
+# it with the compilers every capture uses (``_aot_trace``: Programs only, no compile starts there)
+# and returns the record, stored under the key as one traced here is. Meanwhile the captured call
+# runs Dynamo's graph itself (``_Interim``): its ops as eager runs them, with autograd and with the
+# mode suspended (the captured call's), so eager's values; an optimizer's graph writes the
+# parameters and state in place as the step would. Every ``_POLL_S`` it looks for the job's end;
+# once the record lands, the call runs the callable built from it (``_from_record``), whose
+# graphs then compile in the worker as any record's do. A job that declines or fails (its cause
+# remembered in the store, so a later process traces in its step at once) makes the next call
+# trace here, as before (``_aot_trace``, in a tracing context of its own); a trace that fails
+# here too leaves the module (or step) uncaptured, by the same causes as a capture that failed,
+# raised before the call runs anything (``_Decline``, as Dynamo's guards miss). Counted in
+# ``capture_records``: ``<who>_trace_submitted``, ``_trace_landed``, ``_trace_declined:<cause>``
+# and ``_trace_in_step`` (the trace that followed). Only Inductor on cpu: its worker needs no
+# device; with ``async_compile`` off the trace stays in the step, as the compiles do.
+_TRACE_JOB = "adaptive_eager._capture_trace:trace_job"
+
+
+def _traces_off_step(options) -> bool:
+    return bool(options.async_compile) and options.backend == "inductor" and options.device == "cpu"
+
+
+class _Interim:
+    """A capture's callable while its AOTAutograd trace runs in a worker (Note [Traces off the step])."""
+
+    def __init__(self, key: str, gm, options, who: str, ours: bool):
+        self.key, self.gm, self.options, self.who, self.ours = key, gm, options, who, ours
+        self.run = None
+        self.next_poll = 0.0
+        self.ops = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+
+    @classmethod
+    def start(cls, key: str, doc: bytes, gm, options, who: str):
+        """The interim callable, its trace submitted; None if the trace must run in the step now."""
+        from fuser.artifacts import _store, submit_other_job
+        from fuser.backends import get_backend
+        from fuser.compile import cache_fingerprint
+
+        counts = METRICS.capture_records
+        store = _store(options)
+        fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
+        failure = store.failure(key, fingerprint=fingerprint)
+        if failure is not None:  # declined in an earlier process
+            counts[f"{who}_trace_declined:{_job_cause(failure)}"] += 1
+            counts[f"{who}_trace_in_step"] += 1
+            return None
+        submitted = submit_other_job(key, _TRACE_JOB, doc, store, options,
+                                     fingerprint=fingerprint, backend=_RECORD_BACKEND)
+        if submitted is None:
+            counts[f"{who}_trace_in_step"] += 1
+            return None
+        if submitted:
+            counts[f"{who}_trace_submitted"] += 1
+        return cls(key, gm, options, who, submitted)
+
+    def __call__(self, *args):
+        run = self.run
+        if run is None and time.perf_counter() >= self.next_poll:
+            run = self._poll(args)
+        if run is not None:
+            return run(*args)
+        if self.who == "module":
+            METRICS.module_uncompiled_runs += 1
+            METRICS.launches += self.ops
+            METRICS.eager_equivalent_launches += self.ops
+        else:  # the step itself is one launch (``_optim._count_launches``)
+            METRICS.optimizer_uncompiled_runs += 1
+            METRICS.launches += self.ops - 1
+        return self.gm.forward(*args)
+
+    def _poll(self, args):
+        from fuser.artifacts import _store, other_job, other_job_pending
+        from fuser.backends import get_backend
+        from fuser.compile import cache_fingerprint
+        from fuser.regions import poll_jobs
+
+        self.next_poll = time.perf_counter() + _POLL_S
+        poll_jobs()
+        counts, who = METRICS.capture_records, self.who
+        if self.ours:
+            result = other_job(self.key)
+            if result is None and other_job_pending(self.key):
+                return None
+            if result is not None and not result.ok:
+                counts[f"{who}_trace_declined:{_job_cause(result.failure or '')}"] += 1
+                return self._here(args)
+        # landed; or traced by another process (or another capture of this one), or its result
+        # collected by another poller: the store says
+        store = _store(self.options)
+        if not store.contains(self.key):
+            if store.is_claimed(self.key):
+                return None
+            fingerprint = cache_fingerprint(get_backend(self.options.backend, self.options.device))
+            failure = store.failure(self.key, fingerprint=fingerprint)
+            counts[f"{who}_trace_declined:{'elsewhere' if failure is None else _job_cause(failure)}"] += 1
+            return self._here(args)
+        run = _from_record(self.key, self.gm, self.options, who)
+        if run is None:
+            counts[f"{who}_trace_declined:no_record"] += 1
+            return self._here(args)
+        counts[f"{who}_trace_landed"] += 1
+        self.run = run
+        return run
+
+    def _here(self, args):
+        """The trace in this process, before the call runs anything (Note [Traces off the step])."""
+        METRICS.capture_records[f"{self.who}_trace_in_step"] += 1
+        t0 = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=DeprecationWarning)
+                compiled, graphs, meta = _aot_trace(self.gm, list(args), self.options, self.who, True)
+        except Exception as e:  # noqa: BLE001 - as a capture whose trace failed: not captured, counted
+            cause = _decline_cause(e)
+            if cause == "capture_failed":
+                log.warning("adaptive_eager: a captured graph could not be traced (%s: %s); it is recorded op by op",
+                            type(e).__name__, _first_line(e))
+            raise _Decline(cause, _first_line(e)) from e
+        _write_record(self.key, graphs, meta, self.options, self.who)
+        seconds = getattr(METRICS, f"{self.who}_capture_seconds")
+        setattr(METRICS, f"{self.who}_capture_seconds", seconds + time.perf_counter() - t0)
+        self.run = compiled
+        return compiled
+
+
+def _job_cause(failure: str) -> str:
+    """The cause of a worker's declined trace, from its failure's text (``_Decline: cause: detail``)."""
+    _, found, rest = failure.partition("_Decline: ")
+    return (rest.partition(":")[0].strip() or "declined") if found else "failed"
 
 
 class _Graph:
@@ -827,7 +991,19 @@ _RECORD_FORMAT = 1
 
 def _record_key(gm, example_inputs, options, who: str) -> str:
     """The record's key (Note [Captures from the cache]); ``_Decline`` for a graph it cannot name."""
+    return _key_of(_record_doc(gm, example_inputs, options, who))
+
+
+def _key_of(doc: bytes) -> str:
     import xxhash
+
+    return xxhash.xxh3_128_hexdigest(doc)
+
+
+def _record_doc(gm, example_inputs, options, who: str) -> bytes:
+    """All that AOTAutograd reads of the graph, as JSON (Note [Captures from the cache]): what the
+    record's key hashes, and what a worker rebuilds the graph from (Note [Traces off the step]);
+    ``_Decline`` for a graph it cannot name."""
     from torch._C._dynamo.guards import GlobalStateGuard
 
     from fuser.backends import get_backend
@@ -871,7 +1047,7 @@ def _record_key(gm, example_inputs, options, who: str) -> str:
     fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
     doc = [_RECORD_FORMAT, "capture", who, options.backend, fingerprint, list(attrs), tensors, nodes, state,
            functorch, bool(torch._inductor.config.fallback_random)]
-    return xxhash.xxh3_128_hexdigest(json.dumps(doc, sort_keys=True).encode())
+    return json.dumps(doc, sort_keys=True).encode()
 
 
 _NAMES: dict = {}
@@ -911,32 +1087,52 @@ def _importable_name(target) -> str:
     raise _Decline("target", name)
 
 
-def _write_record(key: str, graphs: dict, options, who: str) -> None:
+def _write_record(key: str, graphs: dict, meta, options, who: str) -> None:
     """Keep what AOTAutograd made of the graph, if it is of the common kind (Note [Captures from the cache])."""
-    from torch._functorch._aot_autograd.schemas import MutationType, OutputType
-
     from fuser.artifacts import _store
     from fuser.backends import get_backend
     from fuser.compile import cache_fingerprint
 
-    def declined(cause: str) -> None:
-        METRICS.capture_records[f"{who}_declined:{cause}"] += 1
+    try:
+        record = _record_of(graphs, meta)
+    except _Decline as e:
+        METRICS.capture_records[f"{who}_declined:{e.cause}"] += 1
+        return
+    store = _store(options)
+    fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
+    try:
+        # not a compiled artifact: tagged as the op-metadata tables are (``backend="meta"``), so
+        # that the cache's listings tell records from what a compiler made
+        store.put(key, json.dumps(record).encode(), fingerprint=fingerprint, backend=_RECORD_BACKEND,
+                  compile_seconds=0.0)
+    except Exception as e:  # noqa: BLE001 - the store logs its own failures; the capture goes on
+        log.info("adaptive_eager: a capture's record was not kept: %s", e)
+        METRICS.capture_records[f"{who}_declined:store"] += 1
+        return
+    METRICS.capture_records[f"{who}_written"] += 1
 
-    context = torch._guards.TracingContext.try_get()
-    meta = None if context is None else context.fw_metadata
+
+_RECORD_BACKEND = "capture_record"
+
+
+def _record_of(graphs: dict, meta) -> dict:
+    """The record of AOTAutograd's trace (``meta``: its metadata), if it is of the common kind (Note
+    [Captures from the cache]); else ``_Decline`` with the cause."""
+    from torch._functorch._aot_autograd.schemas import MutationType, OutputType
+
     forward, backward = graphs.get("forward"), graphs.get("backward")
     if meta is None or forward is None or (backward is None) != (len(graphs) == 1):
-        return declined("graphs")
+        raise _Decline("graphs")
     if any(g.source is None for g in graphs.values()):
-        return declined("uncompiled")
+        raise _Decline("uncompiled")
     if meta.tokens or meta.is_rng_op_functionalized or meta.num_intermediate_bases or \
             meta.num_mutated_inp_runtime_indices:
-        return declined("wrapper")
+        raise _Decline("wrapper")
     if any(o.output_type != OutputType.non_alias for o in meta.output_info):
-        return declined("aliased_output")
+        raise _Decline("aliased_output")
     allowed = (MutationType.NOT_MUTATED,) if backward else (MutationType.NOT_MUTATED, MutationType.MUTATED_IN_GRAPH)
     if any(i.mutation_type not in allowed or i.mutates_metadata for i in meta.input_info):
-        return declined("written_input")
+        raise _Decline("written_input")
     n_out = len(meta.output_info)
     record = {"format": _RECORD_FORMAT, "outputs": n_out, "forward": forward.describe()}
     if backward is not None:
@@ -945,24 +1141,14 @@ def _write_record(key: str, graphs: dict, options, who: str) -> None:
         program = backward.source
         tangents = program.inputs[saved:]
         if saved < 0 or len(tangents) != sum(requires_grad):
-            return declined("tangents")
+            raise _Decline("tangents")
         for shape, stride, _, _ in tangents:
             if tuple(stride) != make_contiguous_strides_for(shape):
-                return declined("tangents")
+                raise _Decline("tangents")
         record.update(requires_grad=requires_grad, saved=saved, backward=backward.describe())
     elif len(forward.plan) != n_out:
-        return declined("outputs")
-    store = _store(options)
-    fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
-    try:
-        # not a compiled artifact: tagged as the op-metadata tables are (``backend="meta"``), so
-        # that the cache's listings tell records from what a compiler made
-        store.put(key, json.dumps(record).encode(), fingerprint=fingerprint, backend="capture_record",
-                  compile_seconds=0.0)
-    except Exception as e:  # noqa: BLE001 - the store logs its own failures; the capture goes on
-        log.info("adaptive_eager: a capture's record was not kept: %s", e)
-        return declined("store")
-    METRICS.capture_records[f"{who}_written"] += 1
+        raise _Decline("outputs")
+    return record
 
 
 def _from_record(key: str, gm, options, who: str):

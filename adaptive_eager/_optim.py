@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ._capture import _Decline
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
@@ -215,6 +216,10 @@ def _step(st, opt, raw):
     try:
         with _modes_off(), _grad_mode(opt):  # the flush's: torch's costs ~5-40 us a call
             out = cap.fn()
+    except _Decline as e:  # Note [Traces off the step] in _capture: raised before the step ran anything
+        cap.fn, cap.off = None, e.cause
+        METRICS.optimizer_misses[cap.off] += 1
+        return raw(opt)
     except RuntimeError as e:
         if str(e).startswith(_NESTED_TRACE):  # checked before the call runs anything
             METRICS.optimizer_misses["traced_elsewhere"] += 1

@@ -83,12 +83,55 @@ def submit_job(entry, backend, store, options) -> bool:
     return True
 
 
+# Note [Jobs that are not compiles]
+# A job of another kind (a captured graph's AOTAutograd trace: Note [Traces off the step] in
+# adaptive_eager._capture) runs in the same workers, one queue with the compiles, and its result
+# lands in the store as theirs do; but it is no compile (not counted in ``compiles`` or
+# ``compile_failures``) and nobody compiles it here when it fails: its submitter reads its result
+# (``other_job``) and decides.
+_OTHER: dict = {}  # key -> its JobResult once finished, None while it runs
+
+
+def submit_other_job(key: str, fn_path: str, payload: bytes, store, options, *, fingerprint: str,
+                     backend: str) -> bool | None:
+    """Hand ``fn_path(payload)`` for ``key`` to a worker (Note [Jobs that are not compiles]): True
+    if it runs here, False if another process holds its claim (its result will be in ``store``),
+    None if the jobs cannot take it (shut down at exit, no worker)."""
+    try:
+        # first: the compiles it leads to wait for it, and the program runs slowest until it lands
+        submitted = _jobs(store, options).submit(key, fn_path, payload, fingerprint=fingerprint, backend=backend,
+                                                 first=True)
+    except Exception as e:  # noqa: BLE001 - the caller does it here instead
+        log.info("adaptive_eager: a %s job runs in this process: %s", fn_path, e)
+        return None
+    if submitted:
+        _OTHER[key] = None
+    return submitted
+
+
+def other_job(key: str):
+    """The JobResult of job ``key`` of ``submit_other_job`` once finished (then forgotten), else None;
+    collect with ``fuser.regions.poll_jobs``."""
+    result = _OTHER.get(key)
+    if result is not None:
+        del _OTHER[key]
+    return result
+
+
+def other_job_pending(key: str) -> bool:
+    """Whether job ``key`` of ``submit_other_job`` is queued or running here."""
+    return any(key in jobs.pending() for jobs in compile_jobs())
+
+
 def finished_jobs() -> list:
     """The background compiles that failed since the last call, as (entry, JobResult); the others'
     artifacts are in the store now, and are counted here."""
     failed = []
     for jobs in compile_jobs():
         for result in jobs.poll():
+            if result.key in _OTHER:  # Note [Jobs that are not compiles]
+                _OTHER[result.key] = result
+                continue
             entry = _PENDING.pop(result.key, None)
             STATS.compile_seconds += result.seconds
             if result.ok:

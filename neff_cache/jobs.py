@@ -125,6 +125,7 @@ class _Job:
     failure_fingerprint: str | None = None  # what a failure is remembered under (default: ``fingerprint``)
     attempts: int = 0
     alone: bool = False  # a retry after a worker died runs with no other job beside it
+    first: bool = False  # queued ahead of the others (``submit``)
 
 
 class _Worker:
@@ -257,11 +258,12 @@ class CompileJobs:
         atexit.register(self._stop_at_exit)
 
     def submit(self, key: str, fn_path: str, payload: bytes, *, fingerprint: str, backend: str,
-               failure_fingerprint: str | None = None) -> bool:
+               failure_fingerprint: str | None = None, first: bool = False) -> bool:
         """Queue ``fn_path(payload)`` to compile ``key``; False if ``key`` is already pending here,
         already stored, or being compiled by another process (use ``store.wait_for`` for that). A
         failure is remembered under ``failure_fingerprint`` (default: ``fingerprint``; Note
-        [Remembered failures] in neff_cache.store)."""
+        [Remembered failures] in neff_cache.store). ``first``: ahead of the queued jobs (a job
+        whose result others wait for), not of a retry that must run alone."""
         if type(fn_path) is not str or _FN_PATH_PATTERN.fullmatch(fn_path) is None:
             raise ValueError(f"fn_path must name a function as 'package.module:function', got {fn_path!r}")
         if not isinstance(payload, (bytes, bytearray, memoryview)):
@@ -276,8 +278,13 @@ class CompileJobs:
                 return False
             failure_fp = str(fingerprint if failure_fingerprint is None else failure_fingerprint)
             destination = self._destination(key, fingerprint, backend, failure_fp)
-            self._queue.append(_Job(key, fn_path, bytes(payload), str(fingerprint), str(backend), destination,
-                                    failure_fingerprint=failure_fp))
+            job = _Job(key, fn_path, bytes(payload), str(fingerprint), str(backend), destination,
+                       failure_fingerprint=failure_fp, first=first)
+            if first:
+                ahead = sum(1 for queued in self._queue if queued.alone or queued.first)
+                self._queue.insert(ahead, job)
+            else:
+                self._queue.append(job)
             self._start_queued_jobs()
             return True
 

@@ -147,9 +147,17 @@ def count_aot_traces(monkeypatch):
     real = common.aot_autograd
 
     def counted(**kwargs):
-        if getattr(kwargs["fw_compiler"], "__qualname__", "").startswith("_Backend.__call__"):
+        if getattr(kwargs["fw_compiler"], "__qualname__", "").startswith(("_Backend.__call__", "_aot_trace.")):
             traces.append(1)
         return real(**kwargs)
 
     monkeypatch.setattr(common, "aot_autograd", counted)
     return traces
+
+
+def declining_trace_job(payload: bytes) -> bytes:
+    """A worker's trace job that declines every graph (Note [Traces off the step] in
+    adaptive_eager._capture): ``_capture._TRACE_JOB`` names it in a test."""
+    from adaptive_eager._capture import _Decline
+
+    raise _Decline("test_decline", "declined by the test")

@@ -125,7 +125,9 @@ def test_the_compile_is_off_the_step_and_a_new_process_loads_it(tmp_path, monkey
     monkeypatch.setattr(fuser.compile, "compile_program", lambda *a: here.append(1) or original(*a))
     steps = 6
     eager = _train(_mlp(), _batches(steps), False)
-    lazy = _train(_mlp(), _batches(steps), True, async_compile=True, cache_dir=str(tmp_path))
+    # the graphs compile once their AOTAutograd trace has landed (Note [Traces off the step])
+    wait = lambda i, model: i == HOT_AFTER + 1 and _wait_for_workers()  # noqa: E731
+    lazy = _train(_mlp(), _batches(steps), True, wait, async_compile=True, cache_dir=str(tmp_path))
     _assert_same(eager, lazy)
     m = ae.metrics()
     assert here == []
@@ -198,12 +200,15 @@ def _dropout_model():
     return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.GELU(), nn.Linear(16, 4), nn.Dropout(0.3))
 
 
-def _outputs(model, xs, lazy, **options):
-    """Training steps that keep each forward's output and, after them, the generator's next draws."""
+def _outputs(model, xs, lazy, edit=None, **options):
+    """Training steps that keep each forward's output and, after them, the generator's next draws;
+    ``edit(i, model)`` runs before step ``i``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outs = []
     with ae.adaptive_eager(**options) if lazy else _nothing():
-        for x in xs:
+        for i, x in enumerate(xs):
+            if edit is not None:
+                edit(i, model)
             opt.zero_grad()
             y = model(x)
             (y ** 2).mean().backward()
@@ -259,9 +264,12 @@ def test_dropout_masks_are_drawn_from_a_record_as_from_a_trace(tmp_path, monkeyp
     assert len(traces) == traced[1] > traced[0], traces  # the first run traced, the second did not
 
 
-def test_a_forward_with_another_random_op_is_not_captured_and_keeps_eagers_random_numbers():
+@pytest.mark.parametrize("async_compile", [False, True])
+def test_a_forward_with_another_random_op_is_not_captured_and_keeps_eagers_random_numbers(async_compile):
     """Only dropout's mask is drawn by the call: a forward that draws otherwise (here ``randn_like``)
-    stays recorded, counted, with eager's numbers."""
+    stays recorded, counted, with eager's numbers. In the step, the trace declines the graph; with
+    async compiles the worker's trace does (Note [Traces off the step]), and until then Dynamo's
+    graph runs eagerly, drawing eager's random numbers."""
 
     class Noisy(nn.Module):
         def __init__(self):
@@ -271,17 +279,23 @@ def test_a_forward_with_another_random_op_is_not_captured_and_keeps_eagers_rando
         def forward(self, x):
             return self.lin(x + 0.1 * torch.randn_like(x))
 
-    steps = 5
+    steps = 6
+    wait = (lambda i, m: i == HOT_AFTER + 1 and _wait_for_workers()) if async_compile else None
     torch.manual_seed(0)
     eager = _outputs(Noisy(), _batches(steps), False)
     torch.manual_seed(0)
-    lazy = _outputs(Noisy(), _batches(steps), True)
+    lazy = _outputs(Noisy(), _batches(steps), True, wait, async_compile=async_compile)
     for a, b in zip(eager[0], lazy[0]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     assert torch.equal(lazy[1], eager[1])
     m = ae.metrics()
-    assert m["module_capture_misses"]["random"] == steps - HOT_AFTER
-    assert m["module_captures"] == 0 and m["module_captured_calls"] == 0
+    if async_compile:  # one call ran Dynamo's graph, the next traced in the step, which declined
+        assert m["capture_records"].get("module_trace_declined:random") == 1, m["capture_records"]
+        assert m["module_capture_misses"]["random"] == steps - HOT_AFTER - 1, m
+        assert m["module_captures"] == 1 and m["module_captured_calls"] == 1, m
+    else:
+        assert m["module_capture_misses"]["random"] == steps - HOT_AFTER
+        assert m["module_captures"] == 0 and m["module_captured_calls"] == 0
     assert "random" in ae.explain()
 
 
@@ -355,10 +369,81 @@ def test_a_training_graph_that_writes_a_buffer_keeps_no_record(_uncompiled, tmp_
     traces = count_aot_traces(monkeypatch)
     steps = 5
     eager = _train(_mlp(nn.BatchNorm1d), _batches(steps), False)
+    # the worker's trace declines too (Note [Traces off the step]): waited for, the next call traces here
+    wait = lambda i, m: i == HOT_AFTER + 1 and _wait_for_workers()  # noqa: E731
     for _ in range(2):
         torch._dynamo.reset()
-        lazy = _train(_mlp(nn.BatchNorm1d), _batches(steps), True, cache_dir=str(tmp_path))
+        lazy = _train(_mlp(nn.BatchNorm1d), _batches(steps), True, wait, cache_dir=str(tmp_path))
         _assert_same(eager, lazy)
     assert len(traces) == 2
     assert ae.metrics()["capture_records"].get("module_declined:written_input", 0) >= 2
     assert "module_hit" not in ae.metrics()["capture_records"]
+
+
+def _train_adamw(steps, lazy, wait_at=None, **options):
+    """The MLP trained with AdamW (its step captured too); the jobs of the workers are waited for after
+    step ``wait_at``. The losses and the model."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    with ae.adaptive_eager(backend="inductor", **options) if lazy else _nothing():
+        for i, x in enumerate(_batches(steps)):
+            opt.zero_grad()
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+            if i == wait_at:
+                _wait_for_workers()
+    return torch.stack(losses), model
+
+
+def _wait_for_workers():
+    import fuser
+
+    for jobs in fuser.compile_jobs():
+        while jobs.pending():
+            jobs.poll(timeout_s=300)
+
+
+def test_the_aot_trace_runs_in_the_worker_and_its_record_takes_over(tmp_path, monkeypatch):
+    """Note [Traces off the step] in adaptive_eager._capture: with async compiles, the capturing step
+    runs no AOTAutograd trace (the module's and the optimizer step's graphs run as Dynamo made them,
+    eagerly), the worker's records land, and the later steps run the graphs built from them, with
+    eager's values."""
+    traces = count_aot_traces(monkeypatch)
+    graphs = []
+    call = _capture._Graph.__call__
+    monkeypatch.setattr(_capture._Graph, "__call__", lambda self, *a: graphs.append(self.who) or call(self, *a))
+    steps = 8
+    eager = _train_adamw(steps, False)
+    lazy = _train_adamw(steps, True, wait_at=HOT_AFTER, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert traces == [], m["capture_records"]
+    records = m["capture_records"]
+    for who in ("module", "optimizer"):
+        assert records.get(f"{who}_trace_submitted") == 1 and records.get(f"{who}_trace_landed") == 1, records
+        assert f"{who}_trace_in_step" not in records, records
+    # the steps after the wait ran the records' graphs: forward, backward and the optimizer's
+    assert graphs.count("module") >= 2 * (steps - HOT_AFTER - 1), graphs
+    assert graphs.count("optimizer") >= steps - HOT_AFTER - 1, graphs
+    assert m["module_captured_calls"] == steps - HOT_AFTER and m["optimizer_hot_steps"] == steps - HOT_AFTER - 1, m
+
+
+def test_a_declined_trace_runs_in_the_next_step(tmp_path, monkeypatch):
+    """Note [Traces off the step]: a worker that declines the trace (here every one) leaves the graphs
+    running eagerly until the next call, which traces in the step, as with async compiles off; the
+    values stay eager's."""
+    monkeypatch.setattr(_capture, "_TRACE_JOB", "_oracle:declining_trace_job")
+    traces = count_aot_traces(monkeypatch)
+    steps = 6
+    eager = _train_adamw(steps, False)
+    lazy = _train_adamw(steps, True, wait_at=HOT_AFTER, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    records = ae.metrics()["capture_records"]
+    assert len(traces) == 2, records
+    for who in ("module", "optimizer"):
+        assert records.get(f"{who}_trace_declined:test_decline") == 1, records
+        assert records.get(f"{who}_trace_in_step") == 1 and records.get(f"{who}_written") == 1, records

@@ -419,7 +419,10 @@ def test_the_capture_compiles_off_the_step_and_a_new_process_loads_it(tmp_path, 
         monkeypatch.setattr(owner, name, lambda *a, _o=original, _n=name, **k: here.append(_n) or _o(*a, **k))
     steps = 8
     eager = _train(_adamw, steps, False)
-    lazy = _train(_adamw, steps, True, backend="inductor", async_compile=True, cache_dir=str(tmp_path))
+    # the graph compiles once its AOTAutograd trace has landed (Note [Traces off the step] in
+    # adaptive_eager._capture)
+    wait = lambda i, params, opt: i == HOT_AFTER + 1 and _wait_for_workers()  # noqa: E731
+    lazy = _train(_adamw, steps, True, wait, backend="inductor", async_compile=True, cache_dir=str(tmp_path))
     _assert_same(eager, lazy, rtol=1e-5, atol=1e-6)
     m = ae.metrics()
     assert here == [], here
