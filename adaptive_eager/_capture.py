@@ -342,9 +342,6 @@ class _Backend:
         self.who = who
 
     def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._inductor.decomposition import select_decomp_table
-
         options, who = self.options, self.who
         key = compiled = None
         try:
@@ -354,6 +351,9 @@ class _Backend:
         if key is not None:
             compiled = _from_record(key, gm, options, who)
         if compiled is None:
+            # imported here, not above: a record's hit needs neither (Inductor's table is a second's import)
+            from torch._dynamo.backends.common import aot_autograd
+
             graphs: dict = {}
 
             def forward(fgm, examples):
@@ -372,7 +372,15 @@ class _Backend:
             # Inductor's decompositions for Inductor; the StableHLO lowering has its own (Note [Our
             # decompositions] in fuser.backends._stablehlo_decompositions), and takes the ops a window
             # records: Inductor's table would turn embedding's backward into index_put, which runs alone
-            decompositions = select_decomp_table() if options.backend == "inductor" else {}
+            decompositions = {}
+            if options.backend == "inductor":
+                # some of the table's entries (max_pool2d_with_indices) ask Inductor's lowering
+                # whether to decompose, and do not import it: a process that never compiled with
+                # Inductor has not
+                import torch._inductor.lowering  # noqa: F401
+                from torch._inductor.decomposition import select_decomp_table
+
+                decompositions = select_decomp_table()
             # the backward graph is made now, not at the first backward, so that the record is whole
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=key is not None):
                 compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,

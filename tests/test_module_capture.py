@@ -290,3 +290,31 @@ def test_a_training_graph_that_writes_a_buffer_keeps_no_record(_uncompiled, tmp_
     assert len(traces) == 2
     assert ae.metrics()["capture_records"].get("module_declined:written_input", 0) >= 2
     assert "module_hit" not in ae.metrics()["capture_records"]
+
+
+def test_a_max_pool_is_captured_in_a_process_that_never_compiled_with_inductor():
+    """Inductor's decomposition of max_pool2d_with_indices calls into Inductor's lowering without
+    importing it: a process that never compiled with Inductor captures a model with MaxPool2d."""
+    script = f"""
+import json, sys, torch, torch.nn as nn
+sys.path[:0] = {sys.path!r}
+import adaptive_eager as ae, test_module_capture as t
+from adaptive_eager import _capture
+_capture._Graph._obtain = lambda self: None
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 2))
+xs = [torch.randn(2, 3, 8, 8) for _ in range(4)]
+eager = t._train(model, xs, False)[0]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 2))
+lazy = t._train(model, xs, True)[0]
+torch.testing.assert_close(lazy, eager, rtol=1e-4, atol=1e-5)
+print(json.dumps(ae.metrics()))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["module_captures"] == 1 and m["module_capture_misses"] == {}, m
+    assert m["module_captured_calls"] == 4 - HOT_AFTER, m
