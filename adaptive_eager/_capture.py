@@ -400,6 +400,10 @@ def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
     # records: Inductor's table would turn embedding's backward into index_put, which runs alone
     decompositions = {}
     if options.backend == "inductor":
+        # some of the table's entries (max_pool2d_with_indices) ask Inductor's lowering whether to
+        # decompose, and do not import it: a process that never compiled with Inductor has not
+        import torch._inductor.lowering  # noqa: F401
+
         # Note [Masks drawn by the call]: dropout stays one op, whose mask the call draws
         decompositions = {op: f for op, f in select_decomp_table().items() if op is not _DROPOUT}
     context = torch._guards.TracingContext.try_get()
@@ -970,8 +974,10 @@ def _program(gm):
 # graph the guards already admitted.
 # The common kind is the one whose runtime wrapper is small enough to be ours (``_write_record``
 # checks AOTAutograd's own metadata of the trace):
-# - training (a backward graph): no input written, every output fresh (no alias of an input or of
-#   another output), no effect token, no functionalized RNG, plain tensors, static shapes. The
+# - training (a backward graph): inputs written only inside the forward graph and only those that
+#   do not require grad (BatchNorm's running statistics and ``num_batches_tracked``: Note [Written
+#   inputs in a record]), every output fresh (no alias of an input or of another output), no
+#   effect token, no functionalized RNG, no grad mode left changed, plain tensors, static shapes. The
 #   callable is ``_Recorded``, an autograd.Function whose forward runs the forward graph and saves
 #   what the backward graph reads, as AOTAutograd's CompiledFunction does; outputs that do not
 #   require grad are non-differentiable; its backward takes the tangents of the outputs that do,
@@ -984,9 +990,27 @@ def _program(gm):
 #   prepends them) and the inputs.
 # Anything else traces as before and keeps no record, counted (``<who>_unkeyed:<cause>``: a
 # submodule call, an unimportable target, inputs sharing memory; ``<who>_declined:<cause>``: what
-# AOTAutograd's metadata shows, e.g. BatchNorm's running statistics written by a training graph).
+# AOTAutograd's metadata shows: ``written_input_metadata`` (``t_()``, ``set_``, a resize),
+# ``written_input_requires_grad`` (a training graph writing an input that requires grad),
+# ``written_input_out_of_graph`` (any other write left to AOTAutograd's wrapper),
+# ``aliased_output``, ``wrapper`` (tokens, functionalized RNG, intermediate bases, grad mode).
+#
+# Note [Written inputs in a record]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With ``keep_inference_input_mutations`` AOTAutograd keeps in the graph every data-only write of
+# an input that does not require grad or is written under no_grad, in training graphs too
+# (``_check_if_mutation_can_be_in_graph``): BatchNorm's forward ends in ``copy_`` into
+# ``running_mean``, ``running_var`` and ``num_batches_tracked``, which the forward ``_Graph``
+# applies as an optimizer step's (Note [Written inputs]). Its wrapper returns nothing for them and
+# copies nothing back; what it adds is a version bump of each input so written that autograd sees
+# (``mutated_graph_handled_indices_seen_by_autograd``), before the graph runs: eager's in-place ops
+# bump them, and a compiled run writes memory, not through ops. The record keeps those indices
+# (``bumped``) and the rebuilt callable bumps the same inputs at the same point. A write the graph
+# does not make (a metadata write, or a data write of an input that requires grad under grad) is
+# the wrapper's (``copy_``/``as_strided_`` after the call): declined, not recorded. The forward
+# Program's written slots must be AOTAutograd's in-graph ones (else ``written_input_plan``).
 # A record's graph runs op by op (its Program, ``_Graph._eager``) until its artifact is loaded.
-_RECORD_FORMAT = 1
+_RECORD_FORMAT = 2
 
 
 def _record_key(gm, example_inputs, options, who: str) -> str:
@@ -1126,15 +1150,24 @@ def _record_of(graphs: dict, meta) -> dict:
     if any(g.source is None for g in graphs.values()):
         raise _Decline("uncompiled")
     if meta.tokens or meta.is_rng_op_functionalized or meta.num_intermediate_bases or \
-            meta.num_mutated_inp_runtime_indices:
+            meta.grad_enabled_mutation is not None:
         raise _Decline("wrapper")
+    for info in meta.input_info:
+        if info.mutates_metadata or info.mutates_storage_metadata or info.mutation_inductor_storage_resize:
+            raise _Decline("written_input_metadata")
+        if info.mutates_data and info.requires_grad and backward is not None:
+            raise _Decline("written_input_requires_grad")
+        if info.mutation_type == MutationType.MUTATED_OUT_GRAPH:
+            raise _Decline("written_input_out_of_graph")
     if any(o.output_type != OutputType.non_alias for o in meta.output_info):
         raise _Decline("aliased_output")
-    allowed = (MutationType.NOT_MUTATED,) if backward else (MutationType.NOT_MUTATED, MutationType.MUTATED_IN_GRAPH)
-    if any(i.mutation_type not in allowed or i.mutates_metadata for i in meta.input_info):
-        raise _Decline("written_input")
+    # Note [Written inputs in a record]: the graph writes them (trailing copy_); the record keeps
+    # which ones the wrapper's version bump covers
+    if sorted(forward.source.mutated) != list(meta.mutated_graph_handled_indices):
+        raise _Decline("written_input_plan")
     n_out = len(meta.output_info)
-    record = {"format": _RECORD_FORMAT, "outputs": n_out, "forward": forward.describe()}
+    record = {"format": _RECORD_FORMAT, "outputs": n_out, "forward": forward.describe(),
+              "bumped": list(meta.mutated_graph_handled_indices_seen_by_autograd)}
     if backward is not None:
         requires_grad = [bool(o.requires_grad) for o in meta.output_info]
         saved = len(forward.plan) - n_out
@@ -1166,6 +1199,7 @@ def _from_record(key: str, gm, options, who: str):
         if record.get("format") != _RECORD_FORMAT:
             raise ValueError(f"record format {record.get('format')}")
         forward = _Graph.from_description(record["forward"], "forward", options, who)
+        bumped = [int(i) for i in record["bumped"]]
         backward = None
         if "backward" in record:
             backward = _Graph.from_description(record["backward"], "backward", options, who)
@@ -1179,12 +1213,18 @@ def _from_record(key: str, gm, options, who: str):
     attrs = list(attrs.values())
     if backward is None:
         def run(*args):
-            return forward([*attrs, *args])
+            inputs = [*attrs, *args]
+            if bumped:  # Note [Written inputs in a record]
+                torch.autograd.graph.increment_version([inputs[i] for i in bumped])
+            return forward(inputs)
     else:
         recorded = _RecordedGraphs(forward, backward, record["outputs"], record["requires_grad"])
 
         def run(*args):
-            return list(_Recorded.apply(recorded, *attrs, *args))
+            inputs = [*attrs, *args]
+            if bumped:  # Note [Written inputs in a record]
+                torch.autograd.graph.increment_version([inputs[i] for i in bumped])
+            return list(_Recorded.apply(recorded, *inputs))
     return run
 
 

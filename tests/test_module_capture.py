@@ -363,21 +363,151 @@ def test_a_second_capture_of_the_same_graph_is_built_from_its_record(tmp_path, m
     assert m[key] == 2 * (steps - HOT_AFTER), m
 
 
-def test_a_training_graph_that_writes_a_buffer_keeps_no_record(_uncompiled, tmp_path, monkeypatch):
-    """BatchNorm's running statistics are written by a training graph (AOTAutograd's wrapper copies
-    them back): no record, counted; the next capture traces again and still gives eager's values."""
+class _Writes(nn.Module):
+    """A module whose capture keeps no record: it writes its input, which requires grad, or
+    returns a view of it (Note [Captures from the cache])."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.how = nn.Linear(8, 4), how
+
+    def forward(self, x):
+        if self.how == "written_input_requires_grad":
+            x.mul_(2)
+        out = self.lin(x)
+        return (out, x.view(-1)) if self.how == "aliased_output" else (out, None)
+
+
+@pytest.mark.parametrize("how", ["written_input_requires_grad", "aliased_output"])
+def test_a_graph_whose_wrapper_is_not_ours_keeps_no_record(_uncompiled, tmp_path, monkeypatch, how):
+    """Counted with its cause; the next capture traces again and gives eager's values."""
     traces = count_aot_traces(monkeypatch)
-    steps = 5
-    eager = _train(_mlp(nn.BatchNorm1d), _batches(steps), False)
-    # the worker's trace declines too (Note [Traces off the step]): waited for, the next call traces here
-    wait = lambda i, m: i == HOT_AFTER + 1 and _wait_for_workers()  # noqa: E731
+
+    def run(lazy):
+        model, grads = _Writes(how), []
+        with ae.adaptive_eager(cache_dir=str(tmp_path), async_compile=False) if lazy else _nothing():
+            for i, a in enumerate(_batches(5)):
+                a = a.clone().requires_grad_()
+                out, view = model(a * 1)
+                (out.sum() + (0 if view is None else view.sum())).backward()
+                grads.append(a.grad)
+        return torch.stack(grads), model
+
+    eager = run(False)
     for _ in range(2):
         torch._dynamo.reset()
-        lazy = _train(_mlp(nn.BatchNorm1d), _batches(steps), True, wait, cache_dir=str(tmp_path))
-        _assert_same(eager, lazy)
+        _assert_same(eager, run(True))
     assert len(traces) == 2
-    assert ae.metrics()["capture_records"].get("module_declined:written_input", 0) >= 2
-    assert "module_hit" not in ae.metrics()["capture_records"]
+    assert ae.metrics()["capture_records"] == {f"module_declined:{how}": 2}
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
+def _images(n):
+    torch.manual_seed(1)
+    return [torch.randn(4, 3, 8, 8) for _ in range(n)]
+
+
+def _cnn_run(lazy, steps, **options):
+    """``_train`` of ``_cnn``, then in eval mode four calls on a probe: the losses, the model, the
+    probe's outputs and ``running_mean``'s version after each training step."""
+    model, versions = _cnn(), []
+    edit = lambda i, m: versions.append(m[1].running_mean._version)
+    losses, model = _train(model, _images(steps), lazy, edit=edit, **options)
+    versions.append(model[1].running_mean._version)
+    model.eval()
+    torch.manual_seed(2)
+    probe = torch.randn(2, 3, 8, 8)
+    with ae.adaptive_eager(**options) if lazy else _nothing():
+        outs = [model(probe).detach() for _ in range(4)]
+    return losses, model, torch.stack(outs), versions[1:]
+
+
+def _assert_same_cnn(eager, lazy):
+    _assert_same(eager[:2], lazy[:2])
+    for (name, a), b in zip(eager[1].named_buffers(), lazy[1].buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(lazy[2], eager[2], rtol=1e-4, atol=1e-5)
+
+
+def test_a_cnn_with_batchnorm_is_built_from_its_record_in_a_new_process(tmp_path, monkeypatch):
+    """Note [Written inputs in a record]: a training graph that writes BatchNorm's running
+    statistics keeps a record; a new process on the same cache builds its captures from the
+    records (no AOTAutograd trace), runs the artifacts, and gives eager's losses, parameters,
+    running statistics, ``num_batches_tracked`` and outputs in eval mode; every captured call
+    bumps the statistics' version, as eager's in-place update does."""
+    traces = count_aot_traces(monkeypatch)
+    steps = 5
+    eager = _cnn_run(False, steps)
+    first = _cnn_run(True, steps, async_compile=False, cache_dir=str(tmp_path))
+    _assert_same_cnn(eager, first)
+    m = ae.metrics()
+    assert not [k for k in m["capture_records"] if "_declined" in k or "_unkeyed" in k], m["capture_records"]
+    assert m["capture_records"].get("module_written", 0) >= 2 and len(traces) >= 2, (m["capture_records"], traces)
+    script = f"""
+import json, sys, torch
+sys.path[:0] = {sys.path!r}
+import adaptive_eager as ae, test_module_capture as t
+from _oracle import count_aot_traces
+traces = count_aot_traces(type("MonkeyPatch", (), {{"setattr": staticmethod(setattr)}}))
+losses, model, outs, versions = t._cnn_run(True, {steps}, async_compile=False)
+print(json.dumps({{"metrics": ae.metrics(), "traces": len(traces), "losses": losses.tolist(),
+                  "state": {{k: v.tolist() for k, v in model.state_dict().items()}},
+                  "outs": outs.tolist(), "versions": versions}}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env["NEURON_EAGER_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warm = json.loads(out.stdout.strip().splitlines()[-1])
+    m = warm["metrics"]
+    assert warm["traces"] == 0, m["capture_records"]
+    assert m["capture_records"].get("module_hit", 0) >= 2, m["capture_records"]
+    assert not [k for k in m["capture_records"] if k != "module_hit"], m["capture_records"]
+    # the captured graphs' artifacts come from disk (the steps' other windows may compile: the
+    # first process may have found their regions in memory, made by another test)
+    assert m["module_uncompiled_runs"] == 0 and m["module_uncompiled_graphs"] == {}, m
+    assert m["module_compiled_runs"] >= 2 * (steps - HOT_AFTER), m
+    model = _cnn()
+    model.load_state_dict({k: torch.tensor(v, dtype=model.state_dict()[k].dtype) for k, v in warm["state"].items()})
+    _assert_same_cnn(eager, (torch.tensor(warm["losses"]), model, torch.tensor(warm["outs"])))
+    versions = warm["versions"][HOT_AFTER - 1:]  # before each captured call, and after the last
+    assert all(b > a for a, b in zip(versions, versions[1:])), warm["versions"]
+
+
+def test_a_max_pool_is_captured_in_a_process_that_never_compiled_with_inductor():
+    """Inductor's decomposition of max_pool2d_with_indices calls into Inductor's lowering without
+    importing it: a process that never compiled with Inductor captures a model with MaxPool2d."""
+    script = f"""
+import json, sys, torch, torch.nn as nn
+sys.path[:0] = {sys.path!r}
+import adaptive_eager as ae, test_module_capture as t
+from adaptive_eager import _capture
+_capture._Graph._obtain = lambda self: None
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 2))
+xs = [torch.randn(2, 3, 8, 8) for _ in range(4)]
+eager = t._train(model, xs, False)[0]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 2))
+lazy = t._train(model, xs, True)[0]
+torch.testing.assert_close(lazy, eager, rtol=1e-4, atol=1e-5)
+print(json.dumps(ae.metrics()))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["module_captures"] == 1 and m["module_capture_misses"] == {}, m
+    assert m["module_captured_calls"] == 4 - HOT_AFTER, m
 
 
 def _train_adamw(steps, lazy, wait_at=None, **options):

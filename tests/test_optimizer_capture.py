@@ -548,8 +548,12 @@ def test_a_second_capture_of_the_same_step_is_built_from_its_record(tmp_path, mo
     assert first >= 1 and written >= 1, ae.metrics()
     torch._dynamo.reset()
     ae.reset_metrics()
-    _assert_same(eager, _train(make, lazy=True, **kw))
+    versions = []
+    edit = lambda i, params, opt: versions.append(params[0]._version)
+    _assert_same(eager, _train(make, lazy=True, edit=edit, **kw))
     m = ae.metrics()
     # every capture that kept a record is built from it; a capture that did not trace again
     assert len(traces) == 2 * first - written and m["capture_records"].get("optimizer_hit") == written, m
     assert m["optimizer_hot_steps"] >= 1, m
+    # Note [Written inputs in a record]: each step bumps the parameters' version, as eager's does
+    assert all(b > a for a, b in zip(versions, versions[1:])), versions
