@@ -11,6 +11,7 @@ region's, are in ``neff_cache``, and compiled from then on.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import operator
 import sys
@@ -402,7 +403,7 @@ def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
     if options.backend == "inductor":
         # some of the table's entries (max_pool2d_with_indices) ask Inductor's lowering whether to
         # decompose, and do not import it: a process that never compiled with Inductor has not
-        import torch._inductor.lowering  # noqa: F401
+        importlib.import_module("torch._inductor.lowering")  # not ``import torch...``: a local ``torch``
 
         # Note [Masks drawn by the call]: dropout stays one op, whose mask the call draws
         decompositions = {op: f for op, f in select_decomp_table().items() if op is not _DROPOUT}

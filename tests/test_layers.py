@@ -94,7 +94,8 @@ LAYERS = (
     ("flushing", {"_flush"}),
     ("other threads' values", {"_threads"}),
     ("recording", {"_record", "_fast", "_eager"}),
-    ("sync points, patches, captures, devices", {"_patches", "_capture", "_optim", "_compile", "neuron_emulation"}),
+    ("sync points, patches, captures, devices", {"_patches", "_capture", "_capture_trace", "_optim", "_compile",
+                                                  "neuron_emulation"}),
     ("mode and API", {"_mode", "__init__", "_autoload", "_ipython", "_explain"}),
 )
 
