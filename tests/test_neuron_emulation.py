@@ -626,6 +626,38 @@ def test_gpt2_launches_per_step_are_what_reaches_the_device(tmp_path):
 
 
 @needs_stablehlo
+def test_launches_of_captured_graphs_run_op_by_op_are_what_reaches_the_device(tmp_path):
+    """While their compile runs in the background, a captured forward, backward and optimizer step
+    run op by op: the library counts their ops that launch (no view or allocation: Note [Launches of
+    a compiled callable]) as the device does. It counted every node of their graphs, views too (the
+    CNN of neuron_launches.py: 115 a step where 102 reached the device). The capture step itself is
+    left out: Dynamo moves AdamW's step counters onto the device while it traces, unseen."""
+    out = _child(textwrap.dedent("""
+        import json
+        ne.emulate_neuron()
+        model = mlp().to("neuron")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = torch.randn(5, 4).to("neuron"), torch.randn(5, 2).to("neuron")
+        rows = []
+        with ae.adaptive_eager(hot_after=1):  # compiles in the background, as by default
+            for i in range(6):
+                m0, d0 = ae.metrics(), ne.launches()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                ae.sync()
+                m1 = ae.metrics()
+                by_op = sum(m1[k] - m0[k] for k in ("module_uncompiled_runs", "optimizer_uncompiled_runs"))
+                rows.append((m1["launches"] - m0["launches"], ne.launches() - d0, by_op))
+        print(json.dumps(rows))
+        """), tmp_path)
+    rows = json.loads(next(line for line in out.splitlines() if line.startswith("[[")))
+    rows = rows[2:]  # after the first sight and the capture step
+    assert any(by_op for _, _, by_op in rows), rows
+    assert all(lib == device for lib, device, _ in rows), rows
+
+
+@needs_stablehlo
 def test_attention_runs_as_its_executables_and_nothing_else(tmp_path):
     """Note [Outputs that share storage] in fuser.backends._stablehlo_lowering: SDPA's math
     decomposition (Llama's attention on the device) scales the transposed key, a pointwise op that
