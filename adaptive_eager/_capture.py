@@ -26,7 +26,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fuser.backends._common import EagerWouldRaise, launches_of
+from fuser.backends._common import EagerWouldRaise, launches_of, launches_op
 
 from ._flush import _modes_off, flush
 from ._log import log
@@ -578,12 +578,16 @@ class _Graph:
             self.program, self.plan, self.n_live, self.expected, self.may_write = (
                 parts["program"], parts["plan"], parts["n_live"], parts["expected"], parts["may_write"])
             self.source = self.program
+            self.launching = sum(1 for op in self.program.ops if launches_op(op[0]))
             return
         draws = _masks_drawn_by_the_call(gm, options) if kind == "forward" else []
         self._setup(kind, options, who)
         self.draws = draws
         self.gm = gm
         self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        # an op-by-op run launches its ops that are no view or allocation (Note [Launches of a
+        # compiled callable] in fuser.backends._common), as the device counts them
+        self.launching = sum(1 for n in gm.graph.nodes if n.op == "call_function" and launches_op(n.target))
         try:
             self.program, self.plan, self.n_live, self.expected, self.may_write = _program(gm)
         except (_Decline, TypeError) as e:
@@ -699,11 +703,11 @@ class _Graph:
         # counted as one by ``_optim._count_launches``)
         if self.who == "module":
             METRICS.module_uncompiled_runs += 1
-            METRICS.launches += self.ops
+            METRICS.launches += self.launching
             METRICS.eager_equivalent_launches += self.ops
         else:
             METRICS.optimizer_uncompiled_runs += 1
-            METRICS.launches += self.ops - 1
+            METRICS.launches += self.launching - 1
         return self._eager(args)
 
     def _check(self, outs) -> None:

@@ -2,6 +2,7 @@
 torch-neuronx's own op concatenation would make of the same op stream at best.
 
     python benchmarks/neuron_launches.py [--only mlp_train,gpt,cnn] [--steps 3]
+    python benchmarks/neuron_launches.py --only cnn,gpt2 --defaults 30
 
 Runs the suite's workloads (``workloads.py``, and its ``cnn``) on ``neuron``: the real device where
 torch-neuronx is installed, else the emulated one (``adaptive_eager.emulate_neuron()``, the stablehlo
@@ -22,6 +23,15 @@ change them. Per step:
   adaptive counts are equal (``tests/test_neuron_emulation.py`` holds them so). On a real device
   only the library's count is printed.
 
+``--defaults N``: instead, N steps from the first under default options (``adaptive_eager()`` as a
+user enters it: background compiles, ``hot_after`` 2), one row a step (device launches, ops that
+reached the device outside executables, windows replayed, captured graphs run op by op while their
+compile ran, compiles and compile seconds so far, the step's wall time), and the first step from
+which every step runs compiled: on the emulated device, no op reaches it outside an executable;
+elsewhere, no window replayed, no op run eagerly and no captured graph run op by op. Run it with a
+fresh ``NEURON_EAGER_CACHE_DIR`` to see a first run; the step depends on how fast the compiles are
+(the machine's load), unlike the counts above.
+
 Besides the suite's workloads: ``cnn`` (2 conv blocks with BatchNorm, cross-entropy, AdamW) and
 stock Hugging Face ``gpt2``, ``bert``, ``llama`` training steps from tiny configs (2 layers, width
 32, AdamW, as tests/test_models.py builds them) with dropout 0 (a forward that draws random numbers
@@ -37,6 +47,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -168,10 +179,49 @@ def measure(key: str, steps: int) -> dict:
     }
 
 
+def _uncompiled(m0: dict, m1: dict) -> tuple[int, int, int]:
+    """Windows replayed, ops run eagerly and captured graphs run op by op between two metrics()."""
+    by_op = sum(m1[k] - m0[k] for k in ("module_uncompiled_runs", "optimizer_uncompiled_runs"))
+    return m1["replayed_regions"] - m0["replayed_regions"], m1["ops_eager"] - m0["ops_eager"], by_op
+
+
+def from_the_first_step(key: str, steps: int) -> None:
+    """``--defaults``: per step from the first, under default options (see the module docstring)."""
+    emulated = ne.is_emulated()
+    w = WORKLOADS[key]("neuron")
+    print(f"\n{key}: {w.title}, default options, {steps} steps")
+    print("| step | device launches (executables) | outside executables | library launches | windows replayed "
+          "| ops eager | captured graphs op by op | compiles so far | compile seconds so far | step ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    compiled_from = None
+    ae.reset_metrics()  # compiles and compile seconds of this workload's run
+    start = time.perf_counter()
+    with ae.adaptive_eager():
+        for step in range(1, steps + 1):
+            m0, d0, x0, t0 = ae.metrics(), ne.launches(), ne.executables_run(), time.perf_counter()
+            out = w.adaptive()
+            ae.sync()
+            m1, d1, x1 = ae.metrics(), ne.launches(), ne.executables_run()
+            ms = (time.perf_counter() - t0) * 1e3
+            replayed, eager, by_op = _uncompiled(m0, m1)
+            outside = (d1 - d0) - (x1 - x0) if emulated else None
+            compiled = outside == 0 if emulated else replayed == eager == by_op == 0
+            compiled_from = (compiled_from or step) if compiled else None
+            device = f"{d1 - d0} ({x1 - x0})" if emulated else "n/a"
+            print(f"| {step} | {device} | {'n/a' if outside is None else outside} "
+                  f"| {m1['launches'] - m0['launches']} | {replayed} | {eager} | {by_op} | {m1['compiles']} "
+                  f"| {m1['compile_seconds']:.1f} | {ms:.0f} |", flush=True)
+    del out
+    print(f"{key}: every step compiled from step {compiled_from}" if compiled_from else
+          f"{key}: step {steps} still not compiled", f"({time.perf_counter() - start:.1f} s for {steps} steps)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BUILDERS), help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--steps", type=int, default=3, help="steady-state steps counted per workload")
+    parser.add_argument("--defaults", type=int, metavar="N", default=0,
+                        help="instead: N steps from the first under default options, one row a step")
     args = parser.parse_args()
     keys = [k for k in args.only.split(",") if k]
     unknown = [k for k in keys if k not in WORKLOADS]
@@ -181,8 +231,13 @@ def main() -> None:
     if not ne.real_device_present():
         ne.emulate_neuron()
         device = "the emulated neuron device (stablehlo backend)"
-    print(f"python benchmarks/neuron_launches.py --only {','.join(keys)} --steps {args.steps}; {device}, "
+    print(f"python benchmarks/neuron_launches.py --only {','.join(keys)} "
+          f"{f'--defaults {args.defaults}' if args.defaults else f'--steps {args.steps}'}; {device}, "
           f"backend {ae.load_options().backend}, torch {torch.__version__}")
+    if args.defaults:
+        for key in keys:
+            from_the_first_step(key, args.defaults)
+        return
     print("| workload | eager launches / step | torch-neuronx concatenation, at best | adaptive eager, library count "
           "| adaptive eager, device count (executables) | eager / adaptive | concatenation / adaptive "
           "| of adaptive's: ops run alone, ops run eagerly, windows replayed |")

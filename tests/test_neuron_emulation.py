@@ -625,6 +625,99 @@ def test_gpt2_launches_per_step_are_what_reaches_the_device(tmp_path):
     assert all(lib == device for lib, device, _ in rows) and all(x > 1 for _, _, x in rows), rows
 
 
+@needs_stablehlo
+def test_launches_of_captured_graphs_run_op_by_op_are_what_reaches_the_device(tmp_path):
+    """While their compile runs in the background, a captured forward, backward and optimizer step
+    run op by op: the library counts their ops that launch (no view or allocation: Note [Launches of
+    a compiled callable]) as the device does. It counted every node of their graphs, views too (the
+    CNN of neuron_launches.py: 115 a step where 102 reached the device). The capture step itself is
+    left out: Dynamo moves AdamW's step counters onto the device while it traces, unseen."""
+    out = _child(textwrap.dedent("""
+        import json
+        ne.emulate_neuron()
+        model = mlp().to("neuron")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = torch.randn(5, 4).to("neuron"), torch.randn(5, 2).to("neuron")
+        rows = []
+        with ae.adaptive_eager(hot_after=1):  # compiles in the background, as by default
+            for i in range(6):
+                m0, d0 = ae.metrics(), ne.launches()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                ae.sync()
+                m1 = ae.metrics()
+                by_op = sum(m1[k] - m0[k] for k in ("module_uncompiled_runs", "optimizer_uncompiled_runs"))
+                rows.append((m1["launches"] - m0["launches"], ne.launches() - d0, by_op))
+        print(json.dumps(rows))
+        """), tmp_path)
+    rows = json.loads(next(line for line in out.splitlines() if line.startswith("[[")))
+    rows = rows[2:]  # after the first sight and the capture step
+    assert any(by_op for _, _, by_op in rows), rows
+    assert all(lib == device for lib, device, _ in rows), rows
+
+
+@needs_stablehlo
+def test_attention_runs_as_its_executables_and_nothing_else(tmp_path):
+    """Note [Outputs that share storage] in fuser.backends._stablehlo_lowering: SDPA's math
+    decomposition (Llama's attention on the device) scales the transposed key, a pointwise op that
+    keeps its layout, and saves it for the backward in eager's strides: the captured forward's
+    executable returns it in that memory order, so a steady step is its 4 executables and the loss's
+    host read, nothing else reaches the device, with CPU eager's losses. The key was copied into
+    eager's strides after the forward's run (Llama: 6 launches a step, 4 executables)."""
+    out = _child(textwrap.dedent(_STEADY) + textwrap.dedent("""
+        class Rotary(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.q, self.o = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+                self.k, self.v = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)  # one head, shared by two
+                angles = torch.arange(6.0)[:, None] * torch.arange(1.0, 5.0)
+                self.register_buffer("cos", angles.cos())
+                self.register_buffer("sin", angles.sin())
+
+            def forward(self, x):
+                b, s, _ = x.shape
+                q = self.q(x).view(b, s, 2, 4).transpose(1, 2)
+                k, v = (p(x).view(b, s, 1, 4).transpose(1, 2) for p in (self.k, self.v))
+                q = q * self.cos + q.flip(-1) * self.sin
+                k = k * self.cos + k.flip(-1) * self.sin
+                # Llama's repeat_kv: a contiguous key, whose transpose SDPA scales
+                k, v = (t[:, :, None].expand(b, 1, 2, s, 4).reshape(b, 2, s, 4) for t in (k, v))
+                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                y = y.transpose(1, 2).reshape(b, s, 8)
+                return self.o(y).square().mean()
+
+        def make(device):
+            model = Rotary().to(device)
+            x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1)).to(device)
+            return model, lambda m: m(x)
+
+        def losses(device, adaptive):
+            model, loss_of = make(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            out = []
+            import contextlib
+            with ae.adaptive_eager(**adaptive) if adaptive else contextlib.nullcontext():
+                for _ in range(5):
+                    loss = loss_of(model)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    out.append(loss.item())
+            return out
+
+        ne.emulate_neuron()  # before any backward: autograd sizes its device queues at the first
+        cpu = losses("cpu", None)
+        print(json.dumps({"steady": steady(lambda: make("neuron")), "cpu": cpu,
+                          "neuron": losses("neuron", {"hot_after": 1, "async_compile": False})}))
+        """), tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    # the executables, and the host read of ``loss.item()``
+    assert r["steady"] and all(row == [5, 5, 4] for row in r["steady"]), r
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["neuron"], r["cpu"])), r
+
+
 _TIED = """
     import json
 

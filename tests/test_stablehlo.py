@@ -252,6 +252,32 @@ def test_piece_that_returns_a_view_of_its_input_shares_its_storage():
         torch.testing.assert_close(g, w)
 
 
+def _permuted_roots(x):
+    y = x.transpose(1, 2) * 2  # a pointwise op keeps its input's layout: eager's strides permute row-major
+    z = x.permute(2, 0, 3, 1).exp()
+    ones = x[:, :1].transpose(0, 3) + 1  # sizes of 1 among the permuted dimensions
+    return y, y[:, 1:], z, ones
+
+
+@needs_stablehlo
+def test_roots_laid_out_as_a_permutation_are_returned_in_eagers_memory_order():
+    """Note [Outputs that share storage]: a root whose eager strides permute the row-major ones (a
+    pointwise op of a transposed view: SDPA's scaled key in Llama) comes out of the executable in
+    eager's memory order, and its outputs are views of it with eager's strides: one launch a call.
+    It was copied into eager's strides after the run, one launch more per such root (Llama's
+    captured forward, 2 a step on the emulated device)."""
+    backend = StablehloBackend("cpu")
+    x = torch.randn(2, 3, 4, 5)
+    gm = make_fx(_permuted_roots)(x)
+    run = backend.load(backend.compile(gm, [x]))
+    got, want = run([x]), gm(x)
+    for g, w in zip(got, want):
+        assert (g.shape, g.stride(), g.storage_offset()) == (w.shape, w.stride(), w.storage_offset())
+        torch.testing.assert_close(g, w)
+    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+    assert run.launches == 1, run.launches
+
+
 def _wide(x, i):
     d = x.to(torch.float64)
     tiny = (d + 1e-12) - d  # 1e-12 in float64, 0 in float32

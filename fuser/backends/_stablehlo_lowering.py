@@ -27,9 +27,14 @@ Outputs that are views of one another in eager (``z[1:, ::2]`` and ``z.t()``) mu
 with eager's shape, stride and storage offset each. So the executable returns one result per
 storage the outputs use: the value of the node that owns it (its root, ``z``: the first node of the
 graph with that storage), and the callable rebuilds each output as ``as_strided`` of its root.
-A root whose eager strides are not the row-major ones XLA returns is first copied into eager's
-strides (``restrided``); otherwise the DLPack tensor is the output itself, no copy. (A root that
-eager lays out with gaps or at an offset, which no op of these graphs does, is refused.)
+XLA returns row-major arrays. A root whose eager strides order its dimensions otherwise, densely (a
+pointwise op keeps its input's layout: SDPA's math decomposition scales the transposed key, which
+Llama's captured forward saves for the backward), is returned transposed into eager's memory order
+(``_memory_order``): the row-major array is then eager's memory, and each output of the root is an
+``as_strided`` view of it, a view and no launch, where a copy into eager's strides after the
+executable was one more launch each. Only a root that is no permutation of a dense layout is copied
+into eager's strides (``restrided``); a row-major root is the output itself. (A root that eager
+lays out with gaps or at an offset, which no op of these graphs does, is refused.)
 
 Note [64-bit types]
 ~~~~~~~~~~~~~~~~~~~
@@ -443,14 +448,18 @@ def _checks_indices(gm: torch.fx.GraphModule) -> bool:
 OUT_OF_RANGE = {"shape": [], "dtype": "bool", "wire": "bool", "stride": None}
 
 
-def _returning(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], checked: bool = False) -> Callable:
-    """A function computing ``gm``'s values of ``nodes`` (the storage roots), for tracing; with
-    ``checked``, and whether an index was out of range (Note [Checked indices])."""
+def _returning(gm: torch.fx.GraphModule, nodes: list[tuple[torch.fx.Node, list[int] | None]],
+               checked: bool = False) -> Callable:
+    """A function computing ``gm``'s values of ``nodes`` (the storage roots, each with the order of
+    its dimensions in eager's memory where that is not row-major: Note [Outputs that share
+    storage]), for tracing; with ``checked``, and whether an index was out of range (Note [Checked
+    indices])."""
 
     def roots(*inputs):
         interpreter = _Checked(gm) if checked else torch.fx.Interpreter(gm, garbage_collect_values=False)
         interpreter.run(*inputs)
-        values = tuple(interpreter.env[n] for n in nodes)
+        values = tuple(interpreter.env[n] if order is None else interpreter.env[n].permute(order)
+                       for n, order in nodes)
         if checked:
             flag = interpreter.out_of_range
             values += (torch.zeros((), dtype=torch.bool) if flag is None else flag,)
@@ -460,10 +469,11 @@ def _returning(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], checked: bo
 
 
 def _output_plan(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], narrow_64bit: bool) -> tuple[list, list, list]:
-    """Note [Outputs that share storage]: the root nodes the executable returns; per result its
-    eager layout (or None: the row-major DLPack tensor is it); per output, where its storage comes
-    from (a result, or an input: a piece of a split region may return a view of its input) and, for
-    a view, the view's (shape, stride, storage offset; relative to the input's for an input)."""
+    """Note [Outputs that share storage]: the root nodes the executable returns, each with the order
+    it returns its dimensions in (None: as they are); per result its shape as returned and eager's
+    strides where it copies them (else None); per output, where its storage comes from (a result, or
+    an input: a piece of a split region may return a view of its input) and, for a view, the view's
+    (shape, stride, storage offset; relative to the input's for an input)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     values = fake_values("stablehlo", gm, example_inputs)
@@ -475,6 +485,7 @@ def _output_plan(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], n
         if node.op == "call_function" and isinstance(v, torch.Tensor):
             owner.setdefault(StorageWeakRef(v.untyped_storage()), node)
     roots: list[torch.fx.Node] = []
+    orders: list[list[int] | None] = []
     results: list[dict] = []
     outputs: list[list] = []
     for i, node in enumerate(output_nodes("stablehlo", gm)):
@@ -492,16 +503,21 @@ def _output_plan(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], n
             if r.storage_offset() or r.untyped_storage().nbytes() != _extent(r) * r.element_size():
                 raise BackendCompileError(f"stablehlo: graph output {i} is a view of a storage that "
                                           f"{op_name(root.target)} (node {root.name}) lays out with gaps")
+            row_major = r.stride() == _row_major(r.shape)
+            order = None if row_major else _memory_order(r)
+            orders.append(order)
             results.append({
-                "shape": list(r.shape),
+                "shape": list(r.shape) if order is None else [r.shape[d] for d in order],
                 "dtype": _dtype_name(r.dtype),
                 "wire": _wire(r.dtype, narrow_64bit)[1],
-                # eager's strides of the root, when they are not those of XLA's row-major result
-                "stride": None if r.stride() == _row_major(r.shape) else list(r.stride()),
+                # eager's strides of the root, where the result is copied into them
+                "stride": None if row_major or order is not None else list(r.stride()),
             })
-        view = None if v is values[root] else [list(v.shape), list(v.stride()), v.storage_offset()]
-        outputs.append(["result", roots.index(root), view])
-    return roots, results, outputs
+        k = roots.index(root)
+        view = (None if v is values[root] and orders[k] is None
+                else [list(v.shape), list(v.stride()), v.storage_offset()])
+        outputs.append(["result", k, view])
+    return list(zip(roots, orders)), results, outputs
 
 
 # Note [Regions that write their inputs]
@@ -607,6 +623,20 @@ def _row_major(shape) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The order of ``t``'s dimensions in its memory, outermost first, where its strides are the
+    row-major ones of its shape so permuted (Note [Outputs that share storage]); else None. Sizes of
+    1 are left out of the comparison: their strides address nothing."""
+    if t.numel() == 0:
+        return None
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    shape = [t.shape[d] for d in order]
+    permuted = [t.stride(d) for d in order]
+    if any(size != 1 and stride != expected for size, stride, expected in zip(shape, permuted, _row_major(shape))):
+        return None
+    return order
 
 
 def _extent(t: torch.Tensor) -> int:

@@ -39,7 +39,9 @@ from ._stablehlo_lowering import (
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+# 2: a root laid out as a permutation of row-major is returned in that order, its outputs views of it
+# (Note [Outputs that share storage]); format-1 artifacts copy it after the run, one launch more
+_FORMAT = 2
 # What the lowering lowers (Note [Our decompositions]): in the fingerprint, so a cached split region
 # whose ops ran alone before a decomposition existed is compiled again, whole. Bump on such a change.
 _LOWERING = 4
