@@ -25,7 +25,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fuser.backends._common import EagerWouldRaise, launches_of
+from fuser.backends._common import EagerWouldRaise, launches_of, launches_op
 
 from ._flush import _modes_off, flush
 from ._log import log
@@ -412,7 +412,9 @@ class _Graph:
                     raise _Decline("random", str(node.target))
         self._setup(kind, options, who)
         self.gm = gm
-        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        # run op by op, a view or an allocation launches nothing (what the device counts: Note
+        # [Launches of a compiled callable] in fuser.backends._common)
+        self.ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and launches_op(n.target))
         try:
             self.program, self.plan, self.n_live, self.expected, self.may_write = _program(gm)
         except (_Decline, TypeError) as e:
