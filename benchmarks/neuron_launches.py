@@ -112,28 +112,37 @@ def _training(key: str, title: str, model: torch.nn.Module, forward_loss) -> Wor
                     compile=None)
 
 
+def tiny_model(name: str, device: str) -> torch.nn.Module:
+    """Stock Hugging Face ``gpt2``, ``bert`` or ``llama`` from a tiny config (2 layers, width 32, vocab
+    64, 32 positions, dropout 0, ``use_cache=False``), seeded, on ``device``: the same weights on every
+    device. ``neuron_generate.py`` builds its models here too."""
+    import transformers
+
+    torch.manual_seed(0)
+    vocab = 64
+    if name == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+    elif name == "bert":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=vocab,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=vocab, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+            use_cache=False))
+    model.loss_type = "ForMaskedLM" if name == "bert" else "ForCausalLM"
+    model = model.to(device)
+    model.tie_weights()  # the emulated device's .to() unties them (issue 33)
+    return model
+
+
 def _hugging_face(name: str):
     def build(device: str) -> Workload:
-        import transformers
-
-        torch.manual_seed(0)
-        vocab = 64
-        if name == "gpt2":
-            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-                n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, bos_token_id=0, eos_token_id=0,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
-        elif name == "bert":
-            model = transformers.BertForMaskedLM(transformers.BertConfig(
-                num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=vocab,
-                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-        else:
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-                num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=64, vocab_size=vocab, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-                use_cache=False))
-        model.loss_type = "ForMaskedLM" if name == "bert" else "ForCausalLM"
-        model = model.to(device)
-        model.tie_weights()  # the emulated device's .to() unties them (issue 33)
+        model = tiny_model(name, device)
+        vocab = model.config.vocab_size
         ids = torch.randint(1, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
         mask[1, 9:] = 0

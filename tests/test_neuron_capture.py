@@ -217,3 +217,40 @@ def test_a_second_optimizer_of_other_shapes_is_compiled(tmp_path):
     assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
     assert m["optimizer_captures"] == 1 and not m["optimizer_uncompiled_graphs"], m
     assert all(device == counted <= 4 for device, counted in _hot(r)), r
+
+
+def test_a_captured_call_run_op_by_op_counts_the_devices_launches(tmp_path):
+    """While a captured forward's compile runs in the background, its graph runs op by op: its
+    views and allocations (``_unsafe_view`` too) launch nothing on the device, so ``metrics()``
+    does not count them either (it counted every node of the graph: a GPT-2 generate() call's
+    first run counted 190 launches a token where the device made 134); nor does a replayed
+    window count an ``_unsafe_view`` it records. A recorded call and a captured one, compiled or
+    not, count what the device counts."""
+    r = _result("""
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+            def forward(self, x):  # views between the matmuls: reshape, transpose, Linear's t
+                h = F.gelu(self.a(x)).view(4, 2, 16).transpose(0, 1).reshape(8, 16)
+                return self.b(h)
+
+        torch.manual_seed(0)
+        model = Net().eval().to("neuron")
+        x = torch.randn(8, 8).to("neuron")
+        calls = []
+        with torch.no_grad(), ae.adaptive_eager():
+            for _ in range(6):
+                m0, d0 = ae.metrics(), ne.launches()
+                y = model(x)
+                ae.sync()
+                m1 = ae.metrics()
+                calls.append([m1["module_uncompiled_runs"] - m0["module_uncompiled_runs"], ne.launches() - d0,
+                              m1["launches"] - m0["launches"]])
+        print(json.dumps({"calls": calls}))
+        """, tmp_path)
+    op_by_op = [c for c in r["calls"] if c[0]]
+    assert op_by_op, r  # the compile in the background takes longer than a call of a tiny model
+    # the calls after the first (which shapes the program, the first sight of everything)
+    assert all(device == counted for _, device, counted in r["calls"][1:]), r

@@ -71,14 +71,18 @@ def launches_of(run) -> int:
     return getattr(run, "launches", 1)
 
 
-# allocations: they reserve memory and compute nothing (torch's factories decompose to these)
-_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
+# allocations reserve memory and compute nothing (torch's factories decompose to these);
+# ``_unsafe_view`` is a view by what it does though not by schema (a reshape's result that autograd
+# does not track): the emulated device does not count it either (``_NO_LAUNCH`` in
+# adaptive_eager.neuron_emulation)
+_NO_COMPUTE = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                         torch.ops.aten._unsafe_view.default})
 
 
 def launches_op(target) -> bool:
     """Whether a graph's call of ``target``, run op by op, is a device launch: an ATen op that is
     neither a view nor an allocation (Note [Launches of a compiled callable])."""
-    return isinstance(target, torch._ops.OpOverload) and not target.is_view and target not in _ALLOCATIONS
+    return isinstance(target, torch._ops.OpOverload) and not target.is_view and target not in _NO_COMPUTE
 
 
 def restrided(run, fixes: list):
