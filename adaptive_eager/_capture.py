@@ -1040,7 +1040,13 @@ def _record_doc(gm, example_inputs, options, who: str) -> bytes:
     from fuser.compile import cache_fingerprint
 
     def leaf(x):
-        return {"$node": x.name} if isinstance(x, torch.fx.Node) else None
+        if isinstance(x, torch.fx.Node):
+            return {"$node": x.name}
+        if x is Ellipsis:  # ``x[..., :n]``: Llama's rotary embedding
+            return {"$ellipsis": None}
+        if type(x) is slice:
+            return {"$slice": [encode_value(v, leaf) for v in (x.start, x.stop, x.step)]}
+        return None
 
     attrs = dict(gm.named_parameters(remove_duplicate=False))
     attrs.update(gm.named_buffers(remove_duplicate=False))

@@ -77,7 +77,8 @@ def _graph_module(names: list, attrs: list, nodes: list) -> torch.fx.GraphModule
         raise _Decline("attribute", "parameters after buffers")
     graph = torch.fx.Graph()
     env: dict = {}
-    tags = {"$node": lambda name: env[name]}
+    tags = {"$node": lambda name: env[name], "$ellipsis": lambda _: Ellipsis}
+    tags["$slice"] = lambda v: slice(*(decode_value(e, tags) for e in v))
     for op, name, target, args, kwargs in nodes:
         if op == "call_function":
             target = _resolve(target)

@@ -577,3 +577,34 @@ def test_a_declined_trace_runs_in_the_next_step(tmp_path, monkeypatch):
     for who in ("module", "optimizer"):
         assert records.get(f"{who}_trace_declined:test_decline") == 1, records
         assert records.get(f"{who}_trace_in_step") == 1 and records.get(f"{who}_written") == 1, records
+
+
+class _Rotary(nn.Module):
+    """Llama's rotary half, taken with ``x[..., :n]``: an Ellipsis in Dynamo's graph, which the
+    record's key could not encode (``module_unkeyed:argument``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], 2, -1, 4).transpose(0, 1).chunk(3, dim=-2)
+        q = torch.cat([-q[..., 2:], q[..., :2]], dim=-1)
+        a = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        return self.out(a.transpose(0, 1).reshape(x.shape[0], -1, 8).sum(1))
+
+
+def test_a_graph_with_an_ellipsis_keeps_a_record(tmp_path, monkeypatch):
+    traces = count_aot_traces(monkeypatch)
+    xs = [torch.randn(6, 8) for _ in range(5)]
+    eager = _train(_Rotary(), xs, False)
+    for hit in ("module_written", "module_hit"):
+        torch._dynamo.reset()
+        ae.reset_metrics()
+        lazy = _train(_Rotary(), xs, True, async_compile=False, cache_dir=str(tmp_path))
+        _assert_same(eager, lazy)
+        m = ae.metrics()
+        assert m["module_capture_misses"] == {} and m["module_captured_calls"] == len(xs) - HOT_AFTER, m
+        assert m["capture_records"] == {hit: 1}, m["capture_records"]
+    assert len(traces) == 1
