@@ -1,5 +1,8 @@
 """Attention without a flush per layer (Note [Dropout probability] in adaptive_eager._ops)."""
 
+import contextlib
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -42,3 +45,53 @@ def test_attention_dropout_keeps_eagers_random_numbers_without_a_flush():
     assert torch.equal(torch.get_rng_state(), want_state)
     assert "random" not in ae.metrics()["flushes"], ae.metrics()["flushes"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.xfail(strict=True, reason="open: a training loop whose windows hold CPU SDPA (here over a "
+                   "sequence of 1) and an SGD-with-momentum step, compiled in-process, leaves eager's "
+                   "losses by ~2e-3 from the first compiled step; not yet understood (session 25)")
+def test_a_training_loop_with_sdpa_compiled_in_process_keeps_eagers_losses():
+    import torch.nn as nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 4)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], 2, -1, 4).transpose(0, 1).chunk(3, dim=-2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(a.transpose(0, 1).reshape(x.shape[0], -1, 8).sum(1))
+
+    class SGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    buf = self.state[p].get("momentum")
+                    if buf is None:
+                        buf = self.state[p]["momentum"] = p.grad.clone()
+                    else:
+                        buf.mul_(0.9).add_(p.grad)
+                    p.add_(buf, alpha=-0.1)
+
+    def train(lazy):
+        model = Attention()
+        opt = SGD(model.parameters())
+        losses = []
+        torch.manual_seed(3)
+        xs = [torch.randn(6, 8) for _ in range(5)]
+        with adaptive_eager(tiers="regions", async_compile=False) if lazy else contextlib.nullcontext():
+            for x in xs:
+                opt.zero_grad()
+                loss = (model(x) ** 2).mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach().clone())
+        return torch.stack(losses)
+
+    torch.testing.assert_close(train(True), train(False), rtol=1e-4, atol=1e-5)
