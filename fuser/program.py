@@ -69,6 +69,10 @@ class _Sym:
 
 
 
+# ops whose decomposition makes other outputs than the kernel, which other kernels read as the kernel's
+_KERNEL_LAYOUTS = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default})
+
+
 class Program:
     """A window as plain data: no reference to the program's tensors, so it can be compiled later,
     in another thread or process, after the window itself is gone."""
@@ -250,8 +254,12 @@ class Program:
 
             from .backends._common import foreach_decompositions
 
-            # and a foreach op's list of floats is none (Note [Foreach ops] in fuser.backends._common)
-            decompositions = {**core_aten_decompositions(), **foreach_decompositions()}
+            # and a foreach op's list of floats is none (Note [Foreach ops] in fuser.backends._common).
+            # Not CPU flash attention: its decomposition returns another logsumexp (another shape) and
+            # another output layout than the kernel, and the kernel's backward (not decomposed) read
+            # them as the kernel makes them: a training step with lifted floats got wrong gradients
+            decompositions = {op: f for op, f in core_aten_decompositions().items() if op not in _KERNEL_LAYOUTS}
+            decompositions.update(foreach_decompositions())
         examples = self.example_inputs()
         mode = None
         if self.dims:
