@@ -818,7 +818,7 @@ def _masks_drawn_by_the_call(gm, options) -> list:
             last = node
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
-                torch.Tag.nondeterministic_seeded not in node.target.tags:
+                torch.Tag.nondeterministic_seeded not in node.target.tags or _no_dropout(node):
             continue
         if options.backend != "inductor" or node.target is not _DROPOUT:
             raise _Decline("random", str(node.target))
@@ -849,6 +849,16 @@ def _masks_drawn_by_the_call(gm, options) -> list:
     if draws:
         gm.recompile()
     return draws
+
+
+def _no_dropout(node) -> bool:
+    """An attention op, tagged random for its dropout, called with ``dropout_p=0``: it draws nothing
+    (Note [Dropout probability] in ``_ops``; Llama's SDPA)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+            return p == 0
+    return False
 
 
 def _draw_mask(draw, device) -> torch.Tensor:

@@ -608,3 +608,44 @@ def test_a_graph_with_an_ellipsis_keeps_a_record(tmp_path, monkeypatch):
         assert m["module_capture_misses"] == {} and m["module_captured_calls"] == len(xs) - HOT_AFTER, m
         assert m["capture_records"] == {hit: 1}, m["capture_records"]
     assert len(traces) == 1
+
+
+class _Attention(_Rotary):
+    """Llama's attention: SDPA, tagged random for its dropout, called with ``dropout_p=0``."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], -1, 3, 4).transpose(1, 2).chunk(3, dim=1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(x.shape[0], -1, 8).sum(1))
+
+
+def test_attention_without_dropout_is_captured_and_rebuilt_from_its_record(tmp_path, monkeypatch):
+    """Note [Dropout probability] in adaptive_eager._ops: SDPA with ``dropout_p=0`` draws nothing,
+    so a forward calling it is captured (Llama's); a second capture on the same cache rebuilds it
+    from its record; AdamW's step is captured too; eager's values throughout."""
+    traces = count_aot_traces(monkeypatch)
+    torch.manual_seed(3)
+    xs = [torch.randn(3, 16) for _ in range(6)]
+
+    def run(lazy):
+        model = _Attention()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses = []
+        with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)) if lazy else _nothing():
+            for x in xs:
+                opt.zero_grad()
+                loss = (model(x.view(3, 2, 8)) ** 2).mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach().clone())
+        return torch.stack(losses), model
+
+    eager = run(False)
+    for hit in ("module_written", "module_hit"):
+        torch._dynamo.reset()
+        ae.reset_metrics()
+        _assert_same(eager, run(True))
+        m = ae.metrics()
+        assert m["module_capture_misses"] == {} and m["module_captured_calls"] == len(xs) - HOT_AFTER, m
+        assert m["capture_records"].get(hit) == 1, m["capture_records"]
+    assert len(traces) == 2  # the module's and the optimizer's, in the first run only

@@ -472,7 +472,9 @@ def test_training_loop_matches_eager(opt_cls, kwargs):
         for name, v in st.items():
             if isinstance(v, torch.Tensor):
                 assert_eager(l_opt["state"][k][name], v)
-    assert ae.metrics()["ops_recorded"] > 100
+    # the loop ran under the mode: recorded, or (inductor) its forward captured from the third call
+    m = ae.metrics()
+    assert m["ops_recorded"] > 100 or (m["ops_recorded"] > 50 and m["module_captured_calls"] > 0), m
 
 
 def test_other_threads_run_eagerly_and_correctly():
