@@ -31,6 +31,7 @@ from fuser.backends._common import EagerWouldRaise, launches_of, launches_op
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
+from ._ops import facts_for, unseeded_facts
 from ._state import current_state
 
 # Note [Captured modules]
@@ -818,8 +819,11 @@ def _masks_drawn_by_the_call(gm, options) -> list:
             last = node
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
-                torch.Tag.nondeterministic_seeded not in node.target.tags or _no_dropout(node):
+                torch.Tag.nondeterministic_seeded not in node.target.tags:
             continue
+        facts = facts_for(node.target)
+        if facts.dropout_arg is not None and unseeded_facts(facts, node.args, node.kwargs) is not None:
+            continue  # attention at dropout_p=0 draws nothing (Note [Dropout probability] in ``_ops``)
         if options.backend != "inductor" or node.target is not _DROPOUT:
             raise _Decline("random", str(node.target))
         x, p = node.args[0], node.args[1]
@@ -849,16 +853,6 @@ def _masks_drawn_by_the_call(gm, options) -> list:
     if draws:
         gm.recompile()
     return draws
-
-
-def _no_dropout(node) -> bool:
-    """An attention op, tagged random for its dropout, called with ``dropout_p=0``: it draws nothing
-    (Note [Dropout probability] in ``_ops``; Llama's SDPA)."""
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == "dropout_p":
-            p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
-            return p == 0
-    return False
 
 
 def _draw_mask(draw, device) -> torch.Tensor:
@@ -1106,14 +1100,24 @@ def _importable_name(target) -> str:
         return _NAMES[target]
     except (KeyError, TypeError):
         pass
-    import importlib
-
     from torch.fx.node import _get_qualified_name
 
     try:
         name = _get_qualified_name(target)
     except Exception:  # noqa: BLE001 - FX names what it can; anything else has no name here
         raise _Decline("target", repr(target)) from None
+    if _by_name(name) is target:
+        try:
+            _NAMES[target] = name
+        except TypeError:
+            pass
+        return name
+    raise _Decline("target", name)
+
+
+def _by_name(name: str):
+    """What a dotted name imports to (the longest importable module, then attributes), or None;
+    ``_importable_name``'s check and the trace worker's way back to a target."""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
         try:
@@ -1122,14 +1126,8 @@ def _importable_name(target) -> str:
             continue
         for attr in parts[i:]:
             obj = getattr(obj, attr, None)
-        if obj is target:
-            try:
-                _NAMES[target] = name
-            except TypeError:
-                pass
-            return name
-        break
-    raise _Decline("target", name)
+        return obj
+    return None
 
 
 def _write_record(key: str, graphs: dict, meta, options, who: str) -> None:

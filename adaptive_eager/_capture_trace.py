@@ -5,7 +5,6 @@ bytes out (its record), resolved by ``neff_cache`` in a worker whose ``sys.path`
 
 from __future__ import annotations
 
-import importlib
 import json
 import types
 
@@ -13,7 +12,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
-from ._capture import _RECORD_FORMAT, _aot_trace, _Decline, _record_doc, _record_of
+from ._capture import _RECORD_FORMAT, _aot_trace, _by_name, _Decline, _record_doc, _record_of
 
 
 def trace_job(payload: bytes) -> bytes:
@@ -95,14 +94,8 @@ def _graph_module(names: list, attrs: list, nodes: list) -> torch.fx.GraphModule
 
 
 def _resolve(name: str):
-    """``_capture._importable_name``'s target back: the longest importable module, then attributes."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise _Decline("target", name)
+    """``_capture._importable_name``'s target back."""
+    target = _by_name(name)
+    if target is None:
+        raise _Decline("target", name)
+    return target
