@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._capture import _Decline
+from ._capture import _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, traced_elsewhere
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
@@ -101,13 +101,6 @@ _CAPTURED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.R
 _OURS = "adaptive_eager"
 _DYNAMO_BACKENDS = {"inductor": _OURS, "stablehlo": _OURS, "neuron": _OURS}
 _MAX_CAPTURES = 4
-_RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
-# Dynamo refuses to run a compiled function while FX traces (``is_fx_symbolic_tracing()``, which
-# it asks): up to torch 2.13 the flag is process-wide (``_is_fx_tracing_flag``), so a region
-# compiling in another thread of this process counts; from 2.14 it is per thread
-# (``_is_fx_tracing_tls``). Such a step runs recorded, as a cold one does.
-_NESTED_TRACE = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
-
 _saved: list[tuple] = []  # (class, its step) and (cell, what it held), to put back
 _is_compiling = torch.compiler.is_compiling
 
@@ -286,11 +279,9 @@ def _static_shapes(opt) -> None:
 
 
 def _traced_elsewhere() -> bool:
-    """Whether FX is tracing as Dynamo sees it (``is_fx_symbolic_tracing()``, its own check), so
-    that it would refuse the compiled step (``_NESTED_TRACE``); counted: the step then runs recorded."""
-    from torch.fx import _symbolic_trace
-
-    if _symbolic_trace.is_fx_symbolic_tracing():
+    """Whether Dynamo would refuse the compiled step (``_capture._NESTED_TRACE``); counted: the
+    step then runs recorded."""
+    if traced_elsewhere():
         METRICS.optimizer_misses["traced_elsewhere"] += 1
         return True
     return False
@@ -300,15 +291,6 @@ def _count_launches(cap: _Capture) -> None:
     """A compiled step is one launch where eager launches what the recorded step did (``metrics()``)."""
     METRICS.launches += 1
     METRICS.eager_equivalent_launches += cap.launches
-
-
-@functools.cache
-def _fail_on_recompile():
-    """``torch.compiler.set_stance("fail_on_recompile")``'s stance, built once: the context manager
-    builds one per use (80-600 us a step measured under load, against 24 us for setting it)."""
-    from torch._dynamo.eval_frame import DynamoStance
-
-    return DynamoStance("fail_on_recompile", False, None)
 
 
 def _grad_mode(opt):

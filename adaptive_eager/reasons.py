@@ -188,4 +188,6 @@ CAPTURE_MISSES: dict[str, str] = {
     "hooks_added": "a hook was added after the capture: it stays recorded",
     "other_guard": "another value its forward reads changed since the capture (NEURON_EAGER_LOG=info names it): "
                    "captured again",
+    "traced_elsewhere": "another thread of this process was tracing a graph (a compile) at that moment, and TorchDynamo "
+                        "runs no compiled call then (torch 2.13 and older): that call ran recorded (expected, rare)",
 }

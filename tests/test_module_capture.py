@@ -195,6 +195,31 @@ def test_a_new_batch_size_misses_and_gives_eagers_values(_uncompiled):
     assert m["module_captured_calls"] == len(xs) - HOT_AFTER - 1
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["checked-first", "refused-by-dynamo"])
+def test_a_call_while_another_thread_traces_runs_recorded(_uncompiled, monkeypatch, checked):
+    """Dynamo refuses a compiled call while FX traces (up to torch 2.13 in any thread: a region
+    compiling in another thread, tests/test_threads.py): that call, a capture's or a captured
+    one's, runs recorded, is counted, and the next call is captured or runs captured."""
+    from torch.fx import _symbolic_trace
+
+    if not checked:  # the other thread begins to trace between the check and the call
+        monkeypatch.setattr(_capture, "traced_elsewhere", lambda: False)
+
+    def edit(i, model):  # FX traces during the first capture's call (2) and a captured call (4)
+        if hasattr(_symbolic_trace, "_is_fx_tracing_tls"):  # torch 2.14: a flag per thread
+            monkeypatch.setattr(_symbolic_trace._is_fx_tracing_tls, "flag", i in (2, 4), raising=False)
+        else:
+            monkeypatch.setattr(_symbolic_trace, "_is_fx_tracing_flag", i in (2, 4))
+
+    steps = 7
+    eager = _train(_mlp(), _batches(steps), False, edit=edit)
+    lazy = _train(_mlp(), _batches(steps), True, edit=edit)
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert m["module_capture_misses"] == {"traced_elsewhere": 2}, m
+    assert m["module_captures"] == 1 and m["module_captured_calls"] == steps - HOT_AFTER - 2, m
+
+
 def _dropout_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.GELU(), nn.Linear(16, 4), nn.Dropout(0.3))
