@@ -26,6 +26,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fuser import joined
 from fuser.backends._common import EagerWouldRaise, launches_of, launches_op
 
 from ._flush import _modes_off, flush
@@ -638,6 +639,7 @@ class _Graph:
         self.inplace = False  # the compiled run writes the inputs itself (Note [Written inputs])
         self.checked = False
         self.next_poll = 0.0
+        self.joins = weakref.WeakKeyDictionary()  # window region -> joined regions (Note [Joined runs] in fuser.joined)
 
     def _eager(self, args):
         """The graph op by op: ``gm`` itself, or for a record's graph its Program."""
@@ -673,9 +675,23 @@ class _Graph:
         if self.kind == "backward":
             from ._threads import sync_value
 
-            for t in args:
-                if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
-                    sync_value(t, "module_capture")  # the loss backward's tangents are pending
+            req = self._join_request(args)
+            if req is None:
+                for t in args:
+                    if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
+                        sync_value(t, "module_capture")  # the loss backward's tangents are pending
+            else:
+                # Note [Joined runs] in fuser.joined: the window holding them may run with this graph
+                with joined.request(req):
+                    for t in args:
+                        if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
+                            sync_value(t, "module_capture")
+                if req.outs is not None:
+                    METRICS.module_compiled_runs += 1  # its launches are the flush's
+                    METRICS.eager_equivalent_launches += self.ops
+                    outs = req.outs
+                    return [None if how is None else (args[how[1]] if how[0] == "in" else outs[how[1]])
+                            for how in self.plan]
             with _modes_off():
                 return self._call(args)
         if self.draws:
@@ -685,6 +701,21 @@ class _Graph:
             if self.who == "module":
                 METRICS.launches += len(self.draws)
         return self._call(args)
+
+    def _join_request(self, args):
+        """A request to run this backward joined with the window its pending inputs are in (Note
+        [Joined runs] in fuser.joined); None when there is no such single window or no program."""
+        if self.program is None or self.who != "module":
+            return None
+        from ._threads import owner_of
+
+        owners = {owner_of(t) for t in args if isinstance(t, torch.Tensor)}
+        owners.discard(None)
+        if len(owners) != 1:
+            return None
+        from fuser.backends import get_backend
+
+        return joined.JoinRequest(self, args, get_backend(self.options.backend, self.options.device))
 
     def _call(self, args):
         run = self.run

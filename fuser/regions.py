@@ -32,6 +32,7 @@ from neff_cache import LIMIT_EXCEEDED
 from .artifacts import _result, _store, _submit, abandoned, compile_thread_stopped, finished_jobs, submit_job
 from .compilable import _checks, _input_aliases, _not_compilable, derived_hold
 from .compile import _Unverified, _compile_and_store, _failure_reason, _load, cache_fingerprint
+from . import joined
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, replay_window
 from .program import Program
@@ -238,7 +239,7 @@ def _run_keyed_now(flush: _Flush) -> FlushResult:
         return _replay_aliased(window, flush.live)
     if entry.run is not None:
         STATS.cache_hits_memory += 1
-        return _run_or_replay(entry, flush, "compiled")
+        return _run_or_replay(entry, flush, "compiled", join=False)
     return _replay(flush, "fork", entry.region)
 
 
@@ -516,6 +517,32 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
     return FlushResult(launched, *entry.counts, outcome, sym.region)
 
 
+def poll(entry: _Entry, backend, options) -> None:
+    """Give a region kept outside ``CACHE`` (a joined region: Note [Joined runs] in fuser.joined)
+    its callable, as ``_decide`` and ``_execute`` give a window's region theirs: at its first call
+    load its artifact or compile it (here or in a worker), later take what landed."""
+    if entry.blacklisted or entry.run is not None:
+        return
+    wait = not options.async_compile
+    fingerprint = cache_fingerprint(backend)
+    if not entry.seen:
+        entry.seen = 1
+        store = _store(options)
+        _obtain(entry, store, backend, options, wait, store.get(entry.pkey, fingerprint=fingerprint))
+    elif entry.future is not None and (wait or entry.future.done()):
+        _collect(entry)
+    elif entry.other_process:
+        poll_jobs()
+        if not entry.blacklisted:
+            store = _store(options)
+            data = store.get(entry.pkey, fingerprint=fingerprint)
+            if data is not None or abandoned(entry.pkey, store):
+                entry.other_process = False
+                _obtain(entry, store, backend, options, wait, data)
+    if entry.future is not None and entry.future.done():
+        _collect(entry)
+
+
 def poll_jobs() -> None:
     """Take the background compiles that failed (the others are then in the store): called when a
     region waits for one, as nothing else collects them (Note [Results are collected by poll] in
@@ -547,8 +574,14 @@ def _replay(flush: _Flush, reason: str, region: str | None) -> FlushResult:
     return FlushResult(launched, computed, dead, reason if reason in ("compiling", "loading") else "replayed", region)
 
 
-def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str) -> FlushResult:
-    """The one compiled run (Note [Tiers])."""
+def _run_or_replay(entry: _Entry, flush: _Flush, outcome: str, join: bool = True) -> FlushResult:
+    """The one compiled run (Note [Tiers]); joined with a captured graph that reads the window's
+    values when one asks (Note [Joined runs] in fuser.joined), unless ``join`` is off (a flush
+    that must not start a compile)."""
+    if join and joined._tls.__dict__.get("request") is not None:
+        done = joined.try_joined(entry, flush, outcome)
+        if done is not None:
+            return done
     check = type(entry.run) is _Unverified  # Note [Artifacts from disk]
     try:
         if _profiler._is_profiler_enabled:

@@ -21,6 +21,7 @@ class RegionStats:
         self.cache_misses = 0
         self.replayed_regions = 0
         self.compiled_runs = 0
+        self.joined_runs = 0  # windows run joined with a captured graph (Note [Joined runs] in fuser.joined)
         self.blacklisted = 0
         self.compile_failures = 0
         self.cache_hits_disk = 0
@@ -31,6 +32,7 @@ class RegionStats:
         self.not_dynamic: Counter[str] = Counter()  # why a varying shape stayed per-shape
         self.run_alone: Counter[str] = Counter()  # nodes of compiled regions run outside compiled code
         self.replay_reasons: Counter[str] = Counter()  # replayed windows by reason (Note [Tiers] in fuser.regions)
+        self.not_joined: Counter[str] = Counter()  # why a window ran alone before its captured graph
 
     def as_dict(self) -> dict:
         return {
@@ -39,6 +41,7 @@ class RegionStats:
             "cache_misses": self.cache_misses,
             "replayed_regions": self.replayed_regions,
             "compiled_runs": self.compiled_runs,
+            "joined_runs": self.joined_runs,
             "recompiles": dict(self.recompiles),
             "blacklisted": self.blacklisted,
             "compile_failures": self.compile_failures,
@@ -50,6 +53,7 @@ class RegionStats:
             "not_dynamic": dict(self.not_dynamic),
             "run_alone": dict(self.run_alone),
             "replay_reasons": dict(self.replay_reasons),
+            "not_joined": dict(self.not_joined),
         }
 
 
