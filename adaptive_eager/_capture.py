@@ -675,7 +675,10 @@ class _Graph:
         if self.kind == "backward":
             from ._threads import sync_value
 
-            req = self._join_request(args)
+            outs = joined.finished(self, args)
+            if outs is not None:  # its window ran it, before the call (``_compile._graph_aside``)
+                return self._joined(args, outs)
+            req = self.join_request(args)
             if req is None:
                 for t in args:
                     if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
@@ -687,11 +690,7 @@ class _Graph:
                         if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
                             sync_value(t, "module_capture")
                 if req.outs is not None:
-                    METRICS.module_compiled_runs += 1  # its launches are the flush's
-                    METRICS.eager_equivalent_launches += self.ops
-                    outs = req.outs
-                    return [None if how is None else (args[how[1]] if how[0] == "in" else outs[how[1]])
-                            for how in self.plan]
+                    return self._joined(args, req.outs)
             with _modes_off():
                 return self._call(args)
         if self.draws:
@@ -702,10 +701,16 @@ class _Graph:
                 METRICS.launches += len(self.draws)
         return self._call(args)
 
-    def _join_request(self, args):
+    def _joined(self, args, outs):
+        """The call's outputs from a joined run's (Note [Joined runs] in fuser.joined)."""
+        METRICS.module_compiled_runs += 1  # its launches are the flush's
+        METRICS.eager_equivalent_launches += self.ops
+        return [None if how is None else (args[how[1]] if how[0] == "in" else outs[how[1]]) for how in self.plan]
+
+    def join_request(self, args):
         """A request to run this backward joined with the window its pending inputs are in (Note
         [Joined runs] in fuser.joined); None when there is no such single window or no program."""
-        if self.program is None or self.who != "module":
+        if self.run is None or self.who != "module":  # joined once it runs compiled alone
             return None
         from ._threads import owner_of
 

@@ -7,6 +7,8 @@ import threading
 
 import torch
 
+from fuser import joined
+
 from ._flush import flush
 from ._metrics import METRICS
 from ._state import current_state
@@ -160,7 +162,16 @@ def _graph_aside(original):
         # a captured module's backward (Note [Captured modules]: a ``_Graph`` in Dynamo's
         # ``disable`` wrapper) is ours, not the program's compiled code: counted as the capture's
         graph = getattr(args[0], "__wrapped__", args[0]) if args else None
-        aside = _take_off(st, "module_capture" if getattr(graph, "captured", False) else "torch_compile")
+        req = (graph.join_request(args[1]) if getattr(graph, "captured", False) and getattr(graph, "kind", None) == "backward"
+               and len(args) > 1 else None)
+        if req is None:
+            aside = _take_off(st, "module_capture" if getattr(graph, "captured", False) else "torch_compile")
+        else:
+            # Note [Joined runs] in fuser.joined: the window holding its tangents may run with it
+            with joined.request(req):
+                aside = _take_off(st, "module_capture")
+            if req.outs is not None:
+                joined.done(req)
         if aside is None:  # off, or aside already (the forward of a compiled call)
             return original(*args, **kwargs)
         try:

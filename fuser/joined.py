@@ -31,7 +31,8 @@ from .window import FlushResult, Out
 # graph, and which live value each graph input is; persistently by the joined Program's digest, so
 # it compiles in a worker and loads from the store as any region. Until it has its callable, and
 # for every window the join does not fit, the window runs alone and the graph after it, as
-# before: two launches, each such run counted in ``not_joined`` by why. Not joined: a window or
+# before: two launches, each such run counted in ``not_joined`` by why. Not asked: a graph that
+# does not run compiled alone yet (op by op while its artifact compiles). Not joined: a window or
 # graph that writes a real input (the fallback after a failed joined run must find every input as
 # it was), a graph input pending in the window but not live, a window whose region has no
 # callable, a validated window whose joined program was not built yet (its nodes are the tracer's
@@ -71,6 +72,21 @@ class request:
 
     def __exit__(self, *exc) -> None:
         _tls.request = self.prior
+
+
+def finished(graph, args):
+    """The outputs of ``graph``'s call with ``args`` if a flush just ran it joined (its request made
+    where the flush was, ahead of the call: ``adaptive_eager._compile``'s graph aside), else None."""
+    req = _tls.__dict__.pop("finished", None)
+    if req is None or req.graph is not graph or len(req.args) != len(args) or any(
+            a is not b for a, b in zip(req.args, args)):
+        return None
+    return req.outs
+
+
+def done(req: JoinRequest) -> None:
+    """``req`` ran joined before its graph's call (``finished``)."""
+    _tls.finished = req
 
 
 def joined_program(window_program: Program, graph: Program, mapping: tuple) -> Program:

@@ -114,6 +114,20 @@ def test_training_matches_eager_with_forward_and_backward_compiled(tmp_path):
     assert m["module_capture_misses"] == {}
 
 
+def test_the_loss_window_runs_joined_with_the_backward(tmp_path):
+    """Note [Joined runs] in fuser.joined: once the loss window's region is compiled, it runs in one
+    compiled program with the captured backward (a flush and a launch fewer a step), eager's values."""
+    steps = 8
+    eager = _train(_mlp(), _batches(steps), False)
+    ae.reset_metrics()
+    lazy = _train(_mlp(), _batches(steps), True, async_compile=False, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    # the loss window of the first captured step is its region's first sight (replayed), then compiled
+    assert m["joined_runs"] >= steps - HOT_AFTER - 2 and not m["not_joined"], m
+    assert m["module_compiled_runs"] == 2 * (steps - HOT_AFTER) and m["module_uncompiled_runs"] == 0, m
+
+
 def test_the_compile_is_off_the_step_and_a_new_process_loads_it(tmp_path, monkeypatch):
     """With async_compile, the graphs go to a worker: nothing compiles on the program's thread
     (the in-process compile entry is never called), the graphs run op by op meanwhile; a new
