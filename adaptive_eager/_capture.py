@@ -710,7 +710,7 @@ class _Graph:
     def join_request(self, args):
         """A request to run this backward joined with the window its pending inputs are in (Note
         [Joined runs] in fuser.joined); None when there is no such single window or no program."""
-        if self.run is None or self.who != "module":  # joined once it runs compiled alone
+        if self.program is None or self.who != "module":
             return None
         from ._threads import owner_of
 

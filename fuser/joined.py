@@ -31,8 +31,7 @@ from .window import FlushResult, Out
 # graph, and which live value each graph input is; persistently by the joined Program's digest, so
 # it compiles in a worker and loads from the store as any region. Until it has its callable, and
 # for every window the join does not fit, the window runs alone and the graph after it, as
-# before: two launches, each such run counted in ``not_joined`` by why. Not asked: a graph that
-# does not run compiled alone yet (op by op while its artifact compiles). Not joined: a window or
+# before: two launches, each such run counted in ``not_joined`` by why. Not joined: a window or
 # graph that writes a real input (the fallback after a failed joined run must find every input as
 # it was), a graph input pending in the window but not live, a window whose region has no
 # callable, a validated window whose joined program was not built yet (its nodes are the tracer's

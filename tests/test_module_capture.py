@@ -31,8 +31,10 @@ def _fresh_dynamo():
 
 @pytest.fixture
 def _uncompiled(monkeypatch):
-    """The captured graphs run op by op: no artifact is ever looked for."""
+    """The captured graphs run op by op: no artifact is ever looked for (nor a joined one: Note
+    [Joined runs] in fuser.joined)."""
     monkeypatch.setattr(_capture._Graph, "_obtain", lambda self: None)
+    monkeypatch.setattr(_capture._Graph, "join_request", lambda self, args: None)
 
 
 def _mlp(norm=nn.LayerNorm):
@@ -272,6 +274,7 @@ def test_dropout_is_captured_with_eagers_random_numbers(tmp_path, monkeypatch, c
     masks in eager's order, op by op and compiled."""
     if not compiled:
         monkeypatch.setattr(_capture._Graph, "_obtain", lambda self: None)
+        monkeypatch.setattr(_capture._Graph, "join_request", lambda self, args: None)
     steps = 6
     torch.manual_seed(5)
     eager = _outputs(_dropout_model(), _batches(steps), False)
