@@ -595,10 +595,11 @@ def test_launches_per_step_are_what_reaches_the_device(tmp_path):
     r = json.loads(out.strip().splitlines()[-1])
     for name, rows in r.items():
         assert all(lib == device for lib, device, _ in rows), (name, rows)
-    # the MLP's step: its captured forward, backward and optimizer step and the loss window, one
-    # executable each (Note [Captured modules] in adaptive_eager._capture); the CNN's forward draws
-    # dropout masks, so it stays recorded: a split region, its pieces
-    assert all(executables == 4 for _, _, executables in r["mlp"]), r
+    # the MLP's step: its captured forward, the loss window joined with the captured backward (Note
+    # [Joined runs] in fuser.joined) and the optimizer step, one executable each (Note [Captured
+    # modules] in adaptive_eager._capture); the CNN's forward draws dropout masks, so it stays
+    # recorded: a split region, its pieces
+    assert all(executables == 3 for _, _, executables in r["mlp"]), r
     assert all(executables > 1 for _, _, executables in r["cnn"]), r
 
 
@@ -662,8 +663,8 @@ def test_attention_runs_as_its_executables_and_nothing_else(tmp_path):
     """Note [Outputs that share storage] in fuser.backends._stablehlo_lowering: SDPA's math
     decomposition (Llama's attention on the device) scales the transposed key, a pointwise op that
     keeps its layout, and saves it for the backward in eager's strides: the captured forward's
-    executable returns it in that memory order, so a steady step is its 4 executables and the loss's
-    host read, nothing else reaches the device, with CPU eager's losses. The key was copied into
+    executable returns it in that memory order, so a steady step is its 3 executables (the loss window
+    joined with the backward: Note [Joined runs] in fuser.joined) and the loss's host read, nothing else reaches the device, with CPU eager's losses. The key was copied into
     eager's strides after the forward's run (Llama: 6 launches a step, 4 executables)."""
     out = _child(textwrap.dedent(_STEADY) + textwrap.dedent("""
         class Rotary(torch.nn.Module):
@@ -714,7 +715,7 @@ def test_attention_runs_as_its_executables_and_nothing_else(tmp_path):
         """), tmp_path)
     r = json.loads(out.strip().splitlines()[-1])
     # the executables, and the host read of ``loss.item()``
-    assert r["steady"] and all(row == [5, 5, 4] for row in r["steady"]), r
+    assert r["steady"] and all(row == [4, 4, 3] for row in r["steady"]), r
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["neuron"], r["cpu"])), r
 
 
