@@ -719,3 +719,33 @@ def test_a_captured_backward_looks_for_pending_inputs_until_none_is_left(_uncomp
     captured = len(xs) - HOT_AFTER
     assert m["module_captured_calls"] == captured and m["module_capture_misses"] == {}, m
     assert len(looked) <= captured, len(looked)  # the tangent's, not one per saved tensor
+
+
+def test_a_one_element_gradient_makes_no_window_of_its_own(tmp_path):
+    """AccumulateGrad's ``detach`` of a captured backward's one-element gradient (the output
+    layer's bias) is a view of real memory left unrecorded (Note [Views of unwritten memory] in
+    adaptive_eager._record): a hot step flushes one window (the loss and its backward seed), not a
+    second one holding that view, and its hot window never mismatches. Eager's values."""
+
+    def run(lazy):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses, windows = [], []
+        with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)) if lazy else _nothing():
+            for x in _batches(8):
+                before = ae.metrics()["windows"] if lazy else 0
+                loss = (model(x) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                windows.append(ae.metrics()["windows"] - before if lazy else 0)
+        return torch.tensor(losses), model, windows
+
+    eager, lazy = run(False), run(True)
+    _assert_same(eager[:2], lazy[:2])
+    m = ae.metrics()
+    assert m["module_captured_calls"] == 8 - HOT_AFTER and m["optimizer_hot_steps"] > 0, m
+    assert lazy[2][-3:] == [1, 1, 1], lazy[2]
+    assert "op" not in m["hot_mismatches"], m["hot_mismatches"]
