@@ -673,22 +673,20 @@ class _Graph:
         # ``disable``) hides ``_boxed_call``, so it is called with the tensors as arguments
         args = args[0] if len(args) == 1 and type(args[0]) is list else list(args)
         if self.kind == "backward":
-            from ._threads import sync_value
+            from ._threads import sync_values
 
             outs = joined.finished(self, args)
             if outs is not None:  # its window ran it, before the call (``_compile._graph_aside``)
                 return self._joined(args, outs)
             req = self.join_request(args)
+            # the loss backward's tangents are pending: last, so looked at first (a recurrent
+            # forward saves ~70 tensors, each an ``owner_of`` that finds nothing once they ran)
             if req is None:
-                for t in args:
-                    if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
-                        sync_value(t, "module_capture")  # the loss backward's tangents are pending
+                sync_values(reversed(args), "module_capture")
             else:
                 # Note [Joined runs] in fuser.joined: the window holding them may run with this graph
                 with joined.request(req):
-                    for t in args:
-                        if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
-                            sync_value(t, "module_capture")
+                    sync_values(reversed(args), "module_capture")
                 if req.outs is not None:
                     return self._joined(args, req.outs)
             with _modes_off():
@@ -712,11 +710,9 @@ class _Graph:
         [Joined runs] in fuser.joined); None when there is no such single window or no program."""
         if self.program is None or self.who != "module":
             return None
-        from ._threads import owner_of
+        from ._threads import single_owner
 
-        owners = {owner_of(t) for t in args if isinstance(t, torch.Tensor)}
-        owners.discard(None)
-        if len(owners) != 1:
+        if single_owner(reversed(args)) is None:
             return None
         from fuser.backends import get_backend
 

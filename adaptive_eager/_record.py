@@ -475,9 +475,12 @@ def resize_outs(st: TracerState, f, entry: _Resizes, args, kwargs) -> bool:
 # first window that views a tensor and then writes it (a parameter's ``W.t()`` in the forward,
 # the optimizer's recorded update after it) has both as inputs: the region derives a transpose
 # from the written input inside its graph, and replays anything else ("aliased_inputs"); from the
-# next window on its views are recorded as before. A real tensor of one
-# element stays recorded: the scalar fast path may write it before the window runs (Note [Scalar
-# fast path]; ``Window.viewed``). A bounded table (Note [Bounded tables] in _signatures) of weak
+# next window on its views are recorded as before. A view of a real tensor of one element is
+# left unrecorded too, its storage in ``Window.viewed`` as a recorded view's is: the scalar fast
+# path may not write it before the window runs (Note [Scalar fast path]), and an op reading the
+# view snapshots it, as any real one-element input. Recorded, AccumulateGrad's ``detach`` of a
+# captured backward's gradient of one element (a ``Linear(n, 1)`` bias) made a window of its own
+# every step, and the hot window a mismatch. A bounded table (Note [Bounded tables] in _signatures) of weak
 # references: a storage forgotten costs one replayed window, never a wrong value, and an address a
 # freed storage left is not taken for written memory (once it was, and a dataset allocated there
 # had every row recorded, its loop never compiled).
@@ -491,13 +494,13 @@ def view_of_unwritten(st: TracerState, window: Window, a) -> bool:
     o = getattr(a, "_ae", None)
     if o is not None and (o.win is window.token or pending_mark(o)):
         return False
-    if st.scalar_fast_path and a.numel() == 1:
-        return False
     if a.layout is not _strided or not _on_target(st, a):
         return False  # _record_view leaves it alone: Note [Tensors the mode leaves alone] in _state
     sid = _untyped_storage(a)._cdata
     if sid in window.written or is_written(sid):
         return False
+    if st.scalar_fast_path and a.numel() == 1:
+        window.viewed.add(sid)  # as a recorded view's: no early scalar write to it in this window
     window.passed = True
     return True
 

@@ -148,6 +148,42 @@ def sync_value(t, reason: str, other_threads_only: bool = False) -> None:
         _flush_for_reader(st, t)
 
 
+def nothing_pending() -> bool:
+    """Whether no thread's window holds a recorded op, open or running: then no value is pending
+    anywhere, and ``owner_of`` answers None for every tensor (as ``_state._prune`` decides)."""
+    for st in _state._STATES:
+        if st.window.nodes or st.running is not None:
+            return False
+    return True
+
+
+def single_owner(tensors) -> TracerState | None:
+    """The one state whose window holds pending values among ``tensors``; None when none is pending
+    or several windows hold them. With one window holding ops anywhere (the usual case), the first
+    pending tensor answers: ``tensors`` in the order most likely to find it first."""
+    holders = [st for st in _state._STATES if st.window.nodes or st.running is not None]
+    if not holders:
+        return None
+    if len(holders) == 1:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and owner_of(t) is not None:
+                return holders[0]
+        return None
+    owners = {owner_of(t) for t in tensors if isinstance(t, torch.Tensor)}
+    owners.discard(None)
+    return owners.pop() if len(owners) == 1 else None
+
+
+def sync_values(tensors, reason: str) -> None:
+    """``sync_value`` for each of ``tensors``, until nothing is pending anywhere: the first read
+    usually runs the one window that holds them all."""
+    for t in tensors:
+        if nothing_pending():
+            return
+        if isinstance(t, torch.Tensor):
+            sync_value(t, reason)
+
+
 def _flush_for_reader(st: TracerState, t) -> None:
     """Run ``st``'s window, another thread's, because this thread (not running a window) reads ``t``
     (None: whatever the window holds, Note [Storage resize] in ``_patches``)."""

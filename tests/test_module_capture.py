@@ -692,3 +692,78 @@ def test_attention_without_dropout_is_captured_and_rebuilt_from_its_record(tmp_p
         assert m["module_capture_misses"] == {} and m["module_captured_calls"] == len(xs) - HOT_AFTER, m
         assert m["capture_records"].get(hit) == 1, m["capture_records"]
     assert len(traces) == 2  # the module's and the optimizer's, in the first run only
+
+
+class _Cell(nn.Module):
+    """A recurrent cell unrolled over 8 time steps in its forward: its backward graph reads the
+    ~30 tensors the forward saved, and the loss backward's tangent."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.hid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, xs):
+        h = xs.new_zeros(xs.shape[1], 16)
+        for t in range(xs.shape[0]):
+            h = torch.tanh(self.inp(xs[t]) + self.hid(h))
+        return self.out(h)
+
+
+def test_a_captured_backward_looks_for_pending_inputs_until_none_is_left(_uncompiled, monkeypatch, tmp_path):
+    """The captured backward runs the window holding its pending tangent first; once no window
+    holds anything, it reads its saved tensors without asking each whose window it is in
+    (``_threads.sync_values``). Eager's values."""
+    from adaptive_eager import _threads
+
+    looked, inside = [], []
+    owner_of, call = _threads.owner_of, _capture._Graph.__call__
+    monkeypatch.setattr(_threads, "owner_of", lambda t: inside and looked.append(1) or owner_of(t))
+
+    def counted(self, *args):
+        inside.append(1)
+        try:
+            return call(self, *args)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(_capture._Graph, "__call__", counted)
+    torch.manual_seed(1)
+    xs = [torch.randn(8, 5, 8) for _ in range(6)]
+    eager = _train(_Cell(), xs, False)
+    lazy = _train(_Cell(), xs, True, async_compile=False, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    captured = len(xs) - HOT_AFTER
+    assert m["module_captured_calls"] == captured and m["module_capture_misses"] == {}, m
+    assert len(looked) <= captured, len(looked)  # the tangent's, not one per saved tensor
+
+
+def test_a_one_element_gradient_makes_no_window_of_its_own(tmp_path):
+    """AccumulateGrad's ``detach`` of a captured backward's one-element gradient (the output
+    layer's bias) is a view of real memory left unrecorded (Note [Views of unwritten memory] in
+    adaptive_eager._record): a hot step flushes one window (the loss and its backward seed), not a
+    second one holding that view, and its hot window never mismatches. Eager's values."""
+
+    def run(lazy):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses, windows = [], []
+        with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)) if lazy else _nothing():
+            for x in _batches(8):
+                before = ae.metrics()["windows"] if lazy else 0
+                loss = (model(x) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                windows.append(ae.metrics()["windows"] - before if lazy else 0)
+        return torch.tensor(losses), model, windows
+
+    eager, lazy = run(False), run(True)
+    _assert_same(eager[:2], lazy[:2])
+    m = ae.metrics()
+    assert m["module_captured_calls"] == 8 - HOT_AFTER and m["optimizer_hot_steps"] > 0, m
+    assert lazy[2][-3:] == [1, 1, 1], lazy[2]
+    assert "op" not in m["hot_mismatches"], m["hot_mismatches"]
