@@ -254,3 +254,31 @@ def test_a_captured_call_run_op_by_op_counts_the_devices_launches(tmp_path):
     assert op_by_op, r  # the compile in the background takes longer than a call of a tiny model
     # the calls after the first (which shapes the program, the first sight of everything)
     assert all(device == counted for _, device, counted in r["calls"][1:]), r
+
+
+def test_the_first_background_compile_prepares_the_loads_once(tmp_path):
+    """Note [Loads prepared while the first compile runs] in fuser.artifacts: the first background
+    compile sends the compile thread the backend's ``prepare_load`` (XLA's client: jax's import),
+    once a process, before any artifact is loaded; the loss still matches CPU eager."""
+    r = _result("""
+        from fuser.backends import stablehlo
+        events = []
+        prepare, load = stablehlo.StablehloBackend.prepare_load, stablehlo.StablehloBackend.load
+        stablehlo.StablehloBackend.prepare_load = lambda self: events.append("prepare") or prepare(self)
+        stablehlo.StablehloBackend.load = lambda self, a: events.append("load") or load(self, a)
+        import fuser
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        cpu_losses, _, _ = run(base, x, y, "cpu", 8)
+        losses, _, _ = run(base, x, y, "neuron", 8, {"async_compile": True})
+        for jobs in fuser.compile_jobs():  # the compiles land, and the next steps load them
+            while jobs.pending():
+                jobs.poll(timeout_s=300)
+        more, _, _ = run(base, x, y, "neuron", 3, {"async_compile": True})
+        print(json.dumps({"events": events, "compiles": ae.metrics()["compiles"],
+                          "error": max(abs(a - b) / (1 + abs(b)) for a, b in zip(losses, cpu_losses))}))
+        """, tmp_path)
+    assert r["error"] < 1e-5, r
+    assert r["events"].count("prepare") == 1, r
+    assert "load" in r["events"] and r["events"].index("prepare") < r["events"].index("load"), r
