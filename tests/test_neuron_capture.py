@@ -282,3 +282,23 @@ def test_the_first_background_compile_prepares_the_loads_once(tmp_path):
     assert r["error"] < 1e-5, r
     assert r["events"].count("prepare") == 1, r
     assert "load" in r["events"] and r["events"].index("prepare") < r["events"].index("load"), r
+
+
+def test_the_compile_worker_is_warmed_at_the_entry(tmp_path):
+    """Note [Warm workers] in neff_cache.jobs: on the emulated device the stablehlo backend's
+    worker is started and warmed at the mode's entry, before the first compile is submitted (it
+    was started cold by the first job, the captured forward's compile)."""
+    r = _result("""
+        from neff_cache import jobs
+        events = []
+        warm, submit = jobs.CompileJobs.warm, jobs.CompileJobs.submit
+        jobs.CompileJobs.warm = lambda self, *a, **k: events.append("warm") or warm(self, *a, **k)
+        jobs.CompileJobs.submit = lambda self, *a, **k: events.append("submit") or submit(self, *a, **k)
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        run(base, x, y, "neuron", 4, {})
+        print(json.dumps({"events": events}))
+        """, tmp_path)
+    assert r["events"].count("warm") == 1 and "submit" in r["events"], r
+    assert r["events"].index("warm") < r["events"].index("submit"), r
