@@ -302,3 +302,26 @@ def test_the_compile_worker_is_warmed_at_the_entry(tmp_path):
         """, tmp_path)
     assert r["events"].count("warm") == 1 and "submit" in r["events"], r
     assert r["events"].index("warm") < r["events"].index("submit"), r
+
+
+def test_a_program_that_exits_while_loads_are_prepared_waits_for_the_preparation(tmp_path):
+    """Note [Loads prepared while the first compile runs] in fuser.artifacts: an import on the
+    compile thread is not interrupted at exit (jax's, interrupted inside jaxlib's init, aborted the
+    process with std::terminate): the exit waits for it. Here the preparation sleeps, then writes a
+    file: the program exits in the middle and the file is written all the same."""
+    done = tmp_path / "prepared"
+    out = _child(textwrap.dedent(STEP) + textwrap.dedent(f"""
+        import time
+        from fuser.backends import stablehlo
+        def prepare_load(self):
+            time.sleep(4)
+            open({str(done)!r}, "w").write("done")
+        stablehlo.StablehloBackend.prepare_load = prepare_load
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        run(base, x, y, "neuron", 3, {{"async_compile": True, "compile_after_exit_s": 0}})
+        print("exiting")
+        """), tmp_path)
+    assert "exiting" in out
+    assert done.read_text() == "done", out
