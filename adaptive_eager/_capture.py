@@ -33,6 +33,7 @@ from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
 from ._ops import facts_for, unseeded_facts
+from ._state import _tls as _state_tls
 from ._state import current_state
 
 # Note [Captured modules]
@@ -124,7 +125,7 @@ class _Decline(Exception):
 class _Cap:
     """One module instance's capture state."""
 
-    __slots__ = ("fn", "calls", "captures", "off", "missed", "__weakref__")
+    __slots__ = ("fn", "calls", "captures", "off", "missed", "due", "__weakref__")
 
     def __init__(self):
         self.fn = None
@@ -132,6 +133,7 @@ class _Cap:
         self.captures = 0  # compiles of Dynamo entries (our backend's calls)
         self.off: str | None = None  # why it is not captured any more
         self.missed: set = set()  # guard-miss causes seen once: a second miss of one recaptures
+        self.due = False  # its call before the capture was recorded (Note [Windows a capture supersedes])
 
 
 _caps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -167,6 +169,9 @@ def _call(self, *args, **kwargs):
         cap.calls += 1
         if cap.calls > st.options.hot_after:
             return _capture(st, self, cap, args, kwargs)
+        if cap.calls == st.options.hot_after and not cap.due and _not_capturable(st, self) is None:
+            cap.due = True
+            return _recorded_before_capture(st, self, args, kwargs)
     elif cap.off is not _THEIRS:
         _miss(cap.off, self)
     return _recorded(self, args, kwargs)
@@ -178,6 +183,31 @@ def _recorded(module, args, kwargs):
         return _ORIG_CALL(module, *args, **kwargs)
     finally:
         _tls.depth -= 1
+
+
+# Note [Windows a capture supersedes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A window is compiled at its ``hot_after``-th sight, and a module call is captured at its
+# ``hot_after + 1``-th: the windows that hold ops of the recorded call just before the capture
+# (the one open when it began, each one a flush inside it opens, the one open when it returns)
+# are compiled at that sight and never seen again, since from the next call on the capture runs
+# those ops and cuts the windows around them elsewhere (its ``module_capture`` flush). Their
+# compiles were queued ahead of the capture's graphs in the one compile worker: GPT-2's forward
+# flushes twice at host reads that TorchDynamo skips (``is_torchdynamo_compiling()``), and the
+# step's forward, backward and optimizer step compiled behind them. So that call's windows are
+# marked ``superseded`` (``fuser.window.Window``) and replay, counted as ``capture_due``; the
+# fuser compiles such a region only if it is seen again (the capture failed, missed its guards, or
+# another thread traced: ``entry.seen`` is past ``hot_after`` by then). Only the first call that is
+# due: a module whose capture keeps being put off (``traced_elsewhere``) does not keep its windows
+# from compiling.
+def _recorded_before_capture(st, module, args, kwargs):
+    st.window.superseded = True
+    _state_tls.capture_due = True  # each window a flush opens meanwhile is marked (``_flush._run``)
+    try:
+        return _recorded(module, args, kwargs)
+    finally:
+        _state_tls.capture_due = False
+        st.window.superseded = True
 
 
 def _miss(cause: str, module, depth: int = 2) -> None:

@@ -88,6 +88,8 @@ def _run(st: TracerState, reason: str, now: bool = False) -> None:
         count_hot(window, window.hot)  # its hot records: it records no more (Note [Hot record cost] in _hot)
     st.running = window  # before the swap: a reader in another thread always finds the window
     st.window = Window(st)  # first: anything the run triggers must not see the old window
+    if getattr(_tls, "capture_due", False) and getattr(_tls, "state", None) is st:
+        st.window.superseded = True  # Note [Windows a capture supersedes] in _capture
     _tls.running = window
     try:
         _run_window(st, window, reason, now)

@@ -331,7 +331,10 @@ def _open_caches(options: Options) -> None:
         from . import _meta_disk
 
         backend = None
-        if options.backend == "inductor":
+        # the backends whose compile worker a warm-up readies without a device: not ``neuron``,
+        # whose worker would reach torch-neuronx (the stablehlo backend's first job in a cold
+        # worker waited 5-10 s for torch, jax and torch-mlir's imports and XLA's first compile)
+        if options.backend in ("inductor", "stablehlo"):
             from fuser.backends import get_backend
 
             backend = get_backend(options.backend, options.device)

@@ -151,6 +151,8 @@ NOT_COMPILED: dict[str, str] = {
 # explain(); a key given by fuser/ and missing from both fails tests/test_explain.py.
 REPLAYED: dict[str, str] = {
     "cold": "a window structure is compiled from its `hot_after`-th sight: its first sights replay (expected)",
+    "capture_due": "it held ops of a module call captured from its next call on, so it was not compiled: the capture "
+                   "runs them from then on (expected once per captured module; compiled if it is seen again)",
     "compiling": "its compile was running in the background (a worker process, or another process on the same "
                  "cache): the window replayed until it landed (expected at the start of a run)",
     "loading": "its compiled artifact was being loaded from the cache (expected once per process)",

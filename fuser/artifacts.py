@@ -78,9 +78,44 @@ def submit_job(entry, backend, store, options) -> bool:
         return False
     entry.other_process = True
     _PENDING[entry.pkey] = entry
+    _prepare_loads(backend)
     if not submitted:
         STATS.waited_for_other_process += 1
     return True
+
+
+# Note [Loads prepared while the first compile runs]
+# A background compile's artifact is loaded on the compile thread (Note [Compile thread]) once it
+# lands, and the window or captured graph replays until then. The stablehlo backend's first load
+# in a process imports jax and makes XLA's client: 2.3-5.2 s measured on 2 shared cores (the
+# emulated device's GPT-2 and Llama steps), spent after the compile and before the first compiled
+# step. So the first background compile of a backend also sends the thread its ``prepare_load``,
+# which does those imports while the worker compiles: work the first load would do anyway, done
+# earlier. Once per backend class and process. An import cannot be stopped at exit as a compile is
+# (Note [Compile thread]): ``_Shutdown`` raised in a C extension's init (jaxlib's MLIR libraries
+# call back into Python) ends in ``std::terminate``, and a program that exited while the thread
+# imported jax aborted. So the stop hook waits for a running preparation (``_PREPARE_LOCK``) before
+# it raises, and a preparation that begins after the hook does nothing.
+_PREPARED: set = set()
+_PREPARE_LOCK = threading.Lock()
+
+
+def _prepare_loads(backend) -> None:
+    prepare = getattr(backend, "prepare_load", None)
+    if prepare is None or type(backend) in _PREPARED or compile_thread_stopped():
+        return
+    _PREPARED.add(type(backend))
+    _submit(_prepared, prepare)  # a failure is the first load's to report: it meets it again
+
+
+def _prepared(prepare) -> None:
+    with _PREPARE_LOCK:
+        if _STOPPED:
+            return
+        try:
+            prepare()
+        except Exception as e:  # noqa: BLE001 - the first load tries again and reports it
+            log.info("adaptive_eager: preparing loads failed: %s: %s", type(e).__name__, e)
 
 
 # Note [Jobs that are not compiles]
@@ -244,6 +279,9 @@ def _stop_compile_thread() -> None:
     if not thread.is_alive():
         return
     _QUEUE.put(None)  # an idle thread ends at once; a busy one is interrupted
+    # ... but not inside an import (Note [Loads prepared while the first compile runs])
+    if _PREPARE_LOCK.acquire(timeout=_STOP_S):
+        _PREPARE_LOCK.release()
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Shutdown))
     thread.join(_STOP_S)
 

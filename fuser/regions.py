@@ -62,7 +62,9 @@ _record_function = torch.autograd.profiler.record_function
 #   dynamic  its shape class has, or is due for, a symbolic region (Note [Dynamic shapes]); a
 #            window that does not fit it goes on per shape: compile or replay, as below
 #   compile  it was seen ``hot_after`` times: claim its key, compile here or in a worker
-#   replay   with its reason, counted in ``replay_reasons``: "cold" (not hot yet), "loading" (its
+#   replay   with its reason, counted in ``replay_reasons``: "cold" (not hot yet), "capture_due" (hot,
+#            but the tracer marked the window ``superseded``: a capture makes its structure
+#            recur no more), "loading" (its
 #            artifact loads on the compile thread: ``_obtain``), "compiling" (a compile in
 #            flight, here or in another process), "exiting" (the interpreter exits: Note
 #            [Compile thread] in fuser.artifacts), or the entry's memoized failure
@@ -313,6 +315,8 @@ def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
             return _Plan("load", data=data)
         if entry.other_process and abandoned(entry.pkey, store):
             entry.other_process = False  # compiled below, by this process
+    if flush.window.superseded and not entry.other_process and entry.seen >= options.hot_after:
+        return _Plan("replay", "capture_due")  # Note [Windows a capture supersedes] in adaptive_eager._capture
     if (entry.shape is not None and entry.shape_class.dynamic_ok and getattr(backend, "dynamic_shapes", False)
             and not flush.derived):  # a shape class does not tell derived inputs apart (Note [Inputs over one memory])
         return _Plan("dynamic")

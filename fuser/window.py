@@ -218,7 +218,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard", "hot_counted", "passed", "kept", "bits", "lift_from")
+                 "discard", "hot_counted", "passed", "kept", "bits", "lift_from", "superseded")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -240,6 +240,10 @@ class Window:
         # where an optimizer's step began in ``scalars``: its floats are runtime inputs from the
         # first compile (Note [Scalar lifting] in fuser.scalars); None: no step in this window
         self.lift_from: int | None = None
+        # the tracer expects no window of this structure again (it holds ops of a module call whose
+        # next call is captured: Note [Windows a capture supersedes] in adaptive_eager._capture):
+        # its region is compiled only if it is seen again after all
+        self.superseded = False
         self.fresh: list[Out] = []  # the FRESH Outs (placeholders whose liveness decides outputs)
         # their ``Out.storage`` handles, in the same order: the flush reads their liveness and frees
         # them in one pass of C calls each, not one Python iteration per value (Note [Window release])

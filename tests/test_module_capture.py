@@ -767,3 +767,36 @@ def test_a_one_element_gradient_makes_no_window_of_its_own(tmp_path):
     assert m["module_captured_calls"] == 8 - HOT_AFTER and m["optimizer_hot_steps"] > 0, m
     assert lazy[2][-3:] == [1, 1, 1], lazy[2]
     assert "op" not in m["hot_mismatches"], m["hot_mismatches"]
+
+
+class _CheckedMLP(nn.Module):
+    """A forward with a host read that TorchDynamo skips, as transformers' mask checks are
+    (``is_torchdynamo_compiling()``): recorded, it flushes in the middle; captured, it is one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        h = self.net[0](x)
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(h).all()):
+            raise ValueError("not finite")
+        return self.net[1:](h)
+
+
+def test_the_windows_of_the_call_before_the_capture_are_not_compiled(tmp_path):
+    """Note [Windows a capture supersedes]: the recorded call before the capture has two windows
+    (to the host read, and from it to the loss's ``item()``), seen for the hot_after-th time; they
+    never recur once the call is captured, so they are not compiled: the compiles are the
+    captured graphs' and the window that goes on recurring (the loss)."""
+    model, xs = _CheckedMLP(), _batches(6)
+    with torch.no_grad():
+        eager = [model(x).square().mean().item() for x in xs]
+        with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)):
+            lazy = [model(x).square().mean().item() for x in xs]
+    torch.testing.assert_close(lazy, eager, rtol=1e-4, atol=1e-5)
+    m = ae.metrics()
+    assert m["module_captures"] == 1 and m["module_capture_misses"] == {}
+    # the inference graph and the loss's window; neither superseded window
+    assert m["compiles"] == 2, m
+    assert m["replay_reasons"].get("capture_due") == 2, m["replay_reasons"]

@@ -330,3 +330,74 @@ def test_a_host_read_of_the_loss_before_the_backward_still_joins(tmp_path):
     assert r["loss_error"] <= 1e-5 and r["state_error"] <= 1e-5, r
     assert r["joined_runs"] >= 3 and not r["not_joined"], r
     assert all(device == counted == 5 for device, counted in _hot(r)), r
+
+
+def test_the_first_background_compile_prepares_the_loads_once(tmp_path):
+    """Note [Loads prepared while the first compile runs] in fuser.artifacts: the first background
+    compile sends the compile thread the backend's ``prepare_load`` (XLA's client: jax's import),
+    once a process, before any artifact is loaded; the loss still matches CPU eager."""
+    r = _result("""
+        from fuser.backends import stablehlo
+        events = []
+        prepare, load = stablehlo.StablehloBackend.prepare_load, stablehlo.StablehloBackend.load
+        stablehlo.StablehloBackend.prepare_load = lambda self: events.append("prepare") or prepare(self)
+        stablehlo.StablehloBackend.load = lambda self, a: events.append("load") or load(self, a)
+        import fuser
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        cpu_losses, _, _ = run(base, x, y, "cpu", 8)
+        losses, _, _ = run(base, x, y, "neuron", 8, {"async_compile": True})
+        for jobs in fuser.compile_jobs():  # the compiles land, and the next steps load them
+            while jobs.pending():
+                jobs.poll(timeout_s=300)
+        more, _, _ = run(base, x, y, "neuron", 3, {"async_compile": True})
+        print(json.dumps({"events": events, "compiles": ae.metrics()["compiles"],
+                          "error": max(abs(a - b) / (1 + abs(b)) for a, b in zip(losses, cpu_losses))}))
+        """, tmp_path)
+    assert r["error"] < 1e-5, r
+    assert r["events"].count("prepare") == 1, r
+    assert "load" in r["events"] and r["events"].index("prepare") < r["events"].index("load"), r
+
+
+def test_the_compile_worker_is_warmed_at_the_entry(tmp_path):
+    """Note [Warm workers] in neff_cache.jobs: on the emulated device the stablehlo backend's
+    worker is started and warmed at the mode's entry, before the first compile is submitted (it
+    was started cold by the first job, the captured forward's compile)."""
+    r = _result("""
+        from neff_cache import jobs
+        events = []
+        warm, submit = jobs.CompileJobs.warm, jobs.CompileJobs.submit
+        jobs.CompileJobs.warm = lambda self, *a, **k: events.append("warm") or warm(self, *a, **k)
+        jobs.CompileJobs.submit = lambda self, *a, **k: events.append("submit") or submit(self, *a, **k)
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        run(base, x, y, "neuron", 4, {})
+        print(json.dumps({"events": events}))
+        """, tmp_path)
+    assert r["events"].count("warm") == 1 and "submit" in r["events"], r
+    assert r["events"].index("warm") < r["events"].index("submit"), r
+
+
+def test_a_program_that_exits_while_loads_are_prepared_waits_for_the_preparation(tmp_path):
+    """Note [Loads prepared while the first compile runs] in fuser.artifacts: an import on the
+    compile thread is not interrupted at exit (jax's, interrupted inside jaxlib's init, aborted the
+    process with std::terminate): the exit waits for it. Here the preparation sleeps, then writes a
+    file: the program exits in the middle and the file is written all the same."""
+    done = tmp_path / "prepared"
+    out = _child(textwrap.dedent(STEP) + textwrap.dedent(f"""
+        import time
+        from fuser.backends import stablehlo
+        def prepare_load(self):
+            time.sleep(4)
+            open({str(done)!r}, "w").write("done")
+        stablehlo.StablehloBackend.prepare_load = prepare_load
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        run(base, x, y, "neuron", 3, {{"async_compile": True, "compile_after_exit_s": 0}})
+        print("exiting")
+        """), tmp_path)
+    assert "exiting" in out
+    assert done.read_text() == "done", out

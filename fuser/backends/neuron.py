@@ -175,6 +175,9 @@ class NeuronBackend(StablehloBackend):
         return bytes(neff), {"base_key": base, "neff_key": persistent_key, "stablehlo": text,
                              "aliases": sorted(aliases.items())}
 
+    def prepare_load(self) -> None:
+        """Nothing: torch-neuronx, which ``load`` calls, came with the device (not XLA's client)."""
+
     def _callable(self, blob: bytes, header: dict) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         c = _neuronx()
         source = header["stablehlo"].encode()

@@ -257,6 +257,11 @@ class StablehloBackend:
                 raise BackendCompileError(f"stablehlo: XLA returns result {i} in layout {layout}, not row-major")
         return blob, {}
 
+    def prepare_load(self) -> None:
+        """Import what ``load`` needs, XLA's client (Note [Loads prepared while the first compile
+        runs] in fuser.artifacts)."""
+        _client()
+
     def load(self, artifact: bytes) -> Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]:
         """Load the executable (no compile) and wrap it in the ``Backend`` calling convention."""
         header, blob = _unpack(artifact, self.magic, self.name)
