@@ -276,5 +276,8 @@ def test_training_through_a_symbolic_region_writes_parameters_every_step(tmp_pat
         torch.testing.assert_close(a, b, msg=f"step {step}")
     for a, b in zip(got_params, want_params):
         torch.testing.assert_close(a, b)
-    assert m["recompiles"].get("dynamic") == 1, m["recompiles"]
+    # the symbolic region compiled; at the second width, the first step (its gradients None, then
+    # made) and the next (accumulated: a real one-element gradient's detach is left unrecorded,
+    # Note [Views of unwritten memory]) may be two structures, each compiled symbolic once
+    assert m["recompiles"].get("dynamic") in ((1, 2) if varies == "second_width" else (1,)), m["recompiles"]
     assert m["compiled_runs"] >= len(batches) - 2, m  # the symbolic region ran, and its exact keys hit
