@@ -14,7 +14,6 @@ in ``Optimizer.profile_hook_step``, and run eagerly every step.
 from __future__ import annotations
 
 import functools
-import importlib
 import time
 import types
 import warnings
@@ -188,8 +187,6 @@ def _step(st, opt, raw):
             METRICS.optimizer_misses[cap.off] += 1
             return raw(opt)
         if cap.steps < st.options.hot_after:
-            if not cap.steps:
-                _import_ahead()
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
             before = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches
@@ -279,23 +276,6 @@ def _static_shapes(opt) -> None:
             for t in (p.grad, *opt.state.get(p, {}).values()):
                 if isinstance(t, torch.Tensor) and t.dim():
                     mark(t)
-
-
-# Note [Imports ahead of a capture]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# TorchDynamo's trace of an optimizer step imports Inductor's CUDA graph trees (its optimizer
-# support asks them), and with them ``torch._inductor.compile_fx``: 1.1-2.8 s on 2 shared cores,
-# paid inside the step that captures, whatever the backend. The optimizer's first recorded step
-# has that import done on the compile thread (``fuser.artifacts.prepare_once``), while the steps
-# before the capture run: an import the capture would make anyway, made earlier. A failure is the
-# trace's to meet again.
-_AHEAD = "torch._inductor.cudagraph_trees"
-
-
-def _import_ahead() -> None:
-    from fuser.artifacts import prepare_once
-
-    prepare_once(_AHEAD, functools.partial(importlib.import_module, _AHEAD))
 
 
 def _traced_elsewhere() -> bool:

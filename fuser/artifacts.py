@@ -102,18 +102,10 @@ _PREPARE_LOCK = threading.Lock()
 
 def _prepare_loads(backend) -> None:
     prepare = getattr(backend, "prepare_load", None)
-    if prepare is not None:  # a failure is the first load's to report: it meets it again
-        prepare_once(type(backend), prepare)
-
-
-def prepare_once(what, prepare) -> None:
-    """Run ``prepare()`` on the compile thread, once a process per ``what``: work a later step
-    would do in the program's thread, done ahead of it (Note [Loads prepared while the first
-    compile runs]; Note [Imports ahead of a capture] in adaptive_eager._optim)."""
-    if what in _PREPARED or compile_thread_stopped():
+    if prepare is None or type(backend) in _PREPARED or compile_thread_stopped():
         return
-    _PREPARED.add(what)
-    _submit(_prepared, prepare)
+    _PREPARED.add(type(backend))
+    _submit(_prepared, prepare)  # a failure is the first load's to report: it meets it again
 
 
 def _prepared(prepare) -> None:

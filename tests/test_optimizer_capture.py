@@ -557,36 +557,3 @@ def test_a_second_capture_of_the_same_step_is_built_from_its_record(tmp_path, mo
     assert m["optimizer_hot_steps"] >= 1, m
     # Note [Written inputs in a record]: each step bumps the parameters' version, as eager's does
     assert all(b > a for a, b in zip(versions, versions[1:])), versions
-
-
-def test_the_captures_imports_are_made_on_the_compile_thread_before_the_capture():
-    """Note [Imports ahead of a capture] in adaptive_eager._optim: the optimizer's first recorded
-    step has the compile thread import what TorchDynamo's trace of the step imports, so that the
-    capturing step does not; in a fresh process, it is imported before the step that captures."""
-    r = _run_script(f"""
-import json, sys, threading, torch
-sys.path[:0] = {sys.path!r}
-import adaptive_eager as ae
-from adaptive_eager import _optim
-import fuser.artifacts
-
-where = []
-import_module = _optim.importlib.import_module
-_optim.importlib = type(sys)("importlib")
-_optim.importlib.import_module = lambda name: where.append(threading.current_thread().name) or import_module(name)
-torch.manual_seed(0)
-model = torch.nn.Linear(8, 4)
-opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-before = []
-with ae.adaptive_eager(hot_after=2, async_compile=False):
-    for i in range(4):
-        if i == 2:  # the step that captures
-            fuser.artifacts._submit(lambda: None).result(timeout=120)  # the thread's queue, in order
-            before.append(_optim._AHEAD in sys.modules)
-        loss = model(torch.randn(5, 8)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-print(json.dumps({{"where": where, "before": before, "hot": ae.metrics()["optimizer_hot_steps"]}}))
-""")
-    assert r["where"] == ["adaptive_eager_compile"] and r["before"] == [True] and r["hot"] >= 1, r
