@@ -827,15 +827,13 @@ class _Graph:
         """The compiled callable once loaded, else None; starts its load or compile (Note [Tiers] in
         fuser.regions: the same steps as a region's)."""
         from fuser import table
-        from fuser.artifacts import _store
         from fuser.backends import get_backend
         from fuser.compile import _Unverified, cache_fingerprint
-        from fuser.regions import _collect, _obtain, abandoned, poll_jobs
+        from fuser.regions import poll
 
         options = self.options
         backend = get_backend(options.backend, options.device)
         fingerprint = cache_fingerprint(backend)
-        wait = not options.async_compile
         with table.LOCK:
             entry = self.entry
             if entry is None:
@@ -853,20 +851,7 @@ class _Graph:
                     return None
                 entry.region = entry.pkey[:8]
                 entry.n_live, entry.mutated = self.n_live, self.program.mutated
-                store = _store(options)
-                _obtain(entry, store, backend, options, wait, store.get(entry.pkey, fingerprint=fingerprint))
-            elif entry.future is not None and (wait or entry.future.done()):
-                _collect(entry)
-            elif entry.other_process and not entry.blacklisted:
-                poll_jobs()
-                store = _store(options)
-                if not entry.blacklisted:
-                    data = store.get(entry.pkey, fingerprint=fingerprint)
-                    if data is not None or abandoned(entry.pkey, store):
-                        entry.other_process = False
-                        _obtain(entry, store, backend, options, wait, data)
-            if entry.future is not None and entry.future.done():
-                _collect(entry)
+            poll(entry, backend, options)
             if entry.blacklisted:
                 self.program = None
                 self.uncompiled_graphs[entry.blacklisted] += 1

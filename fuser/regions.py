@@ -522,8 +522,8 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
 
 
 def poll(entry: _Entry, backend, options) -> None:
-    """Give a region kept outside ``CACHE`` (a joined region: Note [Joined runs] in fuser.joined)
-    its callable, as ``_decide`` and ``_execute`` give a window's region theirs: at its first call
+    """Give a region kept outside ``CACHE`` (a joined region, Note [Joined runs] in fuser.joined, or
+    a captured graph, adaptive_eager._capture) its callable, as ``_decide`` and ``_execute`` give a window's region theirs: at its first call
     load its artifact or compile it (here or in a worker), later take what landed."""
     if entry.blacklisted or entry.run is not None:
         return
