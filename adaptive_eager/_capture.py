@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fuser import joined
 from fuser.backends._common import EagerWouldRaise, launches_of, launches_op
 
+from . import _cores
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
@@ -560,7 +561,11 @@ class _Interim:
         else:  # the step itself is one launch (``_optim._count_launches``)
             METRICS.optimizer_uncompiled_runs += 1
             METRICS.launches += self.ops - 1
-        return self.gm.forward(*args)
+        cores = _cores.lower()  # Note [Cores beside a compile]
+        try:
+            return self.gm.forward(*args)
+        finally:
+            _cores.restore(cores)
 
     def _poll(self, args):
         from fuser.artifacts import _store, other_job, other_job_pending
@@ -801,7 +806,11 @@ class _Graph:
         else:
             METRICS.optimizer_uncompiled_runs += 1
             METRICS.launches += self.launching - 1
-        return self._eager(args)
+        cores = _cores.lower()  # Note [Cores beside a compile]
+        try:
+            return self._eager(args)
+        finally:
+            _cores.restore(cores)
 
     def _check(self, outs) -> None:
         """Note [Artifacts from disk] in fuser.compile: an artifact's first outputs are checked."""

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 import fuser
 from fuser.window import Window, op_ids, where
 
-from . import _meta_disk
+from . import _cores, _meta_disk
 from ._hot import adopt_hot, count_hot, expect_hot, template_for
 from ._log import log
 from ._metrics import METRICS
@@ -91,11 +91,13 @@ def _run(st: TracerState, reason: str, now: bool = False) -> None:
     if getattr(_tls, "capture_due", False) and getattr(_tls, "state", None) is st:
         st.window.superseded = True  # Note [Windows a capture supersedes] in _capture
     _tls.running = window
+    cores = _cores.lower()  # Note [Cores beside a compile]
     try:
         _run_window(st, window, reason, now)
         if _meta_disk._NEW[0] and not now:
             _meta_disk.after_flush()  # Note [Meta entries on disk]
     finally:
+        _cores.restore(cores)
         _tls.running = st.running = None
         if window.frees:  # Note [Storage resize] in _patches: the frees that waited for it
             apply_frees(window)

@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="steps a round")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads(N) first (0: leave it)")
+    parser.add_argument("--no-sampler", action="store_true", help="no sampler thread (it competes for the GIL)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -52,7 +53,8 @@ def main() -> None:
                     stack = traceback.extract_stack(frame)[-5:]
                     seen[" <- ".join(f"{f.name}:{f.lineno}" for f in reversed(stack))] += 1
 
-    threading.Thread(target=sample, daemon=True).start()
+    if not args.no_sampler:
+        threading.Thread(target=sample, daemon=True).start()
     print(f"{args.only}, default options, torch threads {torch.get_num_threads()}: ms per step, a line a round")
     for _ in range(args.rounds):
         times = []

@@ -211,6 +211,7 @@ _QUEUE: queue.SimpleQueue | None = None
 _THREAD: threading.Thread | None = None
 _PID = os.getpid()  # the process the thread runs in (a forked child has the queue, not the thread)
 _STOP_S = 30.0  # longer than one step of a compile can hold the thread in C code (one g++ run)
+_WORKING = [0]  # 1 while the compile thread runs a compile or a load (``compiling``)
 _STOPPED = False  # the atexit hook stopped the thread: it is never started again in this process
 
 
@@ -226,12 +227,15 @@ def _worker() -> None:
                 return
             future, fn, args = task
             if future.set_running_or_notify_cancel():
+                _WORKING[0] = 1
                 try:
                     future.set_result(fn(*args))
                 except BaseException as e:  # noqa: BLE001 - handed to the flushing thread
                     future.set_exception(e)
                     if isinstance(e, _Shutdown):
                         return
+                finally:
+                    _WORKING[0] = 0
     except _Shutdown:
         return
 
@@ -311,3 +315,13 @@ def forget_stores() -> None:
 
 def compile_jobs() -> list:
     return list(_JOBS.values())
+
+
+def compiling() -> int:
+    """How many compiles (or loads, or workers' warm-ups) of this process run now beside its
+    program: the compile thread's and the workers' (Note [Cores beside a compile] in
+    adaptive_eager._cores)."""
+    working = _WORKING[0] if _PID == os.getpid() else 0
+    for jobs in list(_JOBS.values()):
+        working += jobs.busy()
+    return working

@@ -192,12 +192,16 @@ def serve(fd: int, parent: int, limits: int) -> None:
         except (EOFError, ConnectionError):
             # the parent closed its end: an exit with a reply of ours unread resets the connection
             return
-        if destination == WARM:  # Note [Warm workers] in neff_cache.jobs: no reply, nothing stored
+        if destination == WARM:  # Note [Warm workers] in neff_cache.jobs: nothing stored, one reply
             try:
                 function = functions.get(fn_path) or functions.setdefault(fn_path, resolve(fn_path))
                 function(payload)
             except Exception:  # noqa: BLE001 - the first job imports and fails (and says why) in its turn
                 pass
+            try:
+                connection.send((WARM,))
+            except (BrokenPipeError, ConnectionResetError):
+                return
             continue
         with running.lock:
             running.after_exit_s = destination["after_exit_s"] if destination is not None else 0.0

@@ -27,9 +27,10 @@ of 8.5 s, against 0.8 s for the same compile again, in one worker on 2 shared co
 the first ``submit``, the worker makes a short program wait that long for its first compiled
 window (a DataLoader loop of 31 steps an epoch ran three epochs replayed). ``warm`` starts a
 worker before any job and sends it a warm-up: ``fn_path(payload)`` run once, its result dropped
-(no reply, nothing stored, a failure ignored: the first job meets it again and reports it). A job
-sent to that worker meanwhile waits in its pipe until the warm-up ends. A worker that dies warming
-up is replaced when a job needs one, as an idle worker that dies is.
+(nothing stored, a failure ignored: the first job meets it again and reports it; the one reply,
+``(WARM,)``, says only that it ended, for ``busy``). A job sent to that worker meanwhile waits in
+its pipe until the warm-up ends. A worker that dies warming up is replaced when a job needs one, as
+an idle worker that dies is.
 
 Note [Results are collected by poll]
 No thread runs in the background: ``submit`` starts jobs and ``poll`` collects finished ones,
@@ -156,6 +157,7 @@ class _Worker:
         self.limits = limits
         self.bounds = bounds
         self.job: _Job | None = None
+        self.warming = False  # a warm-up sent and its end not yet read (Note [Warm workers])
 
     def start(self, job: _Job) -> None:
         job.attempts += 1
@@ -305,8 +307,24 @@ class CompileJobs:
             except OSError:
                 worker.kill()
                 return False
+            worker.warming = True
             self._workers.append(worker)
             return True
+
+    def busy(self) -> int:
+        """How many workers compile or warm up now (queued jobs wait for them). Asked at every flush
+        while it is not 0 (Note [Cores beside a compile] in adaptive_eager._cores): it takes the lock
+        only when that is free, and then collects what ended without waiting, as ``poll(0)``
+        does (what it collects, ``poll`` reports)."""
+        if self._pid != os.getpid() or not any(w.job is not None or w.warming for w in self._workers):
+            return 0
+        if self._lock.acquire(blocking=False):
+            try:
+                self._collect(0.0)
+                self._start_queued_jobs()
+            finally:
+                self._lock.release()
+        return sum(1 for w in list(self._workers) if w.job is not None or w.warming)
 
     def poll(self, timeout_s: float = 0.0) -> list[JobResult]:
         """Collect finished jobs (their artifacts are stored by now) and start queued ones; waits up
@@ -398,13 +416,17 @@ class CompileJobs:
                 self._worker_died(worker)
 
     def _collect(self, timeout_s: float) -> None:
-        busy = {worker.connection: worker for worker in self._workers if worker.job is not None}
+        busy = {worker.connection: worker for worker in self._workers if worker.job is not None or worker.warming}
         if not busy:
             return
         for connection in multiprocessing.connection.wait(list(busy), timeout_s):
             worker = busy[connection]
             try:
-                ok, result, seconds, failure, stored = connection.recv()
+                reply = connection.recv()
+                if worker.warming and reply == (WARM,):  # Note [Warm workers]: its job's reply, if any, follows
+                    worker.warming = False
+                    continue
+                ok, result, seconds, failure, stored = reply
             except (EOFError, OSError):
                 self._worker_died(worker)
                 continue
@@ -425,8 +447,11 @@ class CompileJobs:
                 self._finish(job, error, seconds=seconds, failure=failure)
 
     def _worker_died(self, worker: _Worker) -> None:
-        job, worker.job = worker.job, None
+        job, worker.job, worker.warming = worker.job, None, False
         self._workers.remove(worker)
+        if job is None:  # died warming up: replaced when a job needs one (Note [Warm workers])
+            worker.kill()
+            return
         abandoned = worker.abandoned(job.key)
         worker.kill()  # its compilers too, if the worker died before them
         if abandoned is not None:  # over a bound: never retried (Note [Compile limits] in neff_cache._worker)

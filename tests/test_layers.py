@@ -90,7 +90,7 @@ LAYERS = (
                             "_kernel_warnings", "_period", "_gc", "_heap", "_metrics", "_overlap", "_meta_disk",
                             "_meta"}),
     ("ops and hot templates", {"_data_checks", "_ops", "_emit", "_hot"}),
-    ("per-thread state", {"_state"}),
+    ("per-thread state", {"_state", "_cores"}),
     ("flushing", {"_flush"}),
     ("other threads' values", {"_threads"}),
     ("recording", {"_record", "_fast", "_eager"}),

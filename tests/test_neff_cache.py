@@ -683,6 +683,44 @@ def test_a_warmed_worker_runs_its_warm_up_before_the_first_job(store):
     assert store.get(KEY_A, fingerprint="fp") == b"warmed"
 
 
+def test_busy_counts_a_worker_warming_up_or_compiling_until_it_ends(store):
+    """Note [Cores beside a compile] in adaptive_eager._cores: ``busy`` counts a worker from its
+    warm-up's start to its end (the warm-up's one reply) and while a job runs, and collects without
+    ``poll``; ``poll`` still reports the job once."""
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.busy() == 0
+        assert jobs.warm(FN + "sleep_then_compile", b"1.5")
+        assert jobs.busy() == 1
+        deadline = time.monotonic() + 60
+        while jobs.busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert jobs.busy() == 0 and time.monotonic() < deadline  # the warm-up ended and said so
+        assert jobs.submit(KEY_A, FN + "sleep_then_compile", b"1.0", fingerprint="fp", backend="b")
+        assert jobs.busy() == 1
+        while jobs.busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert jobs.busy() == 0 and time.monotonic() < deadline
+        assert [r[:2] for r in jobs.poll()] == [(KEY_A, True)]  # collected by busy, reported by poll
+        assert jobs.poll() == []
+    finally:
+        jobs.shutdown()
+    assert store.get(KEY_A, fingerprint="fp") == b"compiled after 1.0"
+
+
+def test_a_job_sent_while_the_worker_warms_up_is_reported_once(store):
+    """The warm-up's reply is read before the job's (Note [Warm workers])."""
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.warm(FN + "sleep_then_compile", b"1.0")
+        assert jobs.submit(KEY_A, FN + "sleep_then_compile", b"0.2", fingerprint="fp", backend="b")
+        assert jobs.busy() == 1
+        assert [r[:2] for r in finished_within(jobs, 60)] == [(KEY_A, True)]
+        assert jobs.busy() == 0 and not jobs._workers[0].warming
+    finally:
+        jobs.shutdown()
+
+
 def test_job_runs_in_a_worker_and_stores_the_artifact(store):
     jobs = CompileJobs(store)
     try:
