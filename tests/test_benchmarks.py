@@ -72,3 +72,39 @@ def test_op_profile_times_the_work_of_a_workload_whose_product_is_its_result(ben
     m = ae.metrics()
     assert m["ops_eliminated"] == 0 and m["ops_materialized"] == 2000, m
     assert 0 < times["adaptive flushes alone"] <= times["adaptive"]
+
+
+def test_cold_steps_samples_the_main_thread_from_itself(bench):
+    """Note [Sampling the main thread from itself] in benchmarks/cold_steps.py: no thread of the
+    script reads another thread's frames (a sampler thread's ``sys._current_frames()`` and
+    ``f_back`` crashed it under Python 3.11 once the step ran captured calls), and the main
+    thread's own samples name its innermost frame."""
+    import collections
+    import signal
+    import threading
+    import time
+
+    import ast
+
+    with open(os.path.join(BENCH, "cold_steps.py")) as f:
+        tree = ast.parse(f.read())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "_current_frames"]
+    cold_steps = bench("cold_steps")
+    seen, sampling = collections.Counter(), threading.Event()
+    handler = signal.getsignal(signal.SIGALRM)
+
+    def spin_here():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.3:
+            pass
+
+    stop = cold_steps.start_sampler(seen, sampling, period_s=0.002)
+    try:
+        sampling.set()
+        spin_here()
+        sampling.clear()
+    finally:
+        stop()
+        signal.signal(signal.SIGALRM, handler)
+    assert sum(seen.values()) >= 20, seen
+    assert sum(n for where, n in seen.items() if where.startswith("spin_here:")) >= 0.8 * sum(seen.values()), seen
