@@ -201,7 +201,7 @@ def serve(fd: int, parent: int, limits: int) -> None:
             try:
                 connection.send((WARM,))
             except (BrokenPipeError, ConnectionResetError):
-                return
+                pass  # the parent is gone: what it sent is read, then end-of-input ends this process
             continue
         with running.lock:
             running.after_exit_s = destination["after_exit_s"] if destination is not None else 0.0
@@ -228,7 +228,10 @@ def serve(fd: int, parent: int, limits: int) -> None:
         try:
             connection.send((*reply, stored))
         except (BrokenPipeError, ConnectionResetError):
-            return  # the parent is gone; the result is in the store if it had one
+            # the parent is gone; the result is in the store if it had one. The jobs it queued
+            # for after its exit are still to be read (Note [Compiles that outlive the program]
+            # in neff_cache.jobs); then end-of-input ends this process
+            continue
 
 
 _STORES: dict[tuple, Any] = {}

@@ -45,8 +45,14 @@ of each running job over to its worker (Note [Claim holders] in neff_cache.claim
 running, without waiting: the worker finishes, stores, releases the claim and exits. A thread in
 the worker bounds this: once the parent is gone, the running job gets ``finish_after_exit_s``
 seconds, after which the worker kills its process group (itself and its compilers). Jobs still
-queued at exit are dropped and their claims released. With ``finish_after_exit_s=0``, or a store
-that is not on a writable disk, the workers are killed at exit instead and their claims released,
+queued at exit go to that worker too, their claims handed over to it, and run after the running
+one within the same ``finish_after_exit_s`` (a program whose steps outrun its compiles, say a
+cold run of a few seconds, left half its compiles to the next run when they were dropped); they
+are sent by a thread the exit waits for up to ``_SEND_AT_EXIT_S``, since a worker busy compiling
+reads nothing and a full pipe would block (a job cut off mid-message ends the worker at its next
+read, after its running job, and the claims of those not run go with it). With
+``finish_after_exit_s=0``, or a store that is not on a writable disk, the workers are killed at
+exit instead and the claims of running and queued jobs released,
 so that other processes need not wait for the claim ttl. The parent stores a result itself only
 when the worker could not (``stored`` in its reply) or its own store is no longer on that disk.
 """
@@ -77,6 +83,7 @@ log = logging.getLogger("neff_cache")
 
 _FN_PATH_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _ATTEMPTS = 2  # a job whose worker dies is retried once
+_SEND_AT_EXIT_S = 1.0  # Note [Compiles that outlive the program]
 # Note [Compile limits] in neff_cache._worker: the bounds a job runs under unless CompileJobs is
 # given others. Memory: a share of the machine's (or the cgroup's) memory, so that the program
 # beside the compile keeps the rest: 11.5 GiB on a 23 GiB machine, where the compile worker of the
@@ -216,6 +223,16 @@ class _Worker:
             except ValueError:
                 return f"killed by signal {-returncode}"
         return f"exited with code {returncode}"
+
+
+def _send_all(worker: _Worker, jobs: list) -> None:
+    """Send ``jobs`` to ``worker`` after the one it runs (Note [Compiles that outlive the program])."""
+    try:
+        for job in jobs:
+            job.attempts += 1
+            worker.connection.send((job.fn_path, job.payload, job.destination, {"key": job.key, **worker.bounds}))
+    except OSError:
+        pass  # the worker is gone: the claims handed to it are stale, anyone may compile them
 
 
 class CompileJobs:
@@ -502,9 +519,7 @@ class CompileJobs:
         # No lock: a daemon thread blocked in poll() may hold it, and exit must not wait for it.
         if os.getpid() != self._pid:
             return
-        for job in self._queue:
-            self.store.release(job.key)
-        left = []
+        left, heir = [], None
         for worker in self._workers:
             job = worker.job
             if job is not None and job.destination is not None and self.finish_after_exit_s > 0 and \
@@ -513,10 +528,23 @@ class CompileJobs:
                 # handed over, not forgotten: when the interpreter collects its Popen, no
                 # "ResourceWarning: subprocess ... is still running" (shown under -X dev, -W)
                 worker.process._child_created = False
+                heir = heir or worker
                 continue
             if job is not None:
                 self.store.release(job.key)
             worker.kill()
+        queued = []
+        for job in self._queue:
+            if heir is not None and job.destination is not None and not job.alone and \
+                    self.store.hand_over(job.key, heir.process.pid, ttl_s=self.claim_ttl_s):
+                queued.append(job)
+            else:
+                self.store.release(job.key)
+        if queued:
+            left += [job.key for job in queued]
+            sender = threading.Thread(target=_send_all, args=(heir, queued), name="neff_cache_exit", daemon=True)
+            sender.start()
+            sender.join(_SEND_AT_EXIT_S)
         if left:
             log.info("%d background compile(s) go on after exit, for up to %.0f s, and land in %s: %s",
                      len(left), self.finish_after_exit_s, self.store.directory, ", ".join(left))

@@ -909,7 +909,10 @@ def test_an_exit_with_a_reply_unread_prints_nothing_from_the_worker(tmp_path):
     assert "Traceback" not in finished.stderr and "Error" not in finished.stderr, finished.stderr
 
 
-def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: float, how: str = "exit") -> None:
+def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: float, how: str = "exit",
+                                queued: int = 0) -> None:
+    """A program that exits with a compile of ``seconds`` running and ``queued`` more of 1 s each
+    (KEY_B, KEY_C, ...) waiting for it."""
     script = textwrap.dedent(
         f"""
         import os, signal, sys
@@ -917,6 +920,8 @@ def exit_with_a_compile_running(directory, seconds: float, finish_after_exit_s: 
         from neff_cache import ArtifactStore, CompileJobs
         jobs = CompileJobs(ArtifactStore({str(directory)!r}), finish_after_exit_s={finish_after_exit_s})
         assert jobs.submit({KEY_A!r}, {FN + "sleep_then_compile"!r}, b"{seconds}", fingerprint="fp", backend="b")
+        for key in {[KEY_B, KEY_C, KEY_D][:queued]!r}:
+            assert jobs.submit(key, {FN + "sleep_then_compile"!r}, b"1", fingerprint="fp", backend="b")
         assert jobs.running() == {{{KEY_A!r}}}
         if {how!r} == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -943,6 +948,23 @@ def test_compile_running_at_exit_finishes_and_lands_in_the_cache(tmp_path):
     assert not store.is_claimed(KEY_A)
     (entry,) = store.entries()
     assert entry["backend"] == "b" and entry["compile_seconds"] >= 2
+
+
+def test_compiles_queued_at_exit_run_after_the_running_one_and_land(tmp_path):
+    """Note [Compiles that outlive the program]: the jobs waiting at exit go to the worker that goes
+    on, in order, their claims handed over; the next run finds them all in the cache."""
+    exit_with_a_compile_running(tmp_path, seconds=1, finish_after_exit_s=60, queued=2)
+    store = ArtifactStore(tmp_path)
+    assert store.is_claimed(KEY_B) and store.is_claimed(KEY_C)  # held by the worker, not released
+    assert store.wait_for(KEY_A, timeout_s=60) == b"compiled after 1"
+    assert store.wait_for(KEY_B, timeout_s=60) == b"compiled after 1"
+    assert store.wait_for(KEY_C, timeout_s=60) == b"compiled after 1"
+
+
+def test_compiles_queued_at_exit_are_released_when_nothing_goes_on(tmp_path):
+    exit_with_a_compile_running(tmp_path, seconds=60, finish_after_exit_s=0, queued=1)
+    store = ArtifactStore(tmp_path)
+    assert not store.is_claimed(KEY_A) and not store.is_claimed(KEY_B) and store.entries() == []
 
 
 def test_compile_of_a_program_killed_by_sigkill_still_lands(tmp_path):
