@@ -561,11 +561,7 @@ class _Interim:
         else:  # the step itself is one launch (``_optim._count_launches``)
             METRICS.optimizer_uncompiled_runs += 1
             METRICS.launches += self.ops - 1
-        cores = _cores.lower()  # Note [Cores beside a compile]
-        try:
-            return self.gm.forward(*args)
-        finally:
-            _cores.restore(cores)
+        return _cores.running(self.gm.forward, *args)  # Note [Cores beside a compile]
 
     def _poll(self, args):
         from fuser.artifacts import _store, other_job, other_job_pending
@@ -806,11 +802,7 @@ class _Graph:
         else:
             METRICS.optimizer_uncompiled_runs += 1
             METRICS.launches += self.launching - 1
-        cores = _cores.lower()  # Note [Cores beside a compile]
-        try:
-            return self._eager(args)
-        finally:
-            _cores.restore(cores)
+        return _cores.running(self._eager, args)  # Note [Cores beside a compile]
 
     def _check(self, outs) -> None:
         """Note [Artifacts from disk] in fuser.compile: an artifact's first outputs are checked."""

@@ -22,8 +22,8 @@ from ._state import _tls
 # core's worth and its main thread half of that, the rest spent at OpenMP's barriers, whose
 # threads spin for each other), and 14-20 ms with one intra-op thread. Running the compile worker
 # at the lowest priority (``SCHED_IDLE``) changed nothing; neither did a worker at ``nice 19``.
-# So while ``fuser.artifacts.compiling()`` counts N such compiles, the ops we run (``running``:
-# a window's run at a flush, a captured graph's op-by-op run) use ``cores - N`` intra-op threads
+# So while ``fuser.artifacts.compiling()`` counts N such compiles, the ops we run (a window's run
+# at a flush, a captured graph's op-by-op run: ``running``) use ``cores - N`` intra-op threads
 # (at least 1; never more than the thread had), and the thread's own number again right after.
 # Only there: the program's own code never sees another number (``torch.get_num_threads()``),
 # since what reads it may keep it. Inductor's C++ kernels are compiled for
@@ -109,3 +109,12 @@ def restore(have: int) -> None:
     """After the ops: the thread's own number again."""
     if have:
         _OMP[0][1](have)
+
+
+def running(fn, *args):
+    """``fn(*args)``: ops we run, between ``lower`` and ``restore``."""
+    have = lower()
+    try:
+        return fn(*args)
+    finally:
+        restore(have)

@@ -78,7 +78,7 @@ def start_sampler(seen: collections.Counter, sampling: threading.Event, period_s
 
 
 def main() -> None:
-    from user_step import WORKLOADS
+    from user_step import WORKLOADS, train_step
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="blocks8", choices=sorted(WORKLOADS))
@@ -103,11 +103,7 @@ def main() -> None:
             for _ in range(args.steps):
                 sampling.set()
                 t0 = time.perf_counter()
-                loss = loss_of(model)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                loss.item()
+                train_step(model, loss_of, opt)
                 times.append((time.perf_counter() - t0) * 1e3)
                 sampling.clear()
         print(" ".join(f"{t:.0f}" for t in times), flush=True)

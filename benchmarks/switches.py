@@ -47,7 +47,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, sys.argv[4])
     import torch, torch.nn as nn
     import adaptive_eager as ae
-    from user_step import WORKLOADS, _UNCOMPILED
+    from user_step import WORKLOADS, _UNCOMPILED, train_step
 
     def mlp(device):
         # the Note [Heap thresholds] step's shapes: three 4 MiB weight gradients
@@ -69,11 +69,7 @@ CHILD = textwrap.dedent(
         for i in range(steps):
             before = ae.metrics()
             t0 = time.perf_counter()
-            loss = loss_of(model)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            loss.item()
+            train_step(model, loss_of, opt)
             times.append(time.perf_counter() - t0)
             after = ae.metrics()
             if compiled is None and (after["compiled_runs"] > before["compiled_runs"]

@@ -39,6 +39,15 @@ import torch.nn as nn
 import adaptive_eager as ae
 
 
+def train_step(model, loss_of, opt) -> None:
+    """One step of the user's loop, ending with the ``loss.item()`` a user's loop makes."""
+    loss = loss_of(model)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss.item()
+
+
 def blocks8(device):
     """Launch-bound: 8 x (Linear(64, 64), LayerNorm, GELU) + Linear, batch 32."""
     layers = []
@@ -145,11 +154,7 @@ class Variant:
                 for _ in range(steps):
                     before = ae.metrics() if self.context else None
                     t0 = time.perf_counter()
-                    loss = self.loss_of(self.model)
-                    loss.backward()
-                    self.opt.step()
-                    self.opt.zero_grad()
-                    loss.item()
+                    train_step(self.model, self.loss_of, self.opt)
                     self.times.append(time.perf_counter() - t0)
                     if before is not None and self.compiled_at is None:
                         after = ae.metrics()
@@ -180,11 +185,7 @@ class Variant:
         return kernels, syncs
 
     def run_one(self):
-        loss = self.loss_of(self.model)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        loss.item()
+        train_step(self.model, self.loss_of, self.opt)
 
 
 class _null:

@@ -333,15 +333,17 @@ class CompileJobs:
         while it is not 0 (Note [Cores beside a compile] in adaptive_eager._cores): it takes the lock
         only when that is free, and then collects what ended without waiting, as ``poll(0)``
         does (what it collects, ``poll`` reports)."""
-        if self._pid != os.getpid() or not any(w.job is not None or w.warming for w in self._workers):
+        if self._pid != os.getpid():
             return 0
-        if self._lock.acquire(blocking=False):
+        busy = [w for w in list(self._workers) if w.job is not None or w.warming]
+        if busy and self._lock.acquire(blocking=False):
             try:
                 self._collect(0.0)
                 self._start_queued_jobs()
             finally:
                 self._lock.release()
-        return sum(1 for w in list(self._workers) if w.job is not None or w.warming)
+            busy = [w for w in list(self._workers) if w.job is not None or w.warming]
+        return len(busy)
 
     def poll(self, timeout_s: float = 0.0) -> list[JobResult]:
         """Collect finished jobs (their artifacts are stored by now) and start queued ones; waits up
