@@ -1,5 +1,5 @@
-"""What recording an op leaves in its window, made here for every path (``_record``'s general path and
-views, ``_fast``'s fast path and hot records, ``_hot``'s demotion): its Node, its Outs, the
+"""What recording an op leaves in its window, made here for every window (``_record``'s one record path,
+Note [One record path], and ``_hot``'s demotion): its Node, its Outs, the
 placeholders they mark, and the write marks. Every Node the tracer makes is made by ``node``; every
 Out by ``hot_out``, or by ``placeholder`` and ``hot_placeholder``, which spell its stores inline (each
 is once per op).
@@ -141,18 +141,3 @@ def mark_written(window: Window, sid: int, slot: int) -> None:
     window.written.add(sid)
     if slot >= 0:
         window.mutated.add(slot)
-
-
-def write_overlaps(f, args, t, sid: int) -> bool:
-    """Whether an in-place op that writes ``t`` (storage ``sid``) may read memory it writes through
-    another tensor argument (Note [Overlapping writes]): the fast path and hot records leave such an
-    op to the general path, which decides (``_overlap._shares_written``)."""
-    if _storage_use_count(sid) <= 2:  # held only by ``t`` and its storage object
-        return False
-    n = len(args)
-    for i in f.tensor_pos[1:]:
-        if i < n:
-            a = args[i]
-            if isinstance(a, _Tensor) and a is not t and _untyped_storage(a)._cdata == sid:
-                return True
-    return False

@@ -11,11 +11,13 @@ the metadata of the real input a slot holds), the numbers baked into the region,
 floats sit, its output's metadata and its signature entries (the region key's ``Window.sigs``). The
 next window is armed with it (``Window.hot``; with the template of the window that followed this
 one last time, if any, so that two alternating windows each predict the other). While armed,
-``_record_hot`` takes each fast-path op (Note [Record fast path]): it compares the op with the
-template's position ``len(window.nodes)`` (the same op, each pending input the expected Out of this
-window, each real input in its expected slot with that slot's metadata, the same numbers, the same
-value for each float compiled into the region and a float for each one it takes as an input) and makes the placeholder or ALIAS Out exactly as ``_record_fast`` would,
-with the same slots, written/mutated marks, scalars and pending bytes. It skips what the template
+each op is recorded by the one record path (Note [One record path] in ``_record``) with the
+template's position ``len(window.nodes)`` as its metadata source: the walk binds its arguments as in
+any window, and the op must match the position (the same op, each pending input the expected Out
+of this window, each real input in its expected slot with that slot's metadata, the same numbers,
+the same value for each float compiled into the region and a float for each one it takes as an
+input); its placeholder or ALIAS Out is then made from the position's specs, with the same slots,
+written/mutated marks, scalars and pending bytes as in any window. It skips what the template
 already knows: the signature, the meta-cache lookup, the Node, the user's line. ``window.nodes``
 then holds, per validated op, its *hot record* instead of a Node (an in-place op's ALIAS Out, None
 for a fresh value: Note [Hot liveness]), so everything that asks
@@ -45,9 +47,9 @@ position: the same op at the same position of the same structure comes, in a loo
 line; a structure reached from two call sites names the one the template saw.
 
 Hot recording is for a CPU target (one device, the placeholders' ``alloc_cpu``); a template is made
-only of windows whose every op is a view (Note [Hot views]) or an op of the fast path's kind
-(``OpFacts.fast``, with or without keywords, or ``fast_inplace``); a window with any other op is
-recorded in full. ``tiers='regions'`` (``NEURON_EAGER_TIERS=regions``) turns it off.
+only of windows whose every op is a view (Note [Hot views]) or an op of one fresh output
+(``OpFacts.one_out``, with or without keywords) or one that writes and returns its first argument
+(``writes_first``); a window with any other op is recorded in full. ``tiers='regions'`` (``NEURON_EAGER_TIERS=regions``) turns it off.
 
 Note [Hot views]
 ~~~~~~~~~~~~~~~~
@@ -56,20 +58,17 @@ saved output and of each gradient it stores in ``.grad``, a bias gradient's ``vi
 suite's 48-op MLP step). Until they were validated, no such window was ever hot. A view's position
 (``_view_pos``) holds its viewed value (an earlier Out's uid, or a real input's slot, with that
 input's storage offset: a view's signature holds it) and its other arguments, compared equal;
-``_fast._record_hot_view`` makes the real view (views read no data) and its VIEW Out exactly as
-``_record._record_view`` does, with no signature and no Node, and adds no bytes and makes no cut, as
-a full recording does not. Fast-path ops called with keywords (the backward's
-``ones_like(memory_format=)``, ``add(alpha=)``), which the general path records with the same
-entries, are validated as the fast path's are, their keywords compared; so are the general path's
-ops of several fresh outputs (``native_layer_norm`` and its backward, whose output mask leaves
+``_record._record_view`` makes the real view (views read no data) and its VIEW Out with the
+position's spec, with no signature and no Node, and adds no bytes and makes no cut, as a full
+recording does not. Ops called with keywords (the backward's ``ones_like(memory_format=)``,
+``add(alpha=)``) are validated with their keywords compared; so are ops of several fresh outputs (``native_layer_norm`` and its backward, whose output mask leaves
 None outputs) and of tensor lists (``cat``: each element bound as a tensor argument is, in the
 general path's slot order), and views of several outputs (``split``: a VIEW Out each, the hot
-record their tuple), each made exactly as ``_record._record`` and ``_record_view`` make them
-(``_fast._hot_outputs``, ``_fast._hot_lists``); so are factories (``zeros``, ``arange``,
+record their tuple), each made from the position's specs; so are factories (``zeros``, ``arange``,
 ``scalar_tensor``: the masks and positions a Hugging Face model makes each step), their sizes and
-keywords compared, the default dtype as for every op and the default device checked as the general
-path checks it; and attention with ``dropout_p=0`` (its kernel's unseeded facts, validated only
-once ``_ops.unseeded_facts`` has found the call draws nothing). Ops that write, or whose lists hold None or a real one-element tensor (the general path snapshots those) keep
+keywords compared, the default dtype as for every op and the default device checked as in any
+window; and attention with ``dropout_p=0`` (its kernel's unseeded facts, validated only
+once ``_ops.unseeded_facts`` has found the call draws nothing). Ops that write, or whose lists hold None or a real one-element tensor (a recording snapshots those) keep
 their windows recorded in full. The ops the mode makes itself (a dropout's multiplies by the mask
 it drew at record time, a random fill's copy from its drawn temporary: ``_mode._record_made``) are
 validated too; the drawn tensor is a new real input each step, in the slot the template has. With these the suite's GPT block step (layer norms, ``split``,
@@ -78,7 +77,7 @@ validated too; the drawn tensor is a new real input each step, in the slot the t
 One rule keeps liveness what a full recording has (Note [Hot liveness] rests on a value's memory
 being reachable only through its tensor): a view shares its value's storage, and may outlive the
 value's tensor (``detach`` has no ``_base`` to keep it), so the moment a view of a hot FRESH value
-(or of an in-place write of one) is made, that value is *pinned* (``_fast._pin``): it gets its
+(or of an in-place write of one) is made, that value is *pinned* (``_record._pin_root``): it gets its
 storage handle and a place in ``Window.fresh`` at once, and from then on it is live while its
 storage is, as in a full recording. ``adopt_hot`` merges the pinned values with the
 survivors, in window order. tests/test_hot_windows.py keeps values only through a view, a view of a
@@ -140,30 +139,24 @@ Issue 14's target: a hot window records at <= 1.15x an empty ``TorchDispatchMode
 (``benchmarks/record_overhead.py``, hot-window row; 1000s of 4-op iterations on 16 floats). Per
 op, the empty mode pays the interception (C++ to the Python mode and back) and the kernel, ~2.5-4
 us of its ~4.3-7 us here; a hot record pays the same interception and, instead of the kernel, its
-own Python: ``__torch_dispatch__``'s prologue, then ``_record_hot``. Calling ``__torch_dispatch__``
-directly on the tiny-op loop (no interception, min of 30 runs of 2000 ops, load 2-3) costs 2.6-3.6
-us per op before and 1.9-2.4 us after the changes below; of that, the prologue and the
-placeholder's allocation and free (Inductor's ``_empty_strided_cpu``) are ~0.65-0.7 us, and the
-rest is ``_record_hot``'s ~40 lines. Each step timed alone (a function-local loop, min of 41 runs,
-noisy at this load): the placeholder's alloc + free 320-600 ns, its mark (``_ae``: a ``__dict__``
-per tensor) ~80, the ``HotRef`` and ``alive.add`` 155-180 (plus its callback at the tensor's
-death), an ``Out`` by ``__init__`` 135-245 against 137-143 for a hot Out, a facts lookup by the
-``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id``, the default-dtype
-check 22-45, a Python call ~35. What went, per op: ``Out.__init__`` (Note [Hot Outs]), the call of
-``_cut`` (``_record._add``, the tail every path ends an op with, checks the cut inline and calls
-it only at one; that one call also pushes the op's floats), the two ``METRICS``
-increments (``count_hot`` counts a window's records when it ends, ``metrics()`` adds the open
-windows': ``_state.pending_hot_ops``), the ``OpOverload`` hash (``_ops.FACTS_BY_ID``), the empty
-kwargs dict, a real input's ``slots`` lookup when the tensor already sits in its slot
-(identity with ``real_inputs[slot]``), the tests of a position's rarer parts (lists, a factory,
-other arguments, keywords: one flag, ``_Pos.other``), the test of the template's length (an
-``IndexError`` costs nothing until raised) and the search for an in-place op's source (read only
-for an in-place op). Those pay for the call of ``_record._add``, the one tail of every path (~40
-bytecodes and a call per op): counted with ``sys.settrace`` on the tiny-op loop, an op's dispatch
-and hot record run 346 bytecodes and 7.0 Python calls, against 366 and 6.3 with the tail inline
-and those tests as they were. What stands is the mark, the ``HotRef`` and the allocation
-(each is what makes a value pending, live while its tensor lives, and real memory), and the
-comparison itself, one bytecode at a time: fewer lines would need code specialized per position.
+own Python: ``__torch_dispatch__``'s prologue, then the record path (Note [One record path] in
+``_record``) with the template's position as its metadata source. Each part timed alone (a
+function-local loop, min of 41 runs): the placeholder's alloc + free (Inductor's
+``_empty_strided_cpu``) 320-600 ns, its mark (``_ae``: a ``__dict__`` per tensor) ~80, the
+``HotRef`` and ``alive.add`` 155-180 (plus its callback at the tensor's death), an ``Out`` by
+``__init__`` 135-245 against 137-143 for a hot Out (Note [Hot Outs]), a facts lookup by the
+``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id``
+(``_ops.FACTS_BY_ID``), the default-dtype check 22-45, a Python call ~35. So a hot record makes
+no ``Out.__init__`` call, counts nothing per op (``count_hot`` counts a window's records when it
+ends, ``metrics()`` adds the open windows': ``_state.pending_hot_ops``), calls ``_cut`` only at a
+cut (``_record._add``, the one append of every op, checks it inline), tests a position's rarer
+parts (lists, a factory, other arguments, keywords) behind one flag (``_Pos.other``), and reads
+the template's next position without a length test (an ``IndexError`` costs nothing until
+raised). What stands is the mark, the ``HotRef`` and the allocation (each is what makes a value
+pending, live while its tensor lives, and real memory), and the walk over the op's arguments,
+one bytecode at a time. Counted with ``sys.settrace`` on the tiny-op loop, an op's dispatch and
+hot record run 413 bytecodes and 7.0 Python calls; the hot records' own validator, which looped
+over the template's tensor positions instead of the op's (before the one record path), ran 346.
 
 Note [Hot view cost]
 ~~~~~~~~~~~~~~~~~~~~
@@ -185,7 +178,7 @@ from itertools import accumulate
 from operator import attrgetter
 
 import torch
-from fuser.window import ALIAS, FRESH, VIEW, Node, Out, Window, finish_hot, storage_bytes
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window, finish_hot, storage_bytes
 
 from . import _ops
 from ._emit import dead_out, node as _node
@@ -211,9 +204,9 @@ TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class _Pos:
     """One position of a template: what recording its op produced (Note [Hot windows])."""
 
-    __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "shape", "stride", "dtype", "uid",
-                 "nbytes", "source", "sig_end", "pending", "view", "offset", "viewed", "lists", "multi",
-                 "factory", "other")
+    __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid",
+                 "nbytes", "source", "sig_end", "pending", "view", "offset", "lists", "multi",
+                 "factory", "other", "refs", "specs")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -228,19 +221,22 @@ class _Pos:
         self.fvals: list = []
         self.kw: tuple = ()  # (name, value) of keywords (in-place ops); the value ``float`` for a float
         self.spec = None  # the fresh output's (shape, stride, dtype); None for an in-place op
-        self.shape = self.stride = self.dtype = None  # its three parts
         self.uid = 0  # its Out's uid
         self.nbytes = 0  # what it adds to ``Window.pending_bytes``
         self.source = None  # the user's line of the template's op here
         self.sig_end = 0  # where its entries end in ``Template.sigs``
         # a view (Note [Hot views]): its Out is a VIEW Out; a real input's storage offset, which its
-        # signature holds, and whether it joins ``Window.viewed`` (a real one-element tensor)
+        # signature holds
         self.view = False
         self.offset = 0
-        self.viewed = False
+        # what the walk of ``_record`` checks and the emission makes (Note [One record path] in
+        # ``_record``): the op's refs, as its signature entries have them, and its output specs, as
+        # its meta-cache entry has them (None for an output that is an argument, or none)
+        self.refs: list = []
+        self.specs: tuple = ()
         # an op of tensor lists or several outputs (Note [Hot views]): per list argument (position,
         # length, (element index, ref) per tensor); per output (uid, its spec or None), for an op
-        # ``_op_pos`` takes that is not of the fast path's kind (or a view of several outputs)
+        # ``_op_pos`` takes that is not of one output (or a view of several outputs)
         self.lists: tuple = ()
         self.multi: tuple | None = None
         self.factory = False  # an op of no tensor (``zeros``): the default device must still be the target
@@ -322,7 +318,7 @@ class Template:
                 else:
                     floats[pos] = scalars[fbase + j]
             kwargs = {name: floats[name] if v is float else v for name, v in p.kw}
-            node = _node(p.f.func, args, kwargs, inputs, p.source, k, p.f.fast_inplace, p.view)
+            node = _node(p.f.func, args, kwargs, inputs, p.source, k, p.f.writes_first, p.view)
             if p.multi is None:
                 node.outs.append(out)
             elif p.view:
@@ -382,7 +378,7 @@ def adopt_hot(window: Window) -> None:
 
 def count_hot(window: Window, template: Template) -> None:
     """Count ``window``'s hot records, made against ``template``, in ``METRICS``: once, when its hot
-    recording ends (a demotion, the flush). ``_record_hot`` does not count per op (Note [Hot record
+    recording ends (a demotion, the flush). A hot record is not counted per op (Note [Hot record
     cost]); ``metrics()`` adds the records of the hot windows still recording
     (``_state.pending_hot_ops``). ``hot_ops`` counts every record, ``ops_recorded`` its launches
     (not its views, as a full recording does not count them)."""
@@ -420,7 +416,7 @@ def template_of(st, window: Window, entry) -> Template | None:
         if f.unseeded is not None:
             f = f.unseeded  # attention without dropout: recorded with these facts (Note [Dropout probability] in _ops)
         if node.is_view:
-            p = _view_pos(node, f, window, scalar_fast_path)
+            p = _view_pos(node, f, window)
             if p is None:
                 return _refused("view", node)
             refs = [p.tensors[0][1]]
@@ -431,7 +427,8 @@ def template_of(st, window: Window, entry) -> Template | None:
             refs = [ref for _, ref in p.tensors] + [ref for _, _, elems in p.lists for _, ref in elems]
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         if window.sigs[end + 1: end + 1 + len(refs)] != refs:
-            return _refused("signature", node)  # not what the fast path records: never guess
+            return _refused("signature", node)  # not what a recording makes: never guess
+        p.refs = refs
         end = p.sig_end = end + 1 + len(refs)
         ops.append(p)
     if end != len(window.sigs) or not ops:
@@ -450,18 +447,18 @@ def _refused(cause: str, node: Node) -> None:
 
 
 def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs) -> _Pos | None:
-    """The template position of a recorded op (Note [Hot windows]): the fast path's kind of op, with
-    or without keywords (the general path records ``ones_like(memory_format=)`` and ``add(alpha=)``
-    with the same entries), or an op of several fresh outputs or of tensor lists (Note [Hot
+    """The template position of a recorded op (Note [Hot windows]): an op of one fresh output or one
+    that writes and returns its first argument, with or without keywords (``ones_like(memory_format=)``,
+    ``add(alpha=)``), or an op of several fresh outputs or of tensor lists (Note [Hot
     views]); None for one a hot record does not take."""
-    fast = f.fast or f.fast_inplace
+    fast = f.one_out or f.writes_first
     if fast:
-        if node.mutates != f.fast_inplace or len(node.outs) != 1:
+        if node.mutates != f.writes_first or len(node.outs) != 1:
             return None
     elif node.mutates or f.mutates or f.nrets == 0 or f.scalarlist_pos:
         return None
     if any(type(x) is not int and type(x) is not str for x in node.fpos):
-        return None  # a float of a list: not a position _record_hot reads
+        return None  # a float of a list: not a position a hot record reads
     slots = window.slots
     p = _Pos()
     p.f, p.n, p.source = f, len(node.args), node.source
@@ -473,7 +470,7 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
             pending.append(j)
         elif isinstance(a, _Tensor):
             if not a.is_cpu or (scalar_fast_path and a.numel() == 1):
-                return None  # the fast path declines it
+                return None  # a real scalar: a recording snapshots it
             tensors.append((j, -1 - slots[id(a)]))
         elif j in f.list_pos and type(a) is list:
             elems = []
@@ -505,12 +502,14 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
     p.other = bool(p.lists or p.factory or p.consts or p.kw)
     if fast:
         o = node.outs[0]
-        if o is None or o.kind != (ALIAS if f.fast_inplace else FRESH):
+        if o is None or o.kind != (ALIAS if f.writes_first else FRESH):
             return None
         p.uid = o.uid
-        if not f.fast_inplace:
+        if f.writes_first:
+            p.specs = (None,)
+        else:
             p.spec = o.meta
-            p.shape, p.stride, p.dtype = o.meta
+            p.specs = (o.meta,)
             p.nbytes = storage_bytes(o.meta)
         return p
     # several outputs (``native_layer_norm``), a list (``unbind``), or one output of an op with lists
@@ -524,10 +523,12 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
             multi.append((o.uid, o.meta))
             p.nbytes += storage_bytes(o.meta)
     p.multi = tuple(multi)
+    p.specs = tuple(spec for _, spec in multi)
+    p.uid = (node.index + 1) * OUTS_PER_NODE  # its first output's, present or not
     return p
 
 
-def _view_pos(node: Node, f, window: Window, scalar_fast_path: bool) -> _Pos | None:
+def _view_pos(node: Node, f, window: Window) -> _Pos | None:
     """The template position of a recorded view (Note [Hot views]); None for one a hot record does
     not take (several outputs, a tensor among its other arguments)."""
     if not node.args or not node.outs or any(o is None or o.kind != VIEW for o in node.outs):
@@ -548,7 +549,6 @@ def _view_pos(node: Node, f, window: Window, scalar_fast_path: bool) -> _Pos | N
     elif isinstance(a, _Tensor) and a.is_cpu:
         p.tensors = ((0, -1 - window.slots[id(a)]),)
         p.offset = a.storage_offset()
-        p.viewed = scalar_fast_path and a.numel() == 1
     else:
         return None
     for j, v in enumerate(node.args[1:], 1):

@@ -129,7 +129,7 @@ def _compute_meta(f, args, kwargs, dtype, sig, ksig, written):
 # the device kernels (``div`` with a transposed operand). The program must see eager's strides
 # while a value is pending, since they decide what a view of it is and whether ``reshape`` copies;
 # the value's run would not fix them (``fuser.replay._bind`` keeps the placeholder's layout). So on
-# a meta-cache miss (once per signature, never on the record fast path) the op also runs for real
+# a meta-cache miss (once per signature, never in a hot window) the op also runs for real
 # on its own device, and every fresh output takes that run's strides. The run reads the program's
 # float tensors as they are (placeholders hold uninitialized memory: harmless to a kernel, and only
 # the layout is kept) and copies nothing of them; integer and bool inputs are zeros of the same

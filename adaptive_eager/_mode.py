@@ -23,9 +23,7 @@ from ._ops import (
     ALLOC, BATCH_NORM, CHECKED, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for,
     unseeded_facts,
 )
-from ._fast import _record_fast, _record_hot, _record_hot_view
-from ._meta import _Resizes
-from ._record import (_DECLINED, _SCALAR, _WARNS, _decline, _dtype_changed, _dtype_check, _record, _record_view,
+from ._record import (_DECLINED, _SCALAR, _WARNS, _Answer, _decline, _dtype_changed, _dtype_check, _record, _record_view,
                       _unslot, resize_outs, view_of_unwritten)
 from ._state import (
     TracerState,
@@ -124,33 +122,11 @@ def _dropout_now(st: TracerState, args, kwargs):
 def _record_made(st: TracerState, f, args, kwargs=None):
     """``_record_or_run`` for an op the mode makes itself or records with facts of its own (a random
     fill's copy from its drawn temporary, a dropout's multiplies by its drawn mask, attention
-    without dropout): in a hot window it is validated first, as a dispatched op is (Note [Hot
-    windows] in _hot), so a step with dropout or attention runs hot; a drawn tensor is a new real
-    input each step, in the slot the template has for it."""
+    without dropout): in a hot window it is validated as a dispatched op is (Note [Hot windows] in
+    _hot), so a step with dropout or attention runs hot; a drawn tensor is a new real input each
+    step, in the slot the template has for it."""
     _dtype_check(st)
-    window = st.window
-    if window.hot is not None:
-        res = _record_hot(st, window, f, args, kwargs)
-        if res is not _DECLINED:
-            return res
-    return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
-
-
-def _record_op(st: TracerState, f, args, kwargs):
-    """A RECORD op: hot, fast or general path (``LazyMode.__torch_dispatch__`` has this inline)."""
-    _dtype_check(st)
-    window = st.window
-    if window.hot is not None:
-        res = _record_hot(st, window, f, args, kwargs)
-        if res is not _DECLINED:
-            return res
-    if (f.fast and not kwargs) or f.fast_inplace:
-        if kwargs is None:
-            kwargs = {}
-        res = _record_fast(st, f, args, kwargs)
-        if res is not _DECLINED:
-            return res
-    return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
+    return _record_or_run(st, f, args, kwargs)
 
 
 def _record_checked(st: TracerState, f, args, kwargs):
@@ -159,7 +135,8 @@ def _record_checked(st: TracerState, f, args, kwargs):
     verdict = _data_check(st, f, args, kwargs)
     if verdict == _CHECK_EAGER:
         return _eager(st, f, args, kwargs if kwargs is not None else {}, "index_check")
-    res = _record_op(st, f, args, kwargs)
+    _dtype_check(st)
+    res = _record_or_run(st, f, args, kwargs)
     if verdict == _CHECK_KEEP:
         # an in-place op's result is the tensor it writes: held, a write into a dropped
         # intermediate is computed too (a compiled region drops the writes nothing reads)
@@ -171,38 +148,48 @@ def _record_checked(st: TracerState, f, args, kwargs):
 
 
 def _record_or_run(st: TracerState, f, args, kwargs):
-    """The general path (``_record``) or, for an op it does not record, eager; its caller checked the
-    default dtype (``_record._dtype_check``)."""
+    """Record the op (``_record``) or, where it is not recorded, run it eagerly; ``kwargs`` may be
+    None (none given); the caller checked the default dtype (``_record._dtype_check``).
+    ``LazyMode.__torch_dispatch__`` has this inline."""
     window = st.window
     n0 = len(window.real_inputs)
     try:
-        res = _record(st, f, args, kwargs)
+        res = _record(st, f, args, kwargs, n0)
     except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
         _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
         raise
-    if (res is _SCALAR or res is _DECLINED or res is _WARNS or res.__class__ is _Resizes) and len(window.real_inputs) != n0:
+    if res.__class__ is not _Answer:
+        return res
+    return _not_recorded(st, f, args, kwargs, res, window, n0)
+
+
+def _not_recorded(st: TracerState, f, args, kwargs, res, window: Window, n0: int):
+    """What ``_record_or_run`` does with an op ``_record`` answered ``res`` for (it registered no real
+    input of it once this returns): run it now, or resize its ``out=`` tensors and record it again."""
+    if kwargs is None:
+        kwargs = {}
+    if len(window.real_inputs) != n0:
         _unslot(window, n0)
     if res is _WARNS:
         return _eager(st, f, args, kwargs, "kernel_warning")
-    if res.__class__ is _Resizes:  # Note [Out resizing] in _meta
-        if not resize_outs(st, f, res, args, kwargs):
+    if res.entry is not None:  # a ``_Resizes``: Note [Out resizing] in _meta
+        if not resize_outs(st, f, res.entry, args, kwargs):
             return _eager(st, f, args, kwargs, "out_resize")
         window = st.window  # a new one if the resize flushed
         n0 = len(window.real_inputs)
         try:
-            res = _record(st, f, args, kwargs)  # the out= tensors have the result's geometry now
+            res = _record(st, f, args, kwargs, n0)  # the out= tensors have the result's geometry now
         except BaseException:
             _decline(window, n0)
             raise
-        if res is _SCALAR or res is _WARNS or res.__class__ is _Resizes:
-            res = _DECLINED  # never expected: the op runs eagerly, correct if slow
-        if res is _DECLINED and len(window.real_inputs) != n0:
+        if res.__class__ is not _Answer:
+            return res
+        if len(window.real_inputs) != n0:
             _unslot(window, n0)
+        res = _DECLINED  # never expected: the op runs eagerly, correct if slow
     if res is _SCALAR:
         METRICS.host_scalar_ops += 1
         return _eager(st, f, args, kwargs, None)
-    if res is not _DECLINED:
-        return res
     if not _touches_target(st, f, args, kwargs):
         return run_untouched(f, args, kwargs)  # Note [Tensors the mode leaves alone] in _state
     return _eager(st, f, args, kwargs, _reason_for_unrecordable(st, f, args, kwargs))
@@ -242,21 +229,19 @@ class LazyMode(TorchDispatchMode):
             if f is None:
                 f = facts_for(func)
             kind = f.kind
-            if kind == RECORD:  # ``_record_op``, inline: the hottest lines of the library
+            if kind == RECORD:  # ``_dtype_check``, then ``_record_or_run``, inline: the hottest lines of the library
                 if _default_dtype() is not st.dtype:  # ``_dtype_check``, inline
                     _dtype_changed(st)
                 window = st.window
-                if window.hot is not None:  # Note [Hot windows] in _hot
-                    res = _record_hot(st, window, f, args, kwargs)  # kwargs None or a dict
-                    if res is not _DECLINED:
-                        return res
-                if (f.fast and not kwargs) or f.fast_inplace:
-                    if kwargs is None:
-                        kwargs = {}
-                    res = _record_fast(st, f, args, kwargs)
-                    if res is not _DECLINED:
-                        return res
-                return _record_or_run(st, f, args, kwargs if kwargs is not None else {})
+                n0 = len(window.real_inputs)
+                try:
+                    res = _record(st, f, args, kwargs, n0)  # kwargs None or a dict
+                except BaseException:  # ``_record_or_run``, inline
+                    _decline(window, n0)
+                    raise
+                if res.__class__ is not _Answer:
+                    return res
+                return _not_recorded(st, f, args, kwargs, res, window, n0)
             if kind == CHECKED:
                 return _record_checked(st, f, args, kwargs)
             if kind == VIEW_OP:
@@ -267,11 +252,7 @@ class LazyMode(TorchDispatchMode):
                 window = st.window
                 if args and view_of_unwritten(st, window, args[0]):  # Note [Views of unwritten memory] in _record
                     return f.call(*args, **kwargs) if kwargs else f.call(*args)
-                if window.hot is not None:  # Note [Hot views] in _hot
-                    res = _record_hot_view(st, window, f, args, kwargs)  # kwargs None or a dict
-                    if res is not _DECLINED:
-                        return res
-                return _record_view(st, f, args, kwargs if kwargs is not None else {})
+                return _record_view(st, f, args, kwargs)  # kwargs None or a dict
             if kwargs is None:
                 kwargs = {}
             if kind == ALLOC:

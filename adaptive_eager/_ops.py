@@ -173,7 +173,7 @@ def _backend_kernel(func):
 class OpFacts:
     __slots__ = (
         "func", "call", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
-        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "fast", "fast_inplace",
+        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "one_out", "writes_first", "one_ret",
         "dropout_arg", "unseeded", "decomposition", "host_read", "data_check",
     )
 
@@ -255,6 +255,7 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
     rets = schema.returns
     f.returns_list = len(rets) == 1 and str(rets[0].type).startswith("List[")
     f.nrets = len(rets)
+    f.one_ret = f.nrets == 1 and not f.returns_list  # one tensor returned: most ops
     alias_ret = []
     is_view = False
     for r in rets:
@@ -318,15 +319,15 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
             f.reason = "dynamic_shape"
         elif "sparse" in base or "mkldnn" in base:
             f.reason = "sparse"  # it makes one (``_to_sparse``): Note [Tensors the mode leaves alone] in _state
-    # Note [Record fast path] in adaptive_eager._fast: one fresh output, positional tensors and
-    # numbers only, nothing written
-    f.fast = (
+    # the two kinds of op a template position holds besides views (Note [Hot windows] in
+    # adaptive_eager._hot): one fresh output, positional tensors and numbers only, nothing written
+    f.one_out = (
         f.kind == RECORD and not f.list_pos and not f.tensor_kw and not f.mutates and f.nrets == 1
         and not f.returns_list and f.alias_ret == (None,) and not f.factory and not f.scalarlist_pos
     )
-    # the in-place fast path: writes and returns its first argument (``mul_``, ``addcdiv_``); other
+    # and an op that writes and returns its first argument (``mul_``, ``addcdiv_``); other
     # arguments are positional tensors, numbers and non-tensor keywords (``alpha=``, ``value=``)
-    f.fast_inplace = (
+    f.writes_first = (
         f.kind == RECORD and not f.list_pos and not f.tensor_kw and f.write_pos == frozenset({0}) and f.nrets == 1
         and not f.returns_list and f.alias_ret == (0,) and not f.factory and not f.scalarlist_pos
         and f.tensor_pos[:1] == (0,) and not f.has_device_kw
@@ -334,7 +335,7 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
     if f.kind == RECORD:
         f.data_check = data_check_for(func, base)
         if f.data_check is not None:
-            f.kind = CHECKED  # recorded as RECORD is, by the same paths (``fast``, ``fast_inplace``)
+            f.kind = CHECKED  # recorded as RECORD is
     return f
 
 

@@ -28,7 +28,7 @@ _storage_use_count = torch._C._storage_Use_Count
 # another TensorImpl holds the written storage: its use count counts each TensorImpl and its one
 # Python storage object, which the lookup of its id has made, as ``fuser.replay._bind`` reads it;
 # so one use-count read per written tensor, then one storage lookup per further tensor argument;
-# the in-place fast path leaves such ops to the general path).
+# in a hot window, an op where they meet is recorded as in any window, which decides).
 _has_internal_overlap = torch._debug_has_internal_overlap  # 0: no, 1: yes, 2: too hard to tell
 
 

@@ -1,18 +1,20 @@
-"""One op into the window: the general path, views, and the helpers the fast path and hot records
-share (``_fast``). See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for what a pending value is.
+"""One op into the window, by one path for every window (Note [One record path]): ``_record`` for an
+op, ``_record_view`` for a view. See Note [Placeholders] and Note [Out kinds] in ``fuser.window`` for
+what a pending value is.
 
 This is the hottest code of the library: it does no pytree walking, builds no strings, and pays one
-dict lookup for the op's facts and one for its output metadata."""
+dict lookup for the op's facts and one for its output metadata (none in a hot window)."""
 
 from __future__ import annotations
 
 import weakref
 
 import torch
-from fuser.window import OUTS_PER_NODE, Node, Window
+from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, Node, Out, Window, finish_hot
 
 from . import _signatures
-from ._emit import alias_out as _alias_out, mark_written, node as _node, placeholder as _placeholder, view_out
+from ._emit import (alias_out as _alias_out, hot_placeholder, mark_written, node as _node, placeholder as _placeholder,
+                    view_out)
 from ._flush import flush, is_written
 from ._hot import expect_hot
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
@@ -28,9 +30,24 @@ _Parameter = torch.nn.Parameter
 _weakref = weakref.ref
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
 _storage_use_count = torch._C._storage_Use_Count
-_DECLINED = object()  # _record's answer for an op it does not defer (None is a valid op result)
-_SCALAR = object()  # _record's answer for an op to run now (Note [Scalar fast path])
-_WARNS = object()  # _record's answer for an op whose kernel warns each run (Note [Kernel warnings])
+
+
+class _Answer:
+    """What ``_record`` answers for an op it does not record (None is a valid op result)."""
+
+    __slots__ = ("name", "entry")
+
+    def __init__(self, name: str, entry=None):
+        self.name = name
+        self.entry = entry  # a ``_Resizes``: what ``resize_outs`` does before the op is recorded again
+
+    def __repr__(self) -> str:
+        return f"<record: {self.name}>"
+
+
+_DECLINED = _Answer("declined")  # not recorded, nothing changed: the op runs eagerly
+_SCALAR = _Answer("scalar")  # an op to run now (Note [Scalar fast path])
+_WARNS = _Answer("warns")  # an op whose kernel warns each run (Note [Kernel warnings])
 
 # Note [Scalar fast path]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -190,234 +207,445 @@ def _cut(st: TracerState, window: Window) -> None:
 
 def _demote(window: Window, cause: str) -> None:
     """A recording path is about to add to a hot window: turn it into an ordinary one first (Note
-    [Hot windows] in ``_hot``), counted under the cause ``_record_hot`` found at this position."""
+    [Hot windows] in ``_hot``), counted under the cause its match found at this position (``_miss``)."""
     miss = window.hot_miss
     if miss is not None and miss[1] == len(window.nodes):
         cause = miss[0]
     window.hot.demote(window, cause)
 
 
-def _record(st: TracerState, f, args, kwargs):
+# Note [One record path]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Every op the mode records goes through ``_record`` (views through ``_record_view``), in three
+# steps, whatever the window:
+# - the walk: each tensor argument (positional, in a list, then keywords) is bound to a pending
+#   value of this window (its Out's uid) or to a real input's slot (registered at its first use),
+#   giving the op's dataflow refs (Note [Window signature] in fuser.window), or the op is declined;
+# - the output metadata: in a hot window, the template's position (Note [Hot windows] in ``_hot``):
+#   the refs, the other arguments and the floats equal to what it recorded, its output specs; in
+#   any other window, the meta cache (Note [Meta cache key] in ``_meta``), keyed by the signature
+#   the walk built along (each argument's metadata, numbers, keywords, device);
+# - the emission (``_emit``): placeholders or ALIAS Outs and write marks, and the one append
+#   (``_add``), of the op's Node and signature entries, or in a hot window of its hot record.
+# So a hot record is the record of an op whose signature is known: it skips the signature, the
+# meta lookup, the Node and the user's line, nothing else. An op that does not match its
+# template's position (``_miss``: the cause, counted if the window is demoted at it) is walked
+# again as in any window, having left nothing.
+
+_get_default_device = torch.get_default_device
+
+
+def _position(window: Window, f, args):
+    """The template position a hot window's next op must match, or None (the cause kept for
+    ``_demote``)."""
+    i = len(window.nodes)
+    try:
+        p = window.hot.ops[i]
+    except IndexError:  # no cost when not raised, unlike a length test
+        window.hot_miss = ("past_end", i)
+        return None
+    if p.f is not f or len(args) != p.n:
+        window.hot_miss = ("op", i)
+        return None
+    return p
+
+
+def _miss(st: TracerState, f, args, kwargs, n0: int, cause: str):
+    """An op of a hot window that does not match its template's position: nothing of it stays, and
+    it is recorded as in any window (``_demote`` counts ``cause`` if that demotes the window)."""
+    window = st.window
+    window.hot_miss = (cause, len(window.nodes))
+    _decline(window, n0)
+    return _record(st, f, args, kwargs, n0, True)
+
+
+def _slot_differs(window: Window, a) -> bool:
+    """Whether real input ``a``, registered in a hot window at the next slot, is not what the
+    template's slot there holds (Note [Hot windows] in ``_hot``): its shape, strides, dtype, a CPU
+    tensor; no conjugate or negative bit (Note [Conjugate and negative bits] in fuser.compilable: a
+    window with one is recorded in full and replays)."""
+    slot_meta = window.hot.slot_meta
+    slot = len(window.real_inputs)
+    if slot >= len(slot_meta):
+        return True
+    shape, stride, dtype = slot_meta[slot]
+    return (a.dtype is not dtype or not a.is_cpu or a.shape != shape or a.stride() != stride
+            or a.is_conj() or a.is_neg())
+
+
+def _other_args_differ(p, args, kwargs) -> bool:
+    """Whether a hot op's arguments other than its tensors and floats (numbers, sizes, dtypes, flags,
+    keywords) differ from its template position's, which are compared equal; a keyword float
+    (``float`` in ``p.kw``) is checked with the floats."""
+    for pos, v in p.consts:
+        a = args[pos]
+        if a.__class__ is not v.__class__ or a != v:
+            return True
+    if kwargs or p.kw:
+        if len(kwargs or ()) != len(p.kw):
+            return True
+        for name, v in p.kw:
+            a = kwargs.get(name, _DECLINED)
+            if v is not float and (a.__class__ is not v.__class__ or a != v):
+                return True
+    return False
+
+
+def _hot_differs(st: TracerState, p, args) -> str | None:
+    """The cause for which a hot op's lists or factory differ from its template position's (a list's
+    length, the default device of a factory), or None."""
+    for pos, length, _ in p.lists:
+        lst = args[pos]
+        if type(lst) not in (list, tuple) or len(lst) != length:
+            return "binding"
+    if p.factory and _get_default_device().type != st.target:
+        return "metadata"  # a factory of another device: not ours
+    return None
+
+
+def _mark(window: Window, token, written) -> None:
+    """Mark every argument an op writes (BatchNorm's running stats are written but not returned;
+    foreach ops write lists): later reads flush or read in window order, and a compiled region
+    writes the slot back."""
+    for t, sid in written:
+        o = getattr(t, "_ae", None)
+        mark_written(window, sid, o.slot if o is not None and o.win is token else window.slot_of(t))
+
+
+def _first_on_target(st: TracerState, f, args):
+    """The device of an op's first tensor argument on the target (a target type of several
+    devices: cuda:0, cuda:1), as the walk of ``_record`` meets them."""
+    n = len(args)
+    for i in f.tensor_pos:
+        if i < n and isinstance(args[i], _Tensor) and _on_target(st, args[i]):
+            return args[i].device
+    for i in f.list_pos:
+        if i < n:
+            for a in args[i]:
+                if a is not None and _on_target(st, a):
+                    return a.device
+    return None
+
+
+def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
+    """Record op ``f`` (Note [One record path]): its placeholder(s) or written argument, as eager
+    returns them, or an ``_Answer``: ``_DECLINED`` (not recorded, nothing changed), ``_SCALAR``,
+    ``_WARNS``, or one carrying a ``_Resizes``, having registered real inputs past ``n0`` (the window's count of
+    them before the op) that the caller forgets (``_unslot``). ``kwargs`` may be None (none given);
+    the caller checked the default dtype (``_dtype_check``). ``cold``: walk it as in a window that is
+    not hot."""
     window = st.window
     n = len(args)
-    sig = list(args)
-    nargs = None
-    inputs = []
-    snaps = []
-    device = None
-    only_real_scalars = st.scalar_fast_path  # Note [Scalar fast path]
+    p = window.hot
+    if p is not None:  # ``_position``, inline
+        i = len(window.nodes)
+        try:
+            p = p.ops[i]
+        except IndexError:  # no cost when not raised, unlike a length test
+            window.hot_miss = ("past_end", i)
+            p = None
+        else:
+            if cold:
+                p = None
+            elif p.f is not f or p.n != n:
+                window.hot_miss = ("op", i)
+                p = None
+    token = window.token
     refs = []  # Note [Window signature] in fuser.window
-    floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
+    if p is None:
+        sig = list(args)
+        nargs = None
+        inputs = []
+        snaps = []
+        floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
+        scalars = 0  # real 0-dim arguments on the target (Note [Scalar fast path])
+        elsewhere = 0  # 0-dim CPU tensors of another target
     for i in f.tensor_pos:
         if i >= n:
             break
         a = args[i]
-        if a is None:
-            continue
-        if not isinstance(a, _Tensor):  # a Python number passed where the schema says Tensor
-            sig[i] = _number(f, a, i, floats)
-            continue
-        if not _on_target(st, a):
-            if a.dim() == 0 and a.is_cpu and i not in f.write_pos:
-                snaps.append((i, len(refs)))
-                refs.append(0)
-                sig[i] = (a.dtype, "cpu-scalar")
-                continue
-            return _DECLINED
-        if device is None:
-            device = a.device if st.device_varies else st.device
         o = getattr(a, "_ae", None)
-        if o is not None and o.win is window.token:
-            if nargs is None:
-                nargs = list(args)
-            nargs[i] = o
-            inputs.append(o)
-            refs.append(o.uid)
-            only_real_scalars = False
-            sig[i] = o.meta  # known since it was recorded: no shape/stride objects to build
+        if o is not None:
+            if o.win is token:  # a pending value of this window
+                refs.append(o.uid)
+                if p is None:
+                    if nargs is None:
+                        nargs = list(args)
+                    nargs[i] = o
+                    inputs.append(o)
+                    sig[i] = o.meta  # known since it was recorded: no shape/stride objects to build
+                continue
+            _check_elsewhere(a, o)  # another thread's pending value: that window runs first
+        elif not isinstance(a, _Tensor):  # None, or a Python number passed where the schema says Tensor
+            if p is None and a is not None:
+                sig[i] = _number(f, a, i, floats)
             continue
-        else:
-            if o is not None:
-                _check_elsewhere(a, o)
-            slot = _real_slot(window, a)
-            if slot is None:
-                return _DECLINED
-            if st.scalar_fast_path:
-                if a.dim():
-                    only_real_scalars = False
-                if a.numel() == 1 and i not in f.write_pos and not _written(window, a):
+        slot = window.slots.get(id(a))  # a real input of the window: on the target
+        if slot is None or p is None:  # in a hot window, a slotted one is checked by its ref
+            if slot is None and not _on_target(st, a):
+                if p is None and a.dim() == 0 and a.is_cpu and i not in f.write_pos:
                     snaps.append((i, len(refs)))
-            refs.append(-1 - slot)
-        sig[i] = (a.shape, a.stride(), a.dtype)
-    for i in f.list_pos:
+                    refs.append(0)
+                    elsewhere += 1
+                    sig[i] = (a.dtype, "cpu-scalar")
+                    continue
+                return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
+            if st.scalar_fast_path and a.numel() == 1:
+                if p is not None:
+                    return _miss(st, f, args, kwargs, n0, "metadata")  # a template holds no real scalar
+                if not a.dim():
+                    scalars += 1
+                if i not in f.write_pos and not _written(window, a):
+                    snaps.append((i, len(refs)))
+            if slot is None:
+                if a.layout is not _strided:  # Note [Tensors the mode leaves alone] in _state
+                    return _decline(window, n0)
+                if p is not None and _slot_differs(window, a):
+                    return _miss(st, f, args, kwargs, n0, "metadata")
+                slot = window.slot_of(a)
+        refs.append(-1 - slot)
+        if p is None:
+            sig[i] = (a.shape, a.stride(), a.dtype)
+    for i in f.list_pos:  # (an empty tuple for most ops)
         if i >= n:
             break
         lst = args[i]
-        new = list(lst)
-        lsig = []
+        if p is None:
+            new = list(lst)
+            lsig = []
         for j, a in enumerate(lst):
             if a is None:
-                lsig.append(None)
+                if p is None:
+                    lsig.append(None)
+                continue
+            o = getattr(a, "_ae", None)
+            if o is not None and o.win is token:
+                refs.append(o.uid)
+                if p is None:
+                    new[j] = o
+                    inputs.append(o)
+                    lsig.append(o.meta)
                 continue
             if not _on_target(st, a):
-                return _DECLINED
-            if device is None:
-                device = a.device if st.device_varies else st.device
-            o = getattr(a, "_ae", None)
-            if o is not None and o.win is window.token:
-                new[j] = o
-                inputs.append(o)
-                refs.append(o.uid)
-                only_real_scalars = False
-                lsig.append(o.meta)
-                continue
-            else:
-                if o is not None:
-                    _check_elsewhere(a, o)
-                if st.scalar_fast_path:
-                    if a.dim():
-                        only_real_scalars = False
-                    if (a.numel() == 1 and i not in f.write_pos and not _written(window, a)
-                            and a.layout is _strided):
-                        a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
-                slot = _real_slot(window, a)
-                if slot is None:
-                    return _DECLINED
-                refs.append(-1 - slot)
-            lsig.append((a.shape, a.stride(), a.dtype))
-        if nargs is None:
-            nargs = list(args)
-        nargs[i] = new
-        sig[i] = tuple(lsig)
-    if only_real_scalars and device is not None and not inputs and _scalars_settled(window, f, args, n):
-        return _SCALAR
-    if f.scalar_pos:
-        _numbers(f, args, n, sig, floats)
-    for i in f.seq_pos:
-        if i < n and type(args[i]) is list:
-            lst = args[i]
-            if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
-                sig[i] = (float, len(lst))
-                floats.extend((i, j) for j in range(len(lst)))
-            else:
-                sig[i] = tuple(lst)
-    nkwargs = kwargs
-    ksig = ()
-    if kwargs:
-        ksig = []
-        for k, v in kwargs.items():
-            if k in f.tensor_kw and v is not None:
-                if not isinstance(v, _Tensor) or not _on_target(st, v):
-                    return _DECLINED
-                o = getattr(v, "_ae", None)
-                if o is not None and o.win is window.token:
-                    if nkwargs is kwargs:
-                        nkwargs = dict(kwargs)
-                    nkwargs[k] = o
-                    inputs.append(o)
-                    refs.append(o.uid)
+                return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
+            if o is not None:
+                _check_elsewhere(a, o)
+            if st.scalar_fast_path and a.numel() == 1:
+                if p is not None:
+                    return _miss(st, f, args, kwargs, n0, "metadata")
+                if not a.dim():
+                    scalars += 1
+                if i not in f.write_pos and not _written(window, a) and a.layout is _strided:
+                    a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
+            slot = window.slots.get(id(a))
+            if slot is None:
+                if a.layout is not _strided:
+                    return _decline(window, n0)
+                if p is not None and _slot_differs(window, a):
+                    return _miss(st, f, args, kwargs, n0, "metadata")
+                slot = window.slot_of(a)
+            refs.append(-1 - slot)
+            if p is None:
+                lsig.append((a.shape, a.stride(), a.dtype))
+        if p is None:
+            if nargs is None:
+                nargs = list(args)
+            nargs[i] = new
+            sig[i] = tuple(lsig)
+    if p is not None:  # the template's position is the signature: Note [One record path]
+        if refs != p.refs:
+            return _miss(st, f, args, kwargs, n0, "binding")
+        if p.other or kwargs:
+            if p.lists or p.factory:
+                cause = _hot_differs(st, p, args)
+                if cause is not None:
+                    return _miss(st, f, args, kwargs, n0, cause)
+            if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
+                return _miss(st, f, args, kwargs, n0, "scalar")
+        if p.fpos:  # each float compiled into the region equal, each one it takes as an input a float
+            for pos, v in zip(p.fpos, p.fvals):
+                a = args[pos] if type(pos) is int else kwargs.get(pos)
+                if a.__class__ is not float or (v is not None and a != v):
+                    return _miss(st, f, args, kwargs, n0, "scalar")
+    else:
+        bound = len(refs) - elsewhere  # tensor arguments on the target
+        if scalars and scalars == bound and _scalars_settled(window, f, args, n):
+            return _SCALAR  # every tensor argument a real 0-dim one (not a pending value)
+        if kwargs is None:
+            kwargs = {}
+        if f.scalar_pos:
+            _numbers(f, args, n, sig, floats)
+        for i in f.seq_pos:
+            if i < n and type(args[i]) is list:
+                lst = args[i]
+                if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
+                    sig[i] = (float, len(lst))
+                    floats.extend((i, j) for j in range(len(lst)))
                 else:
-                    if o is not None:
-                        _check_elsewhere(v, o)
-                    slot = _real_slot(window, v)
-                    if slot is None:
-                        return _DECLINED
-                    refs.append(-1 - slot)
-                ksig.append((k, v.shape, v.stride(), v.dtype))
-            else:
-                if k == "device" and v is not None:
-                    dv = torch.device(v)
-                    if dv.type != st.target:
-                        return _DECLINED
-                    device = dv
-                ksig.append(_keyword(f, k, v, floats))
-        ksig = tuple(ksig)
-    if device is None:
-        if not f.factory:
-            return _DECLINED  # no tensor argument on the target device: not ours
-        device = torch.get_default_device()
-        if device.type != st.target:
-            return _DECLINED
-        ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
-    elif st.device_in_key:
-        ksig = (ksig, device)
+                    sig[i] = tuple(lst)
+        device = None if not bound else _first_on_target(st, f, args) if st.device_varies else st.device
+        nkwargs = kwargs
+        ksig = ()
+        if kwargs:
+            ksig = []
+            for k, v in kwargs.items():
+                if k in f.tensor_kw and v is not None:
+                    if not isinstance(v, _Tensor):
+                        return _decline(window, n0)
+                    o = getattr(v, "_ae", None)
+                    if o is not None and o.win is token:
+                        if nkwargs is kwargs:
+                            nkwargs = dict(kwargs)
+                        nkwargs[k] = o
+                        inputs.append(o)
+                        refs.append(o.uid)
+                    else:
+                        if not _on_target(st, v):
+                            return _decline(window, n0)
+                        if o is not None:
+                            _check_elsewhere(v, o)
+                        slot = _real_slot(window, v)
+                        if slot is None:
+                            return _decline(window, n0)
+                        refs.append(-1 - slot)
+                    ksig.append((k, v.shape, v.stride(), v.dtype))
+                else:
+                    if k == "device" and v is not None:
+                        dv = torch.device(v)
+                        if dv.type != st.target:
+                            return _decline(window, n0)
+                        device = dv
+                    ksig.append(_keyword(f, k, v, floats))
+            ksig = tuple(ksig)
+        if device is None:
+            if not f.factory:
+                return _decline(window, n0)  # no tensor argument on the target device: not ours
+            device = _get_default_device()
+            if device.type != st.target:
+                return _decline(window, n0)
+            ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
+        elif st.device_in_key:
+            ksig = (ksig, device)
     written = ()  # (tensor, storage id) of every written argument, returned or not
-    if f.mutates:
+    if not f.mutates:
+        pass
+    elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
+        first = args[0]
+        first_sid = _untyped_storage(first)._cdata
+        if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {},
+                                                                 ((first, first_sid),)):
+            if p is not None:
+                return _miss(st, f, args, kwargs, n0, "overlap")
+            error = _overlap_error(f, args, kwargs, shared=True)
+            if error is not None:
+                raise error
+    else:
         written = []
         shared = False  # another TensorImpl holds a written storage: Note [Overlapping writes]
         for pos in f.write_pos:
-            w = kwargs.get(pos) if type(pos) is str else (args[pos] if pos < n else None)
+            w = (kwargs.get(pos) if kwargs else None) if type(pos) is str else (args[pos] if pos < n else None)
             for t in (w if type(w) in (list, tuple) else (w,)):
                 if isinstance(t, _Tensor):
                     sid = _untyped_storage(t)._cdata
                     written.append((t, sid))
                     if _storage_use_count(sid) > 2:
                         shared = True
-        if shared and _shares_written(window, args, kwargs, written):
+        if shared and _shares_written(window, args, kwargs or {}, written):
+            if p is not None:
+                return _miss(st, f, args, kwargs, n0, "overlap")
             error = _overlap_error(f, args, kwargs, shared=True)
             if error is not None:
                 raise error
-    key = (f, tuple(sig), ksig)
-    try:
-        entry = st.meta_cache.get(key)
-    except TypeError:  # an unhashable argument we do not model: run it eagerly
-        return _DECLINED
-    if entry is None:
-        entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs), st.options)
-    if entry.__class__ is not tuple:
-        if entry.__class__ is _Failed:
-            return _DECLINED
-        if entry.__class__ is _Warns:
-            return _WARNS  # Note [Kernel warnings] in _kernel_warnings
-        if entry.__class__ is _Resizes:
-            return entry  # Note [Out resizing] in _meta: ``resize_outs``, then the op again
-        raise entry.error()  # Note [Overlapping writes]
-    specs, nbytes, returns_list, eid = entry
-    if window.hot is not None:
-        _demote(window, "general_path")
-    if snaps:
-        if nargs is None:
-            nargs = list(args)
-        for i, r in snaps:
-            # Eager reads a 0-dim tensor when the op runs; snapshot it, the program may change it
-            # later (Note [Scalar fast path])
-            snap = nargs[i] = args[i].clone()
-            refs[r] = -1 - window.slot_of(snap)
-    # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
-    node = _node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(4), len(window.nodes),
-                 f.mutates or f.nrets == 0, False)
-    outs = node.outs
-    results = []
-    alias_ret = f.alias_ret
-    uid = (node.index + 1) * OUTS_PER_NODE
-    for j, spec in enumerate(specs):
-        if spec is None:
-            target = alias_ret[j] if j < len(alias_ret) else None
-            if target is None:
-                outs.append(None)
-                results.append(None)
-                continue
-            t = args[target] if type(target) is int else kwargs[target]
-            src = (nargs[target] if nargs is not None else t) if type(target) is int else nkwargs[target]
-            o = _alias_out(window, t, src, uid + j)
-            outs.append(o)
-            results.append(t)
-            continue
-        p, o = _placeholder(st, window, spec, uid + j, device)
-        outs.append(o)
-        results.append(p)
-    if f.mutates:
-        # Every written argument (BatchNorm's running stats are written but not returned; foreach
-        # ops write lists): later reads must flush, compiled regions write back.
-        for t, sid in written:
-            o = getattr(t, "_ae", None)
-            mark_written(window, sid, o.slot if o is not None and o.win is window.token else window.slot_of(t))
-    _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
-    if f.nrets == 0:
-        return None
-    if f.nrets == 1 and not returns_list:
-        return results[0]
-    return results if returns_list else tuple(results)
+    if p is not None:
+        specs = p.specs
+        uid = p.uid
+    else:
+        key = (f, tuple(sig), ksig)
+        try:
+            entry = st.meta_cache.get(key)
+        except TypeError:  # an unhashable argument we do not model: run it eagerly
+            return _decline(window, n0)
+        if entry is None:
+            entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig,
+                               ((first, first_sid),) if f.writes_first else written, key, len(refs), st.options)
+        if entry.__class__ is not tuple:
+            if len(window.real_inputs) != n0:
+                _unslot(window, n0)
+            if entry.__class__ is _Failed:
+                return _DECLINED
+            if entry.__class__ is _Warns:
+                return _WARNS  # Note [Kernel warnings] in _kernel_warnings
+            if entry.__class__ is _Resizes:
+                return _Answer("resizes", entry)  # Note [Out resizing] in _meta: ``resize_outs``, then the op again
+            raise entry.error()  # Note [Overlapping writes]
+        specs, nbytes, _, eid = entry
+        if window.hot is not None:
+            _demote(window, "general_path")
+        if snaps:
+            if nargs is None:
+                nargs = list(args)
+            for i, r in snaps:
+                # Eager reads a 0-dim tensor when the op runs; snapshot it, the program may change it
+                # later (Note [Scalar fast path])
+                snap = nargs[i] = args[i].clone()
+                refs[r] = -1 - window.slot_of(snap)
+        # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
+        node = _node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(3),
+                     len(window.nodes), f.mutates or f.nrets == 0, False)
+        uid = (node.index + 1) * OUTS_PER_NODE
+    # the emission: Note [One record path]
+    if f.writes_first:  # it writes and returns its first argument (most writes): an ALIAS Out
+        o = getattr(first, "_ae", None)
+        record = o = _alias_out(window, first, o if o is not None and o.win is token else first, uid)
+        mark_written(window, first_sid, o.slot)
+        if p is None:
+            node.outs.append(o)
+        res = first
+    elif f.one_ret:  # one output: most ops
+        record = None  # a hot record: None for a fresh value (Note [Hot liveness] in _hot)
+        spec = specs[0]
+        if spec is None:  # it writes and returns another argument (``out=``): an ALIAS Out
+            target = f.alias_ret[0]
+            res = args[target] if type(target) is int else kwargs[target]
+            o = getattr(res, "_ae", None)
+            record = o = _alias_out(window, res, o if o is not None and o.win is token else res, uid)
+            if p is None:
+                node.outs.append(o)
+        elif p is not None:
+            res = hot_placeholder(st.alloc_cpu, window, spec, uid)
+        else:
+            res, o = _placeholder(st, window, spec, uid, device)
+            node.outs.append(o)
+        if written:
+            _mark(window, token, written)
+    else:
+        record = None
+        results = []
+        alias_ret = f.alias_ret
+        for j, spec in enumerate(specs):
+            o = None
+            if spec is None:
+                target = alias_ret[j] if j < len(alias_ret) else None
+                t = None if target is None else args[target] if type(target) is int else kwargs[target]
+                if t is not None:
+                    o = getattr(t, "_ae", None)
+                    o = _alias_out(window, t, o if o is not None and o.win is token else t, uid + j)
+                results.append(t)
+            elif p is not None:
+                results.append(hot_placeholder(st.alloc_cpu, window, spec, uid + j))
+            else:
+                t, o = _placeholder(st, window, spec, uid + j, device)
+                results.append(t)
+            if p is None:
+                node.outs.append(o)
+        res = None if f.nrets == 0 else results if f.returns_list else tuple(results)
+        if written:
+            _mark(window, token, written)
+    if p is not None:
+        _add(st, window, record, p.fpos, args, kwargs, p.nbytes)  # its hot record: Note [Hot windows] in _hot
+    else:
+        _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
+    return res
 
 
 _resize_ = torch.ops.aten.resize_.default
@@ -505,45 +733,92 @@ def view_of_unwritten(st: TracerState, window: Window, a) -> bool:
     return True
 
 
+def _view_miss(window: Window, cause: str) -> None:
+    """A view of a hot window that does not match its template's position: recorded as in any
+    window (``_demote`` counts ``cause``)."""
+    window.hot_miss = (cause, len(window.nodes))
+    return None
+
+
 def _record_view(st: TracerState, f, args, kwargs):
-    res = f.call(*args, **kwargs)  # views read no data: the real view now (Note [Hot view cost] in _hot)
+    """Record a view (Note [One record path]): the real view now (views read no data: Note [Hot view
+    cost] in _hot), its VIEW Out(s) over its input's slot. Views of real tensors are recorded too:
+    a compiled region then derives them from the real input inside the graph, instead of taking an
+    alias of an input it may also write (Note [Out kinds]); ``W.t()`` in a forward pass and
+    ``W.add_()`` in the optimizer step. ``kwargs`` may be None (none given)."""
     window = st.window
     a = args[0] if args else None
     if not isinstance(a, _Tensor) or not _on_target(st, a):
-        return res
-    # Views of real tensors are recorded too: a compiled region then derives them from the real
-    # input inside the graph, instead of taking an alias of an input it may also write (Note
-    # [Out kinds]); ``W.t()`` in a forward pass and ``W.add_()`` in the optimizer step.
+        return f.call(*args, **kwargs) if kwargs else f.call(*args)
+    token = window.token
     o = getattr(a, "_ae", None)
-    if o is not None and o.win is not window.token:
+    if o is not None and o.win is not token:
         _check_elsewhere(a, o)  # a view of another thread's pending value reads it later
         o = None
-    if o is None and id(a) not in window.slots and a.layout is not _strided:
-        return res  # a view of a sparse tensor: Note [Tensors the mode leaves alone] in _state
-    if window.hot is not None:
-        _demote(window, "view")
-    nargs = list(args)
+    p = _position(window, f, args) if window.hot is not None else None
     if o is not None:
-        nargs[0] = o
-        inputs = [o]
         ref = o.uid
         slot = o.slot
     else:
-        inputs = []
-        slot = window.slot_of(a)
+        slot = window.slots.get(id(a))
+        if slot is None:
+            if a.layout is not _strided:  # a view of a sparse tensor: Note [Tensors the mode leaves alone] in _state
+                return f.call(*args, **kwargs) if kwargs else f.call(*args)
+            if p is not None and _slot_differs(window, a):
+                p = _view_miss(window, "metadata")
+            slot = window.slot_of(a)
         ref = -1 - slot
         if st.scalar_fast_path and a.numel() == 1:
             # a pending op may read this one-element tensor through the view: no fast-path writes
             window.viewed.add(_untyped_storage(a)._cdata)
+    if p is not None:
+        if ref != p.refs[0]:
+            p = _view_miss(window, "binding")
+        elif ref < 0 and a.storage_offset() != p.offset:  # part of a view's signature
+            p = _view_miss(window, "metadata")
+        elif (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
+            p = _view_miss(window, "scalar")
+    res = f.call(*args, **kwargs) if kwargs else f.call(*args)
+    uid = (len(window.nodes) + 1) * OUTS_PER_NODE
+    others = window.others
+    if p is not None:
+        multi = p.multi
+        if multi is None:  # one view, the template's spec: its hot record is its VIEW Out
+            if o is not None:
+                _pin_root(window, o, a)
+            vo = view_out(token, uid, p.spec, _weakref(res), slot)  # held weakly (Note [Weak window])
+            res._ae = vo
+            others.append(vo)
+            window.nodes.append(vo)  # a view adds no bytes and makes no cut, as in a full recording
+            return res
+        if type(res) in (list, tuple) and len(res) == len(multi):
+            if o is not None:
+                _pin_root(window, o, a)
+            vos = []
+            for j, v in enumerate(res):
+                vo = view_out(token, uid + j, multi[j][1], _weakref(v), slot)
+                v._ae = vo
+                others.append(vo)
+                vos.append(vo)
+            window.nodes.append(tuple(vos))  # its hot record: its VIEW Outs
+            return res
+        _view_miss(window, "metadata")  # not the views the template has
+    if window.hot is not None:
+        _demote(window, "view")
+    if kwargs is None:
+        kwargs = {}
+    nargs = list(args)
+    if o is not None:
+        nargs[0] = o
+        inputs = [o]
+    else:
+        inputs = []
     node = _node(f.func, nargs, kwargs, inputs, None, len(window.nodes), False, True)
-    views = res if isinstance(res, (tuple, list)) else (res,)
-    uid = (node.index + 1) * OUTS_PER_NODE
-    for j, v in enumerate(views):
-        # held weakly (Note [Weak window]); alive, it keeps its root's storage alive
-        vo = view_out(window.token, uid + j, (v.shape, v.stride(), v.dtype), _weakref(v), slot)
+    for j, v in enumerate(res if isinstance(res, (tuple, list)) else (res,)):
+        vo = view_out(token, uid + j, (v.shape, v.stride(), v.dtype), _weakref(v), slot)
         v._ae = vo
         node.outs.append(vo)
-        window.others.append(vo)
+        others.append(vo)
     # the view's own signature: op, input geometry (offset included: views keep it) and arguments
     key = (f, a.shape, a.stride(), a.storage_offset(), a.dtype,
            tuple(tuple(x) if type(x) is list else x for x in args[1:]), tuple(kwargs.items()))
@@ -553,3 +828,17 @@ def _record_view(st: TracerState, f, args, kwargs):
     sigs.append(ref)
     window.nodes.append(node)
     return res
+
+
+def _pin_root(window: Window, o: Out, t) -> None:
+    """A view of hot pending value ``o`` (tensor ``t``) is made: the FRESH value it shares storage
+    with (``o``, or the value an in-place write of it returned) is live while its storage is, from
+    here on, as in a full recording (Note [Hot views] in ``_hot``)."""
+    root = o
+    while root.kind == ALIAS and type(root.alias) is Out:
+        root = root.alias
+    if root.kind == FRESH and root.storage is None:
+        h = _untyped_storage(t)._weak_ref()
+        finish_hot(root, _weakref(t), h)
+        window.fresh.append(root)
+        window.handles.append(h)

@@ -59,7 +59,7 @@ class TracerState:
         # ``_record`` keys its meta cache by device too, except on a CPU target (one device)
         self.device_in_key = self.target_attr is None or options.device != "cpu"
         self.device = torch.device(options.device)
-        # how a placeholder is allocated on the record fast path: Inductor's CPU allocator (specs
+        # how a placeholder is allocated: Inductor's CPU allocator (specs
         # hold plain tuples), or None for ``empty_strided`` on the op's device
         self.alloc_cpu = _empty_strided_cpu if options.device == "cpu" else None
         if self.periodicity is None or self.periodicity.cap != options.window:

@@ -12,7 +12,7 @@ over eager's time (above 1: slower than eager).
 
 ``--ops`` prints instead, per workload, the ATen ops torch.profiler sees in one eager iteration and
 in one under the empty mode: each op the mode intercepts shows once more there (the profiler's range
-of its Python-key entry) and nothing else differs when the mode changes no decomposition, fast path
+of its Python-key entry) and nothing else differs when the mode changes no decomposition
 or allocation (issue 14, part 3: the MLP step's ops are those).
 """
 

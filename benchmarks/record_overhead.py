@@ -8,7 +8,7 @@ absolute times drift on a shared machine. "record" is the time to record the ops
 running the window op by op. "hot window" records the same window once its compiled region exists,
 against that region's template (Note [Hot windows] in adaptive_eager._hot); "hot window+run"
 includes the flush that runs the region. ``--inplace`` times optimizer-style in-place updates
-instead (``mul_``, ``add_(alpha=)``, ``addcmul_(value=)``, ``lerp_``), which take the in-place fast path.
+instead (``mul_``, ``add_(alpha=)``, ``addcmul_(value=)``, ``lerp_``): ops that write and return their first argument.
 ``--step`` times a training step's window instead of a loop: the forward and backward of the suite's
 GPT block (``workloads.GPTBlock``) at tiny sizes (d 16, 4 heads, seq 8, batch 2), so that the empty
 mode's time is its interception and the model's own Python rather than kernels. Its ~140

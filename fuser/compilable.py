@@ -107,7 +107,7 @@ GRAD_MODE_OPS = frozenset({torch.ops.aten.mkldnn_rnn_layer.default})
 # ``t.conj().imag * 1`` came back negated. The bit is not in a window's key (a real input is keyed
 # by shape, strides and dtype), so it is checked per window, not per structure: ``Window.bits``,
 # set where a real input gets its slot (``Window.slot_of``; a hot window's slot check,
-# ``_fast._hot_slot``, demotes on it), and such a window replays (``fuser.regions.run``), counted
+# ``_record._slot_differs``, demotes on it), and such a window replays (``fuser.regions.run``), counted
 # ``conj_or_neg_input``, while the same structure without the bit runs compiled.
 
 

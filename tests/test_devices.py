@@ -156,19 +156,20 @@ def test_a_check_runs_alone_and_raises_on_the_device(device):
     assert ae.metrics()["run_alone"].get("check_op", 0) >= 1
 
 
-def test_ops_take_the_record_fast_path_on_the_device(device, monkeypatch):
-    """Note [Record fast path]: on a target with several devices (cuda) too."""
-    from adaptive_eager import _fast, _mode, _record
+def test_ops_are_recorded_on_the_device(device, monkeypatch):
+    """Note [One record path]: elementwise ops and in-place updates with keywords are recorded on a
+    target with several devices (cuda) too."""
+    from adaptive_eager import _mode, _record
 
-    real = _fast._record_fast
+    real = _record._record
     recorded = []
 
     def counting(*a):
         res = real(*a)
-        recorded.append(res is not _record._DECLINED)
+        recorded.append(res.__class__ is not _record._Answer)
         return res
 
-    monkeypatch.setattr(_mode, "_record_fast", counting)
+    monkeypatch.setattr(_mode, "_record", counting)
     x, p = torch.randn(64, device=device), torch.randn(64, device=device)
     # a compiled window's next one is validated, not recorded (Note [Hot windows]): this counts records
     with adaptive_eager(**_options(device), tiers="regions"):

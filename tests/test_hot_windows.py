@@ -943,7 +943,7 @@ def test_factories_run_hot_on_the_default_device_only(fresh_regions):
         torch.set_default_device("meta")
         try:
             # where the template has a CPU factory: eager's device, not ours (``set_default_device``
-            # passes ``device=`` as a keyword the template's op has not; ``_record_hot`` also checks
+            # passes ``device=`` as a keyword the template's op has not; a hot record also checks
             # the default device itself)
             made = torch.zeros(4)
         finally:

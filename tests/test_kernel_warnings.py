@@ -1,6 +1,6 @@
 """Warnings a recorded op's kernel gives (Note [Kernel warnings] in adaptive_eager._kernel_warnings):
 each comes once per run of the op, at the user's line, with eager's category and text, whether the
-window replays, compiles or runs hot, from the record fast path or the general path, and never
+window replays, compiles or runs hot, at first sight or from the meta cache, and never
 again when the window runs. Plain eager is the oracle, under the "always" and "default" filters."""
 
 import os

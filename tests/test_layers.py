@@ -93,7 +93,7 @@ LAYERS = (
     ("per-thread state", {"_state", "_cores"}),
     ("flushing", {"_flush"}),
     ("other threads' values", {"_threads"}),
-    ("recording", {"_record", "_fast", "_eager"}),
+    ("recording", {"_record", "_eager"}),
     ("sync points, patches, captures, devices", {"_patches", "_capture", "_capture_trace", "_optim", "_compile",
                                                   "neuron_emulation"}),
     ("mode and API", {"_mode", "__init__", "_autoload", "_ipython", "_explain"}),

@@ -654,31 +654,35 @@ def test_batch_norm_outputs_and_running_stats():
     assert_eager(lrv, erv)
 
 
-def _window_facts(program, make, varies=False):
+def _window_facts(program, make, varies=False, first_sight=False):
     """What recording ``program(*make())`` leaves in the window (sigs, float scalars, written
     slots), and its results after the flush. ``varies``: record as on a target type with several
-    devices (cuda), where each op's device comes from its tensors."""
+    devices (cuda), where each op's device comes from its tensors. ``first_sight``: with an empty
+    meta cache, so that every op's entry is made as it is recorded."""
     from adaptive_eager import _state
 
     args = make()  # real tensors: made before the mode
     with adaptive_eager(backend="replay", window=10_000):
-        _state.current_state().device_varies = varies
+        st = _state.current_state()
+        st.device_varies = varies
+        if first_sight:
+            st.meta_cache = {}
+        eager_before = ae.metrics()["ops_eager"]
         out = program(*args)
-        w = _state.current_state().window
+        w = st.window
         facts = ([s for s in w.sigs], list(w.scalars), sorted(w.mutated), len(w.written),
                  [(n.func, n.mutates, [o.kind for o in n.outs if o is not None]) for n in w.nodes])
+        assert ae.metrics()["ops_eager"] == eager_before  # every op recorded
     return facts, out
 
 
-@pytest.mark.skipif(NEURON, reason="the record fast paths serve cpu and cuda targets (TracerState.target_attr)")
+@pytest.mark.skipif(NEURON, reason="device_varies is a cpu or cuda target's (TracerState.target_attr)")
 @pytest.mark.parametrize("varies", [False, True])
-@pytest.mark.parametrize("inplace_first", [False, True])
-def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inplace_first, varies):
-    """Note [Record fast path]: the fast paths are an optimization only: the window they leave
-    (op signatures, dataflow, lifted floats, written inputs) and the values equal the general
-    path's, whichever path saw a signature first."""
-    from adaptive_eager import _fast, _mode, _record
-
+def test_an_op_is_recorded_alike_at_first_sight_and_from_the_meta_cache(varies):
+    """Note [One record path]: an op seen for the first time (its meta-cache entry made as it is
+    recorded) and seen again leave the same window (op signatures, dataflow, lifted floats, written
+    inputs) and the same values: fresh outputs, in-place writes of real and pending tensors and of
+    a view, float and int keywords."""
     torch.manual_seed(0)
     params = [torch.randn(6, 5) for _ in range(3)]
     grads = [torch.randn(6, 5) for _ in range(3)]
@@ -699,21 +703,8 @@ def test_record_fast_paths_leave_what_the_general_path_leaves(monkeypatch, inpla
             outs.append(d)
         return ps, ms, outs
 
-    real_fast = _fast._record_fast
-    if inplace_first:
-        _window_facts(program, make, varies)  # the fast path sees the signatures first (after a warm-up)
-    monkeypatch.setattr(_mode, "_record_fast", lambda *a: _record._DECLINED)
-    want, want_out = _window_facts(program, make, varies)
-    calls = {False: [], True: []}  # by OpFacts.fast_inplace: whether the fast path recorded the op
-
-    def counting(st, f, args, kwargs):
-        res = real_fast(st, f, args, kwargs)
-        calls[f.fast_inplace].append(res is not _record._DECLINED)
-        return res
-
-    monkeypatch.setattr(_mode, "_record_fast", counting)
+    want, want_out = _window_facts(program, make, varies, first_sight=True)
     got, got_out = _window_facts(program, make, varies)
-    assert any(calls[False]) and any(calls[True])  # fresh-output and in-place ops took the fast path
     assert got == want
     for g, w in zip(torch.utils._pytree.tree_leaves(got_out), torch.utils._pytree.tree_leaves(want_out)):
         assert torch.equal(g, w)
@@ -737,8 +728,8 @@ def test_host_scalar_ops_are_counted_apart():
 
 @pytest.mark.skipif(NEURON, reason="host-scalar ops are 0-dim CPU tensors of a CPU target")
 def test_ops_that_are_not_recorded_leave_no_inputs_in_the_window():
-    """An op that runs at once (a host-scalar op, an eager fallback) or that a fast path hands
-    to the general path must not leave its tensors among the window's inputs: the window would
+    """An op that runs at once (a host-scalar op, an eager fallback) or that is walked again (a hot
+    window's op that does not match its template) must not leave its tensors among the window's inputs: the window would
     hold them alive and its region key would depend on what ran before it."""
     from adaptive_eager import _state
 
@@ -749,7 +740,7 @@ def test_ops_that_are_not_recorded_leave_no_inputs_in_the_window():
         w = _state.current_state().window
         step += 1  # host-scalar op: runs now
         step.item()
-        torch.ops.aten.cumsum.default(other, 0)  # a first sight: a meta-cache miss on the fast path
+        torch.ops.aten.cumsum.default(other, 0)  # a first sight: a meta-cache miss
         assert [t is other for t in w.real_inputs] == [True]  # the cumsum was recorded; step is not there
         ae.sync()
         w = _state.current_state().window
