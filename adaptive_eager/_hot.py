@@ -155,7 +155,7 @@ the template's next position without a length test (an ``IndexError`` costs noth
 raised). What stands is the mark, the ``HotRef`` and the allocation (each is what makes a value
 pending, live while its tensor lives, and real memory), and the walk over the op's arguments,
 one bytecode at a time. Counted with ``sys.settrace`` on the tiny-op loop, an op's dispatch and
-hot record run 413 bytecodes and 7.0 Python calls; the hot records' own validator, which looped
+hot record run 401 bytecodes and 7.0 Python calls; the hot records' own validator, which looped
 over the template's tensor positions instead of the op's (before the one record path), ran 346.
 
 Note [Hot view cost]

@@ -173,7 +173,7 @@ def _backend_kernel(func):
 class OpFacts:
     __slots__ = (
         "func", "call", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
-        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "one_out", "writes_first", "one_ret",
+        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "one_out", "writes_first", "one_ret", "fresh_one", "tensor_end",
         "dropout_arg", "unseeded", "decomposition", "host_read", "data_check",
     )
 
@@ -242,6 +242,7 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
             if info.is_write:
                 write_pos.append(a.name if a.kwarg_only else i)
     f.tensor_pos = tuple(tensor_pos)
+    f.tensor_end = max(tensor_pos) + 1 if tensor_pos else 0  # a call with fewer arguments lacks some of them
     f.list_pos = tuple(list_pos)
     f.scalar_pos = tuple(scalar_pos)
     f.seq_pos = tuple(seq_pos)
@@ -271,6 +272,7 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
                 is_view = True  # e.g. split: Tensor(a)[] returns, alias set on the argument
         alias_ret.append(target if (info is not None and info.is_write) else None)
     f.alias_ret = tuple(alias_ret)
+    f.fresh_one = f.one_ret and not mutates and f.alias_ret == (None,)  # one fresh tensor returned: most ops
     tags = func.tags
     f.pointwise = torch.Tag.pointwise in tags and not mutates
     f.reason = "fallback"

@@ -303,6 +303,11 @@ def _hot_differs(st: TracerState, p, args) -> str | None:
     return None
 
 
+def _within(positions: tuple, n: int) -> tuple:
+    """The argument positions of ``positions`` that an op called with ``n`` arguments has."""
+    return tuple(i for i in positions if i < n)
+
+
 def _mark(window: Window, token, written) -> None:
     """Mark every argument an op writes (BatchNorm's running stats are written but not returned;
     foreach ops write lists): later reads flush or read in window order, and a compiled region
@@ -360,9 +365,7 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
         floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
         scalars = 0  # real 0-dim arguments on the target (Note [Scalar fast path])
         elsewhere = 0  # 0-dim CPU tensors of another target
-    for i in f.tensor_pos:
-        if i >= n:
-            break
+    for i in f.tensor_pos if n >= f.tensor_end else _within(f.tensor_pos, n):
         a = args[i]
         o = getattr(a, "_ae", None)
         if o is not None:
@@ -455,6 +458,8 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
     if p is not None:  # the template's position is the signature: Note [One record path]
         if refs != p.refs:
             return _miss(st, f, args, kwargs, n0, "binding")
+        specs = p.specs
+        uid = p.uid
         if p.other or kwargs:
             if p.lists or p.factory:
                 cause = _hot_differs(st, p, args)
@@ -526,14 +531,13 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
             ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
         elif st.device_in_key:
             ksig = (ksig, device)
-    written = ()  # (tensor, storage id) of every written argument, returned or not
     if not f.mutates:
-        pass
+        written = ()  # (tensor, storage id) of every written argument, returned or not
     elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
         first = args[0]
         first_sid = _untyped_storage(first)._cdata
-        if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {},
-                                                                 ((first, first_sid),)):
+        written = ((first, first_sid),)  # marked at its emission
+        if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {}, written):
             if p is not None:
                 return _miss(st, f, args, kwargs, n0, "overlap")
             error = _overlap_error(f, args, kwargs, shared=True)
@@ -556,18 +560,15 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
             error = _overlap_error(f, args, kwargs, shared=True)
             if error is not None:
                 raise error
-    if p is not None:
-        specs = p.specs
-        uid = p.uid
-    else:
+    if p is None:
         key = (f, tuple(sig), ksig)
         try:
             entry = st.meta_cache.get(key)
         except TypeError:  # an unhashable argument we do not model: run it eagerly
             return _decline(window, n0)
         if entry is None:
-            entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig,
-                               ((first, first_sid),) if f.writes_first else written, key, len(refs), st.options)
+            entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs),
+                               st.options)
         if entry.__class__ is not tuple:
             if len(window.real_inputs) != n0:
                 _unslot(window, n0)
@@ -594,15 +595,25 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                      len(window.nodes), f.mutates or f.nrets == 0, False)
         uid = (node.index + 1) * OUTS_PER_NODE
     # the emission: Note [One record path]
-    if f.writes_first:  # it writes and returns its first argument (most writes): an ALIAS Out
+    if f.fresh_one:  # one fresh output: most ops
+        record = None  # a hot record: None for a fresh value (Note [Hot liveness] in _hot)
+        if p is not None:
+            res = hot_placeholder(st.alloc_cpu, window, specs[0], uid)
+        elif specs[0] is not None:
+            res, o = _placeholder(st, window, specs[0], uid, device)
+            node.outs.append(o)
+        else:  # an optional output that is not there
+            res = None
+            node.outs.append(None)
+    elif f.writes_first:  # it writes and returns its first argument (most writes): an ALIAS Out
         o = getattr(first, "_ae", None)
         record = o = _alias_out(window, first, o if o is not None and o.win is token else first, uid)
         mark_written(window, first_sid, o.slot)
         if p is None:
             node.outs.append(o)
         res = first
-    elif f.one_ret:  # one output: most ops
-        record = None  # a hot record: None for a fresh value (Note [Hot liveness] in _hot)
+    elif f.one_ret:  # one output of an op that writes
+        record = None
         spec = specs[0]
         if spec is None:  # it writes and returns another argument (``out=``): an ALIAS Out
             target = f.alias_ret[0]

@@ -55,8 +55,8 @@ STEP = """
         m = ae.metrics()
         print(json.dumps({
             "loss_error": max(abs(a - b) / (1 + abs(b)) for a, b in zip(losses, cpu_losses)),
-            "state_error": max((state[k] - cpu_state[k]).abs().max().item() for k in state),
-            "errors": {k: (state[k] - cpu_state[k]).abs().max().item() for k in state},
+            "state_error": max((state[k].double() - cpu_state[k].double()).abs().max().item() for k in state),
+            "errors": {k: (state[k].double() - cpu_state[k].double()).abs().max().item() for k in state},
             "per_step": per_step,
             "metrics": {k: v for k, v in m.items() if k.startswith(("module_", "optimizer_")) or k == "run_alone"},
             "joined_runs": m["joined_runs"], "not_joined": m["not_joined"],

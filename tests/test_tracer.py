@@ -49,6 +49,11 @@ def test_values_match_eager_and_ops_are_deferred():
     x = torch.randn(16, 16)
     expected = ((x * 2 + 1).relu() @ x.t()).softmax(-1).sum(0)
     with adaptive_eager():
+        # each signature's first sight runs it on the device for its layout (Note [Eager layouts] in
+        # adaptive_eager._meta): on an accelerator that run is a launch, so it is made first
+        ((x * 2 + 1).relu() @ x.t()).softmax(-1).sum(0)
+    ae.reset_metrics()
+    with adaptive_eager():
         y = ((x * 2 + 1).relu() @ x.t()).softmax(-1).sum(0)
         assert ae.is_lazy(y)
         assert ae.metrics()["launches"] == 0
@@ -454,6 +459,12 @@ class _null:
         return False
 
 
+def m_captured_step(got, want) -> bool:
+    """Whether ``got`` is a captured optimizer step's counter, on the device where eager's ``want``
+    is on the CPU (README, Limits: TorchDynamo moves it there)."""
+    return want.is_cpu and not got.is_cpu and ae.metrics()["optimizer_captures"] > 0
+
+
 @pytest.mark.parametrize(
     "opt_cls, kwargs",
     [
@@ -471,7 +482,10 @@ def test_training_loop_matches_eager(opt_cls, kwargs):
     for k, st in e_opt["state"].items():
         for name, v in st.items():
             if isinstance(v, torch.Tensor):
-                assert_eager(l_opt["state"][k][name], v)
+                got = l_opt["state"][k][name]
+                if name == "step" and m_captured_step(got, v):
+                    got = got.cpu()  # the README's limit: a captured step's counters live on the device
+                assert_eager(got, v)
     # the loop ran under the mode: recorded, or (inductor) its forward captured from the third call
     m = ae.metrics()
     assert m["ops_recorded"] > 100 or (m["ops_recorded"] > 50 and m["module_captured_calls"] > 0), m
@@ -790,11 +804,11 @@ def test_a_flushed_window_is_freed_by_reference_counting(backend):
                 for _ in range(20):
                     y = y * 1.01  # dead intermediates
                 v = y.t()[0]
-                y.sum().backward()
                 # recorded in full, the window holds its objects; a hot one makes few (Note [Hot Outs])
                 from adaptive_eager._state import current_state
 
                 assert current_state().window.hot is not None or count() > before + 40
+                y.sum().backward()  # (a captured backward runs that window first: Note [Joined runs])
                 opt.step()  # flushes, then records the updates
                 ae.sync()
                 assert count() <= before
