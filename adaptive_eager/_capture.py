@@ -110,6 +110,7 @@ _POLL_S = 0.05  # how often a graph waiting for its artifact looks for it
 
 _ORIG_CALL = torch.nn.Module.__call__
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _BUSY = False  # a captured call runs or is traced: module calls inside it are plain (Dynamo guards this)
 _tls = threading.local()  # ``depth``: module calls of this thread being run recorded
 _saved: list = []
@@ -164,6 +165,12 @@ def _call(self, *args, **kwargs):
         cap = _caps[self] = _Cap()
         if type(self).__name__ == "OptimizedModule" or getattr(self, "_compiled_call_impl", None) is not None:
             cap.off = _THEIRS  # the program compiled it: its compile wins (Note [User torch.compile] in _compile)
+    if _saved_tensor_hooks(False) is not None:
+        # activation checkpointing (or another saved-tensor hook): what the call saves is the hook's,
+        # and a captured graph saves other tensors than the recorded call (non-reentrant
+        # checkpoint compares their count between the forward and its recomputation)
+        _miss("saved_tensor_hooks", self)
+        return _recorded(self, args, kwargs)
     if cap.fn is not None:
         return _run(st, self, cap, args, kwargs)
     if cap.off is None:

@@ -190,6 +190,8 @@ CAPTURE_MISSES: dict[str, str] = {
     "hooks_added": "a hook was added after the capture: it stays recorded",
     "other_guard": "another value its forward reads changed since the capture (NEURON_EAGER_LOG=info names it): "
                    "captured again",
+    "saved_tensor_hooks": "called under a saved-tensor hook (activation checkpointing: torch.utils.checkpoint): "
+                          "what the call saves is the hook's, so it stays recorded",
     "traced_elsewhere": "another thread of this process was tracing a graph (a compile) at that moment, and TorchDynamo "
                         "runs no compiled call then (torch 2.13 and older): that call ran recorded (expected, rare)",
 }

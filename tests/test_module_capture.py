@@ -800,3 +800,32 @@ def test_the_windows_of_the_call_before_the_capture_are_not_compiled(tmp_path):
     # the inference graph and the loss's window; neither superseded window
     assert m["compiles"] == 2, m
     assert m["replay_reasons"].get("capture_due") == 2, m["replay_reasons"]
+
+
+def test_a_module_called_under_activation_checkpointing_stays_recorded(tmp_path):
+    """A call made under a saved-tensor hook (``torch.utils.checkpoint``, non-reentrant) runs
+    recorded: a captured graph saves other tensors than the recorded call, and the checkpoint
+    compares how many its forward and its recomputation saved (CheckpointError). Counted, with
+    the call's line."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(lazy):
+        model = _mlp()
+        opt = _SGD(model.parameters(), lr=0.1)
+        losses = []
+        ctx = ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)) if lazy else _nothing()
+        with ctx:
+            for x in _batches(5):
+                opt.zero_grad()
+                loss = (checkpoint(model, x, use_reentrant=False) ** 2).mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach().clone())
+        return torch.stack(losses), model
+
+    eager = run(False)
+    ae.reset_metrics()
+    lazy = run(True)
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert m["module_capture_misses"]["saved_tensor_hooks"] >= 5 and not m["module_captured_calls"], m
