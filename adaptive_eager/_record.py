@@ -273,6 +273,17 @@ def _slot_differs(window: Window, a) -> bool:
             or a.is_conj() or a.is_neg())
 
 
+def _new_slot(window: Window, a, hot: bool) -> int:
+    """The slot real input ``a`` gets at its first use in the window; -1 for a tensor the mode leaves
+    alone (sparse: Note [Tensors the mode leaves alone] in _state), -2 in a hot window for one that is
+    not what the template's next slot holds (``_slot_differs``)."""
+    if a.layout is not _strided:
+        return -1
+    if hot and _slot_differs(window, a):
+        return -2
+    return window.slot_of(a)
+
+
 def _other_args_differ(p, args, kwargs) -> bool:
     """Whether a hot op's arguments other than its tensors and floats (numbers, sizes, dtypes, flags,
     keywords) differ from its template position's, which are compared equal; a keyword float
@@ -401,11 +412,9 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                 if i not in f.write_pos and not _written(window, a):
                     snaps.append((i, len(refs)))
             if slot is None:
-                if a.layout is not _strided:  # Note [Tensors the mode leaves alone] in _state
-                    return _decline(window, n0)
-                if p is not None and _slot_differs(window, a):
-                    return _miss(st, f, args, kwargs, n0, "metadata")
-                slot = window.slot_of(a)
+                slot = _new_slot(window, a, p is not None)
+                if slot < 0:
+                    return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
         refs.append(-1 - slot)
         if p is None:
             sig[i] = (a.shape, a.stride(), a.dtype)
@@ -442,11 +451,9 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                     a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
             slot = window.slots.get(id(a))
             if slot is None:
-                if a.layout is not _strided:
-                    return _decline(window, n0)
-                if p is not None and _slot_differs(window, a):
-                    return _miss(st, f, args, kwargs, n0, "metadata")
-                slot = window.slot_of(a)
+                slot = _new_slot(window, a, p is not None)
+                if slot < 0:
+                    return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
             refs.append(-1 - slot)
             if p is None:
                 lsig.append((a.shape, a.stride(), a.dtype))
