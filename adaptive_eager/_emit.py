@@ -119,19 +119,27 @@ def hot_placeholder(alloc, window: Window, spec: tuple, uid: int):
     return t
 
 
-def alias_out(window: Window, t, src, uid: int) -> Out:
-    """The ALIAS out of an op that writes and returns ``t``; ``src`` is the argument as recorded
-    (its Out when ``t`` is pending, else ``t`` itself). Marks ``t`` with it."""
-    if type(src) is Out:  # a pending value: held weakly (Note [Weak window])
-        o = hot_out(window.token, ALIAS, uid, src.meta, src.slot)
+def alias_out(window: Window, t, uid: int, sid: int | None = None) -> Out:
+    """The ALIAS Out of an op that writes and returns ``t``, its ``alias`` the argument as recorded
+    (its Out when ``t`` is a pending value of this window, else ``t`` itself); marks ``t`` with it.
+    ``sid``: ``t``'s storage, marked written here (an op that writes its first argument)."""
+    token = window.token
+    src = getattr(t, "_ae", None)
+    if src is not None and src.win is token:  # a pending value: held weakly (Note [Weak window])
+        o = hot_out(token, ALIAS, uid, src.meta, src.slot)
         finish_hot(o, _weakref(t), None)
     else:
-        o = hot_out(window.token, ALIAS, uid, (t.shape, t.stride(), t.dtype), window.slot_of(t))
+        src = t
+        o = hot_out(token, ALIAS, uid, (t.shape, t.stride(), t.dtype), window.slot_of(t))
         finish_hot(o, None, None)
         o.tensor = t
     o.alias = src
     t._ae = o
     window.others.append(o)
+    if sid is not None:  # ``mark_written``, inline
+        window.written.add(sid)
+        if o.slot >= 0:
+            window.mutated.add(o.slot)
     return o
 
 

@@ -154,7 +154,7 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     window = st.window
     n0 = len(window.real_inputs)
     try:
-        res = _record(st, f, args, kwargs, n0)
+        res = _record(st, window, f, args, kwargs, n0)
     except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
         _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
         raise
@@ -178,7 +178,7 @@ def _not_recorded(st: TracerState, f, args, kwargs, res, window: Window, n0: int
         window = st.window  # a new one if the resize flushed
         n0 = len(window.real_inputs)
         try:
-            res = _record(st, f, args, kwargs, n0)  # the out= tensors have the result's geometry now
+            res = _record(st, window, f, args, kwargs, n0)  # the out= tensors have the result's geometry now
         except BaseException:
             _decline(window, n0)
             raise
@@ -235,7 +235,7 @@ class LazyMode(TorchDispatchMode):
                 window = st.window
                 n0 = len(window.real_inputs)
                 try:
-                    res = _record(st, f, args, kwargs, n0)  # kwargs None or a dict
+                    res = _record(st, window, f, args, kwargs, n0)  # kwargs None or a dict
                 except BaseException:  # ``_record_or_run``, inline
                     _decline(window, n0)
                     raise

@@ -173,7 +173,7 @@ def _backend_kernel(func):
 class OpFacts:
     __slots__ = (
         "func", "call", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
-        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "one_out", "writes_first", "one_ret", "fresh_one", "tensor_end",
+        "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "one_out", "writes_first", "one_ret", "fresh_one", "tensor_at",
         "dropout_arg", "unseeded", "decomposition", "host_read", "data_check",
     )
 
@@ -242,7 +242,8 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
             if info.is_write:
                 write_pos.append(a.name if a.kwarg_only else i)
     f.tensor_pos = tuple(tensor_pos)
-    f.tensor_end = max(tensor_pos) + 1 if tensor_pos else 0  # a call with fewer arguments lacks some of them
+    # the tensor positions a call with n arguments has (a call may leave out trailing defaults), by n
+    f.tensor_at = tuple(tuple(i for i in tensor_pos if i < n) for n in range(len(schema.arguments) + 1))
     f.list_pos = tuple(list_pos)
     f.scalar_pos = tuple(scalar_pos)
     f.seq_pos = tuple(seq_pos)

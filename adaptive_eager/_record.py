@@ -221,12 +221,16 @@ def _demote(window: Window, cause: str) -> None:
 # - the walk: each tensor argument (positional, in a list, then keywords) is bound to a pending
 #   value of this window (its Out's uid) or to a real input's slot (registered at its first use),
 #   giving the op's dataflow refs (Note [Window signature] in fuser.window), or the op is declined;
+#   then the arguments it writes, checked for overlap (Note [Overlapping writes]);
 # - the output metadata: in a hot window, the template's position (Note [Hot windows] in ``_hot``):
 #   the refs, the other arguments and the floats equal to what it recorded, its output specs; in
 #   any other window, the meta cache (Note [Meta cache key] in ``_meta``), keyed by the signature
 #   the walk built along (each argument's metadata, numbers, keywords, device);
 # - the emission (``_emit``): placeholders or ALIAS Outs and write marks, and the one append
-#   (``_add``), of the op's Node and signature entries, or in a hot window of its hot record.
+#   (``_add``), of the op's Node and signature entries, or in a hot window of its hot record. A hot
+#   op of the two kinds most positions hold (one fresh output; a write of its first argument) is
+#   emitted right after its checks, by the same emitters (``hot_placeholder``, ``alias_out``): the
+#   branches below them are the cold path's and the rarer kinds'.
 # So a hot record is the record of an op whose signature is known: it skips the signature, the
 # meta lookup, the Node and the user's line, nothing else. An op that does not match its
 # template's position (``_miss``: the cause, counted if the window is demoted at it) is walked
@@ -256,7 +260,7 @@ def _miss(st: TracerState, f, args, kwargs, n0: int, cause: str):
     window = st.window
     window.hot_miss = (cause, len(window.nodes))
     _decline(window, n0)
-    return _record(st, f, args, kwargs, n0, True)
+    return _record(st, window, f, args, kwargs, n0, True)
 
 
 def _slot_differs(window: Window, a) -> bool:
@@ -314,11 +318,6 @@ def _hot_differs(st: TracerState, p, args) -> str | None:
     return None
 
 
-def _within(positions: tuple, n: int) -> tuple:
-    """The argument positions of ``positions`` that an op called with ``n`` arguments has."""
-    return tuple(i for i in positions if i < n)
-
-
 def _mark(window: Window, token, written) -> None:
     """Mark every argument an op writes (BatchNorm's running stats are written but not returned;
     foreach ops write lists): later reads flush or read in window order, and a compiled region
@@ -343,14 +342,13 @@ def _first_on_target(st: TracerState, f, args):
     return None
 
 
-def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
+def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: bool = False):
     """Record op ``f`` (Note [One record path]): its placeholder(s) or written argument, as eager
     returns them, or an ``_Answer``: ``_DECLINED`` (not recorded, nothing changed), ``_SCALAR``,
     ``_WARNS``, or one carrying a ``_Resizes``, having registered real inputs past ``n0`` (the window's count of
     them before the op) that the caller forgets (``_unslot``). ``kwargs`` may be None (none given);
     the caller checked the default dtype (``_dtype_check``). ``cold``: walk it as in a window that is
-    not hot."""
-    window = st.window
+    not hot. ``window`` is ``st.window``."""
     n = len(args)
     p = window.hot
     if p is not None:  # ``_position``, inline
@@ -376,7 +374,7 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
         floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
         scalars = 0  # real 0-dim arguments on the target (Note [Scalar fast path])
         elsewhere = 0  # 0-dim CPU tensors of another target
-    for i in f.tensor_pos if n >= f.tensor_end else _within(f.tensor_pos, n):
+    for i in f.tensor_at[n]:
         a = args[i]
         o = getattr(a, "_ae", None)
         if o is not None:
@@ -462,11 +460,38 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                 nargs = list(args)
             nargs[i] = new
             sig[i] = tuple(lsig)
+    if not f.mutates:
+        written = ()  # (tensor, storage id) of every written argument, returned or not
+    elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
+        first = args[0]
+        first_sid = _untyped_storage(first)._cdata
+        written = ((first, first_sid),)  # marked at its emission
+        if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {}, written):
+            if p is not None:
+                return _miss(st, f, args, kwargs, n0, "overlap")
+            error = _overlap_error(f, args, kwargs or {}, shared=True)
+            if error is not None:
+                raise error
+    else:
+        written = []
+        shared = False  # another TensorImpl holds a written storage: Note [Overlapping writes]
+        for pos in f.write_pos:
+            w = (kwargs.get(pos) if kwargs else None) if type(pos) is str else (args[pos] if pos < n else None)
+            for t in (w if type(w) in (list, tuple) else (w,)):
+                if isinstance(t, _Tensor):
+                    sid = _untyped_storage(t)._cdata
+                    written.append((t, sid))
+                    if _storage_use_count(sid) > 2:
+                        shared = True
+        if shared and _shares_written(window, args, kwargs or {}, written):
+            if p is not None:
+                return _miss(st, f, args, kwargs, n0, "overlap")
+            error = _overlap_error(f, args, kwargs or {}, shared=True)
+            if error is not None:
+                raise error
     if p is not None:  # the template's position is the signature: Note [One record path]
         if refs != p.refs:
             return _miss(st, f, args, kwargs, n0, "binding")
-        specs = p.specs
-        uid = p.uid
         if p.other or kwargs:
             if p.lists or p.factory:
                 cause = _hot_differs(st, p, args)
@@ -479,6 +504,15 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                 a = args[pos] if type(pos) is int else kwargs.get(pos)
                 if a.__class__ is not float or (v is not None and a != v):
                     return _miss(st, f, args, kwargs, n0, "scalar")
+        if f.fresh_one:  # most ops: the emission's first branch (below) for a hot record, which is None
+            res = hot_placeholder(st.alloc_cpu, window, p.specs[0], p.uid)
+            _add(st, window, None, p.fpos, args, kwargs, p.nbytes)  # Note [Hot liveness] in _hot
+            return res
+        if f.writes_first:  # the second: its ALIAS Out is its hot record
+            _add(st, window, _alias_out(window, first, p.uid, first_sid), p.fpos, args, kwargs, p.nbytes)
+            return first
+        specs = p.specs
+        uid = p.uid
     else:
         bound = len(refs) - elsewhere  # tensor arguments on the target
         if scalars and scalars == bound and _scalars_settled(window, f, args, n):
@@ -492,7 +526,8 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                 lst = args[i]
                 if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
                     sig[i] = (float, len(lst))
-                    floats.extend((i, j) for j in range(len(lst)))
+                    for j in range(len(lst)):  # (no generator: it would make ``i`` a cell in every call)
+                        floats.append((i, j))
                 else:
                     sig[i] = tuple(lst)
         device = None if not bound else _first_on_target(st, f, args) if st.device_varies else st.device
@@ -538,35 +573,6 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
             ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
         elif st.device_in_key:
             ksig = (ksig, device)
-    if not f.mutates:
-        written = ()  # (tensor, storage id) of every written argument, returned or not
-    elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
-        first = args[0]
-        first_sid = _untyped_storage(first)._cdata
-        written = ((first, first_sid),)  # marked at its emission
-        if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {}, written):
-            if p is not None:
-                return _miss(st, f, args, kwargs, n0, "overlap")
-            error = _overlap_error(f, args, kwargs, shared=True)
-            if error is not None:
-                raise error
-    else:
-        written = []
-        shared = False  # another TensorImpl holds a written storage: Note [Overlapping writes]
-        for pos in f.write_pos:
-            w = (kwargs.get(pos) if kwargs else None) if type(pos) is str else (args[pos] if pos < n else None)
-            for t in (w if type(w) in (list, tuple) else (w,)):
-                if isinstance(t, _Tensor):
-                    sid = _untyped_storage(t)._cdata
-                    written.append((t, sid))
-                    if _storage_use_count(sid) > 2:
-                        shared = True
-        if shared and _shares_written(window, args, kwargs or {}, written):
-            if p is not None:
-                return _miss(st, f, args, kwargs, n0, "overlap")
-            error = _overlap_error(f, args, kwargs, shared=True)
-            if error is not None:
-                raise error
     if p is None:
         key = (f, tuple(sig), ksig)
         try:
@@ -602,22 +608,15 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                      len(window.nodes), f.mutates or f.nrets == 0, False)
         uid = (node.index + 1) * OUTS_PER_NODE
     # the emission: Note [One record path]
-    if f.fresh_one:  # one fresh output: most ops
-        record = None  # a hot record: None for a fresh value (Note [Hot liveness] in _hot)
-        if p is not None:
-            res = hot_placeholder(st.alloc_cpu, window, specs[0], uid)
-        elif specs[0] is not None:
+    if f.fresh_one:  # one fresh output: most ops (in a hot window, emitted above)
+        if specs[0] is not None:
             res, o = _placeholder(st, window, specs[0], uid, device)
             node.outs.append(o)
         else:  # an optional output that is not there
             res = None
             node.outs.append(None)
     elif f.writes_first:  # it writes and returns its first argument (most writes): an ALIAS Out
-        o = getattr(first, "_ae", None)
-        record = o = _alias_out(window, first, o if o is not None and o.win is token else first, uid)
-        mark_written(window, first_sid, o.slot)
-        if p is None:
-            node.outs.append(o)
+        node.outs.append(_alias_out(window, first, uid, first_sid))  # (in a hot window, emitted above)
         res = first
     elif f.one_ret:  # one output of an op that writes
         record = None
@@ -625,8 +624,7 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
         if spec is None:  # it writes and returns another argument (``out=``): an ALIAS Out
             target = f.alias_ret[0]
             res = args[target] if type(target) is int else kwargs[target]
-            o = getattr(res, "_ae", None)
-            record = o = _alias_out(window, res, o if o is not None and o.win is token else res, uid)
+            record = o = _alias_out(window, res, uid)
             if p is None:
                 node.outs.append(o)
         elif p is not None:
@@ -646,8 +644,7 @@ def _record(st: TracerState, f, args, kwargs, n0: int, cold: bool = False):
                 target = alias_ret[j] if j < len(alias_ret) else None
                 t = None if target is None else args[target] if type(target) is int else kwargs[target]
                 if t is not None:
-                    o = getattr(t, "_ae", None)
-                    o = _alias_out(window, t, o if o is not None and o.win is token else t, uid + j)
+                    o = _alias_out(window, t, uid + j)
                 results.append(t)
             elif p is not None:
                 results.append(hot_placeholder(st.alloc_cpu, window, spec, uid + j))

@@ -1030,7 +1030,8 @@ def test_every_out_the_tracer_makes_has_every_field():
         alloc_cpu = None
 
     p, o = _emit.placeholder(_State(), _Window(), spec, 9, torch.device("cpu"))
-    made += [o, _emit.alias_out(_Window(), t, t, 10), _emit.alias_out(_Window(), p, o, 11)]
+    made += [o, _emit.alias_out(_Window(), t, 10), _emit.alias_out(_Window(), p, 11)]
+    assert (made[-2].alias, made[-1].alias) == (t, o)  # a real tensor, a pending value
     for o in made:
         for name in Out.__slots__:
             assert hasattr(o, name), name
