@@ -65,7 +65,8 @@ from ._state import current_state, pending_hot_ops
 #   when it changes (a scheduled lr) that step misses, and the recapture makes it a graph input
 #   (automatic dynamic: a 0-dim float64 tensor input of the graph, so of the Program): one
 #   recapture per float that changes, never one per value. Dynamo keeps that knowledge per
-#   function, so a later optimizer may have it from its first capture;
+#   function, so a later optimizer may have it from its first capture; where Dynamo specializes
+#   it again instead, the step stays recorded (Note [Specialized floats]);
 # - Python-visible effects are Dynamo's to replay: ``state[p]["step"]`` stays a tensor and is
 #   incremented in place (a written input of the graph); params and state tensors are marked
 #   static (``mark_static_address``, as ``torch.compile`` of an optimizer does).
@@ -108,7 +109,7 @@ _is_compiling = torch.compiler.is_compiling
 class _Capture:
     """One optimizer's compiled step and how many steps it took since its last (re)capture."""
 
-    __slots__ = ("fn", "steps", "captures", "off", "launches")
+    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed")
 
     def __init__(self):
         self.fn = None
@@ -116,6 +117,7 @@ class _Capture:
         self.steps = 0
         self.captures = 0
         self.off: str | None = None  # why this optimizer's step is not captured any more
+        self.float_missed: str | None = None  # the group value of the last param_group miss (Note [Specialized floats])
 
 
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -219,7 +221,8 @@ def _step(st, opt, raw):
             return raw(opt)
         if not str(e).startswith(_RECOMPILE):
             raise
-        miss = _cause(str(e))
+        message = str(e)
+        miss = _cause(message)
     else:
         METRICS.optimizer_hot_steps += 1
         _count_launches(cap)
@@ -228,7 +231,36 @@ def _step(st, opt, raw):
         _set_stance(prior)
     METRICS.optimizer_misses[miss] += 1
     cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
+    if miss == "param_group":
+        _specialized_again(opt, cap, _first_guard(message).partition(" == ")[0])
     return raw(opt)
+
+
+# Note [Specialized floats]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A scheduled lr becomes a graph input at the recapture after its first change (Note [Optimizer
+# capture]) only where TorchDynamo can turn the float into a tensor: its tensorify pass converts
+# a float that reaches arithmetic ops and a few others, and specializes any other use again, guarded
+# on the new value. torch.optim's foreach AdamW with weight decay (the path a device such as
+# ``neuron`` takes) passes ``1 - lr * weight_decay`` to ``_foreach_mul_``, which it cannot convert
+# (torch 2.13): every recapture baked the next lr, missed at the next step and captured again, four
+# captures of 2-3 s each in the finetune example's steps on the emulated device, each with a compile
+# that was never used queued ahead of the step's real ones. So a param_group miss on the same group
+# value as the last one ends the captures (``specialized_float``): the step stays recorded, where
+# the fuser lifts its floats as runtime inputs (Note [Scalar lifting] in fuser.scalars) and a
+# scheduled lr compiles nothing more.
+
+
+def _specialized_again(opt, cap: _Capture, value: str) -> None:
+    """After a param_group miss on group value ``value`` (the guarded source): stop capturing when
+    the last miss was on the same value (Note [Specialized floats])."""
+    if not value or cap.float_missed != value:
+        cap.float_missed = value
+        return
+    cap.off = "specialized_float"
+    log.warning("adaptive_eager: %s.step() missed its guards on %s again after the recapture that should have made it "
+                "an input (TorchDynamo specialized it again); it is recorded op by op from now on, where its floats "
+                "are runtime inputs", type(opt).__name__, value.removeprefix("ref()."))
 
 
 def _capture(st, opt, raw, cap, backend):
@@ -315,10 +347,16 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else ""
 
 
+def _first_guard(message: str) -> str:
+    """The first failed guard of a Dynamo recompile message, as ``ref().param_groups[0]['lr'] == 0.1``."""
+    first = message.partition("guard failure(s):")[2].strip().lstrip("- ").partition("\n")[0]
+    guard = first.partition("  #")[0].strip()  # what follows is the source line that read the value
+    return guard.partition(": ")[2] if guard[:1].isdigit() else guard  # "2/0: <guard>": the entry's number
+
+
 def _cause(message: str) -> str:
     """What the first failed guard of a Dynamo recompile message is about."""
-    first = message.partition("guard failure(s):")[2].strip().lstrip("- ").partition("\n")[0]
-    guard = first.partition("  #")[0]  # what follows is the source line that read the value
+    guard = _first_guard(message)
     for word, cause in (("grad", "grad"), ("state", "state"), ("param_groups", "param_group"),
                         ("hooks", "hooks")):
         if word in guard:

@@ -77,8 +77,11 @@ GROUPS = LRU(_Group)  # structure -> its scalar group; as many as the region LRU
 # (op, float position) of floats that a compiled graph needs as Python numbers although the op
 # records them as liftable: an optimizer step's are not lifted before they change. Learned from
 # LiftErrors (``unlift``); seeded with lerp's weight (AdamW's ``1 - beta1``), which its
-# decomposition passes to ``full``.
-NUMBERS: set[tuple] = {(op, pos) for op in (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp_.Scalar)
+# decomposition passes to ``full``, in its foreach form too (the step of a device that takes
+# torch.optim's foreach path: there the first compile of the step failed, the window replayed and
+# compiled again, a second compile of the training step).
+NUMBERS: set[tuple] = {(op, pos) for op in (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp_.Scalar,
+                                            torch.ops.aten._foreach_lerp.Scalar, torch.ops.aten._foreach_lerp_.Scalar)
                        for pos in (2, "weight")}
 
 

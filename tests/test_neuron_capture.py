@@ -405,3 +405,42 @@ def test_a_program_that_exits_while_loads_are_prepared_waits_for_the_preparation
         """), tmp_path)
     assert "exiting" in out
     assert done.read_text() == "done", out
+
+
+def test_a_scheduled_lr_that_dynamo_specializes_again_stops_the_recaptures(tmp_path):
+    """Note [Specialized floats] in adaptive_eager._optim: the device takes AdamW's foreach path,
+    where TorchDynamo cannot make a scheduled lr a graph input (it reaches ``_foreach_mul_`` with the
+    weight decay) and specializes it at every recapture. The step was captured four times (each a
+    Dynamo trace in the step and a compile never used); it stops at the second param_group miss on
+    the same lr and stays recorded, with CPU eager's values."""
+    out = _child("""
+        import contextlib
+        import json
+        ne.emulate_neuron()
+
+        def run(device, adaptive=None):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 10)
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)).to(device)
+            with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+                for _ in range(8):
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+            return {k: v.cpu() for k, v in model.state_dict().items()}
+
+        cpu_state = run("cpu")
+        ae.reset_metrics()
+        state = run("neuron", {"hot_after": 1, "async_compile": False})
+        m = ae.metrics()
+        print(json.dumps({"error": max((state[k] - cpu_state[k]).abs().max().item() for k in state),
+                          "captures": m["optimizer_captures"], "misses": m["optimizer_misses"]}))
+        """, tmp_path)
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))  # the warning follows
+    assert "recorded op by op from now on" in out
+    assert r["error"] <= 1e-5, r
+    assert r["captures"] == 2 and r["misses"]["param_group"] == 2 and "recapture_limit" not in r["misses"], r

@@ -330,6 +330,45 @@ def test_stablehlo_is_the_default_backend_and_trains_like_eager_cpu(tmp_path):
     assert "NEFF launches, adaptive eager" in out
 
 
+@needs_stablehlo
+def test_a_recorded_foreach_adamw_step_with_a_schedule_compiles_once(tmp_path):
+    """AdamW on the device takes torch.optim's foreach path; recorded (tiers='hot'), its step's floats
+    are lifted before the first compile, except those a decomposition needs as numbers: the foreach
+    lerp's weight was not known as one, so the first compile failed (LiftError), the window replayed
+    ("scalars_baked") and compiled again. The lr changes every step (a schedule)."""
+    out = _child("""
+        import contextlib
+        import json
+        ne.emulate_neuron()
+
+        def run(device, adaptive=None):
+            model = mlp().to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 10)
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+            with ae.adaptive_eager(**adaptive) if adaptive is not None else contextlib.nullcontext():
+                for _ in range(4):
+                    loss = model(x.to(device)).square().mean()
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                    loss.item()
+            return {k: v.cpu() for k, v in model.state_dict().items()}
+
+        cpu_state = run("cpu")
+        ae.reset_metrics()
+        state = run("neuron", {"hot_after": 1, "async_compile": False, "tiers": "hot"})
+        m = ae.metrics()
+        assert close(state, cpu_state, 1e-5)
+        print(json.dumps({"replay_reasons": m["replay_reasons"], "compile_failures": m["compile_failures"],
+                          "optimizer_captures": m["optimizer_captures"]}))
+        """, tmp_path)
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["optimizer_captures"] == 0 and r["compile_failures"] == 0, r
+    assert "scalars_baked" not in r["replay_reasons"], r
+
+
 def test_a_process_that_imports_the_fuser_first_emulates_the_device(tmp_path):
     """A compile worker imports ``fuser.compile`` before torch; ``import torch`` then loads adaptive
     eager (NEURON_EAGER_EMULATE=1), whose ``_hot`` imported a name of the half-imported
