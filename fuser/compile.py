@@ -4,6 +4,7 @@ key, the lifted inputs, how it runs) and the backend's bytes, packed without pic
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import struct
@@ -65,14 +66,32 @@ def compile_job(payload: bytes) -> bytes:
     return _pack(*compile_program(program, backend), doc["key"])
 
 
+# A warm-up's stages before its compile (Note [Warm workers] in neff_cache.jobs): the compiler's
+# imports, the slowest first (a captured graph's trace in a worker needs Dynamo and AOTAutograd).
+_WARM_IMPORTS = {
+    None: ("torch._dynamo", "torch._functorch.aot_autograd"),
+    "inductor": ("torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.lowering",
+                 "torch._inductor.compile_fx"),
+}
+
+
 def warm_up(payload: bytes) -> bytes:
     """A compile worker's warm-up (Note [Warm workers] in neff_cache.jobs): compile a one-op program
     with the backend the payload names, so that the compiler's imports and its one-time probes are
-    done before the first region arrives. Nothing of it is kept."""
+    done before the first region arrives; it ends after any stage at which a job waits. Nothing of it
+    is kept."""
+    from neff_cache._worker import job_waiting
+
     from .backends import get_backend
     from .window import FRESH
 
     doc = json.loads(payload)
+    for module in _WARM_IMPORTS.get(doc["backend"], _WARM_IMPORTS[None]):
+        if job_waiting():  # Note [Warm workers]: the job does the imports it needs itself
+            return b""
+        importlib.import_module(module)
+    if job_waiting():
+        return b""
     backend = get_backend(doc["backend"], doc["device"])
     uid = 1 << 16
     program = Program([(torch.ops.aten.add.Tensor, [_In(0), 1.0], {}, [(FRESH, uid, None)])],

@@ -31,6 +31,18 @@ LIMIT_EXCEEDED = "CompileLimitExceeded"  # how an abandoned compile's failure be
 WARM = "warm"  # a message's destination that asks for a warm-up: Note [Warm workers] in neff_cache.jobs
 
 
+_CONNECTION: list = []  # the connection to the parent, in a worker process (``job_waiting``)
+
+
+def job_waiting() -> bool:
+    """Whether the parent has sent this worker a job that waits to be read: a warm-up asks between
+    its stages and ends early if so (Note [Warm workers] in neff_cache.jobs). False outside a worker."""
+    try:
+        return bool(_CONNECTION) and _CONNECTION[0].poll(0)
+    except (OSError, EOFError):
+        return False
+
+
 def resolve(fn_path: str) -> Callable[[bytes], bytes]:
     """Import the function named by ``"package.module:function"`` (the function may be dotted)."""
     module_name, _, qualname = fn_path.partition(":")
@@ -182,6 +194,7 @@ def serve(fd: int, parent: int, limits: int) -> None:
 
     watchdog = _start_watchdog(limits, fd)  # before any thread: it forks
     connection = Connection(fd)
+    _CONNECTION[:] = [connection]
     running = _Job()
     # the parent's pid from the parent: it may have exited before this process got here
     threading.Thread(target=_watch_parent, args=(parent, running), daemon=True).start()

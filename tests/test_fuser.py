@@ -1061,3 +1061,21 @@ def test_a_failed_compiled_run_gives_released_placeholders_their_memory_back(mon
         bound, unbound = (a, b) if not torch.isnan(a).any() else (b, a)
         torch.testing.assert_close(bound, (x * 2).sin() if bound is a else (x + 1).cos())
         assert torch.isnan(unbound).all()
+
+
+def test_a_warm_up_ends_before_its_compile_when_a_job_waits(monkeypatch):
+    """Note [Warm workers] in neff_cache.jobs: the worker's warm-up (``fuser.compile.warm_up``)
+    compiles its one-op program only when no job waits for the worker; with one waiting it stops
+    after the stage it is in, and the job does the rest of the imports it needs."""
+    import json
+
+    import fuser.compile
+    import neff_cache._worker
+
+    compiled = []
+    monkeypatch.setattr(fuser.compile, "compile_program", lambda program, backend: compiled.append(program))
+    payload = json.dumps({"backend": "inductor", "device": "cpu"}).encode()
+    monkeypatch.setattr(neff_cache._worker, "job_waiting", lambda: True)
+    assert fuser.compile.warm_up(payload) == b"" and compiled == []
+    monkeypatch.setattr(neff_cache._worker, "job_waiting", lambda: False)
+    assert fuser.compile.warm_up(payload) == b"" and len(compiled) == 1

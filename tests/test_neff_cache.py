@@ -683,6 +683,19 @@ def test_a_warmed_worker_runs_its_warm_up_before_the_first_job(store):
     assert store.get(KEY_A, fingerprint="fp") == b"warmed"
 
 
+def test_a_warm_up_sees_a_job_sent_meanwhile(store):
+    """Note [Warm workers]: ``job_waiting`` tells a warm-up that a job waits in its pipe, so that it
+    ends before its own compile; the job still runs after it, in the same worker."""
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.warm(FN + "wait_for_a_job", b"60")
+        assert jobs.submit(KEY_A, FN + "remembered", b"", fingerprint="fp", backend="b")
+        assert [r[:2] for r in finished_within(jobs, 90)] == [(KEY_A, True)]
+    finally:
+        jobs.shutdown()
+    assert store.get(KEY_A, fingerprint="fp") == b"a job waits"
+
+
 def test_busy_counts_a_worker_warming_up_or_compiling_until_it_ends(store):
     """Note [Cores beside a compile] in adaptive_eager._cores: ``busy`` counts a worker from its
     warm-up's start to its end (the warm-up's one reply) and while a job runs, and collects without

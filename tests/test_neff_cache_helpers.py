@@ -156,6 +156,18 @@ def remember(payload: bytes) -> bytes:
     return b""
 
 
+def wait_for_a_job(payload: bytes) -> bytes:
+    """A warm-up that waits up to ``payload`` seconds for a job to be sent and leaves whether one
+    came (``job_waiting``, which a staged warm-up asks between its stages)."""
+    from neff_cache._worker import job_waiting
+
+    deadline = time.monotonic() + float(payload)
+    while not job_waiting() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _REMEMBERED[0] = b"a job waits" if job_waiting() else b"no job"
+    return b""
+
+
 def remembered(payload: bytes) -> bytes:
     """What the worker's warm-up left, if any."""
     return _REMEMBERED[0]
