@@ -507,7 +507,8 @@ def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
 # mode suspended (the captured call's), so eager's values; an optimizer's graph writes the
 # parameters and state in place as the step would. Every ``_POLL_S`` it looks for the job's end;
 # once the record lands, the call runs the callable built from it (``_from_record``), whose
-# graphs then compile in the worker as any record's do. A job that declines or fails (its cause
+# graphs then compile in the worker as any record's do (a worker whose program exited before the
+# record landed compiles them itself: Note [Follow-up compiles after exit] in neff_cache._worker). A job that declines or fails (its cause
 # remembered in the store, so a later process traces in its step at once) makes the next call
 # trace here, as before (``_aot_trace``, in a tracing context of its own); a trace that fails
 # here too leaves the module (or step) uncaptured, by the same causes as a capture that failed,
@@ -847,11 +848,8 @@ class _Graph:
             if entry is None:
                 entry = self.entry = table._Entry()
                 entry.program = self.program
-                # Note [Written inputs]: a backend that stores after its run writes nothing in a run that fails
-                self.program.inplace = getattr(backend, "writes_inputs", False) and (
-                    self.may_write or getattr(backend, "stores_after_run", False))
                 try:
-                    entry.pkey = self.program.digest(fingerprint)
+                    entry.pkey = _graph_key(self.program, self.may_write, backend, fingerprint)
                 except TypeError as e:
                     self.program = None
                     self.uncompiled_graphs["unencodable"] += 1
@@ -872,6 +870,41 @@ class _Graph:
             self.checked = type(run) is not _Unverified
             self.run = run.run if type(run) is _Unverified else run
             return self.run
+
+
+def _graph_key(program, may_write: bool, backend, fingerprint: str) -> str:
+    """A captured graph's persistent key, ``program`` made ready for its compile: the same in the
+    program and in a worker that compiles it after the program exited (Note [Follow-up compiles after
+    exit] in neff_cache._worker). TypeError for a program with no key."""
+    # Note [Written inputs]: a backend that stores after its run writes nothing in a run that fails
+    program.inplace = getattr(backend, "writes_inputs", False) and (
+        may_write or getattr(backend, "stores_after_run", False))
+    return program.digest(fingerprint)
+
+
+def follow_up_compiles(record: dict, backend_name: str, device: str) -> None:
+    """In a worker, name the compiles of the graphs of a record it traced, which the program submits
+    once it reads the record: the worker runs them if the program is gone by then (Note [Follow-up
+    compiles after exit] in neff_cache._worker). A graph with no key is left to the program's run."""
+    from fuser.artifacts import compile_payload
+    from fuser.backends import get_backend
+    from fuser.compile import cache_fingerprint
+    from fuser.program import Program
+    from neff_cache._worker import follow_up
+
+    backend = get_backend(backend_name, device)
+    fingerprint = cache_fingerprint(backend)
+    for kind in ("forward", "backward"):
+        doc = record.get(kind)
+        if doc is None:
+            continue
+        program = Program.from_bytes(json.dumps(doc["program"]).encode())
+        try:
+            key = _graph_key(program, doc["may_write"], backend, fingerprint)
+        except TypeError:
+            continue
+        follow_up(key, "fuser.compile:compile_job", compile_payload(key, program, backend, device),
+                  backend=backend.name)
 
 
 # Note [Masks drawn by the call]

@@ -12,7 +12,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
-from ._capture import _RECORD_FORMAT, _aot_trace, _by_name, _Decline, _record_doc, _record_of
+from ._capture import _RECORD_FORMAT, _aot_trace, _by_name, _Decline, _record_doc, _record_of, follow_up_compiles
 
 
 def trace_job(payload: bytes) -> bytes:
@@ -36,7 +36,11 @@ def trace_job(payload: bytes) -> bytes:
         if _record_doc(gm, inputs, options, who) != payload:
             raise _Decline("rebuild", "the rebuilt graph or this process's state differs from the program's")
         _, graphs, meta = _aot_trace(gm, inputs, options, who, True)
-        return json.dumps(_record_of(graphs, meta)).encode()
+        record = _record_of(graphs, meta)
+    # a program gone before it reads the record submits none of its graphs' compiles: the worker
+    # runs them (Note [Follow-up compiles after exit] in neff_cache._worker)
+    follow_up_compiles(record, backend, "cpu")
+    return json.dumps(record).encode()
 
 
 def _tensor(meta: list) -> torch.Tensor:

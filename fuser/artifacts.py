@@ -65,8 +65,7 @@ def submit_job(entry, backend, store, options) -> bool:
     from .compile import cache_fingerprint
 
     store.release(entry.pkey)  # CompileJobs claims the key itself
-    payload = json.dumps({"backend": backend.name, "device": options.device, "key": entry.pkey,
-                          "program": entry.program.to_bytes().decode()}).encode()
+    payload = compile_payload(entry.pkey, entry.program, backend, options.device)
     fingerprint = cache_fingerprint(backend)  # artifacts and failures alike
     try:
         submitted = _jobs(store, options).submit(
@@ -82,6 +81,12 @@ def submit_job(entry, backend, store, options) -> bool:
     if not submitted:
         STATS.waited_for_other_process += 1
     return True
+
+
+def compile_payload(pkey: str, program, backend, device: str) -> bytes:
+    """``fuser.compile.compile_job``'s payload for ``program`` under key ``pkey``."""
+    return json.dumps({"backend": backend.name, "device": device, "key": pkey,
+                       "program": program.to_bytes().decode()}).encode()
 
 
 # Note [Loads prepared while the first compile runs]

@@ -5,8 +5,9 @@ Started by ``neff_cache.jobs`` as ``python -c BOOTSTRAP <fd> <sys.path as JSON> 
 <limits fd>``; see Note [Compile worker processes] there. It imports nothing heavy itself: the
 compile function's module does. With a destination (the store the parent uses), the worker stores
 the artifact, or the failure, itself, so that a compile that outlives its program still lands (Note
-[Compiles that outlive the program]). A watchdog process bounds each job's memory and time (Note
-[Compile limits]).
+[Compiles that outlive the program]), and then runs the compiles the job named for a program that is
+gone (Note [Follow-up compiles after exit]). A watchdog process bounds each job's memory and time
+(Note [Compile limits]).
 """
 
 from __future__ import annotations
@@ -58,6 +59,35 @@ class _Job:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.after_exit_s: float | None = None  # None: no job running
+
+
+# Note [Follow-up compiles after exit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some jobs make what the program then compiles: a captured graph's trace (Note [Traces off the
+# step] in adaptive_eager._capture) makes the graphs whose compiles the program submits once it
+# reads the record. A program that exits before reading it (a short run whose worker was still
+# importing the compiler when the trace was sent) submits none, and nobody compiled those graphs:
+# the next process found the record, submitted them itself and ran them op by op (and the windows
+# around them as they are recorded beside an uncompiled graph) for as long as they took. So a job
+# function names such compiles (``follow_up``), and once its own result is stored and sent, a
+# worker whose program is gone runs them itself: one after the other, each under its own key
+# claimed in the job's store and stored there with the job's fingerprint, each bounded as a job is
+# (Note [Compile limits]) and within the program's time after exit. While the program lives they
+# are dropped: it reads the result and submits them itself, as before. A program that exits after
+# the result was sent and before it read it leaves them to the next process, as before.
+_PARENT = [0]  # the program's pid, once serving
+_FOLLOW_UPS: list = []  # (key, fn_path, payload, backend) named by the running job
+
+
+def program_gone() -> bool:
+    """Whether this is a worker whose program has exited (Note [Follow-up compiles after exit])."""
+    return _PARENT[0] != 0 and os.getppid() != _PARENT[0]
+
+
+def follow_up(key: str, fn_path: str, payload: bytes, *, backend: str) -> None:
+    """Have ``fn_path(payload)`` compile ``key`` after the running job if the program is gone by then
+    (Note [Follow-up compiles after exit]); its artifact is stored where the job's result goes."""
+    _FOLLOW_UPS.append((key, fn_path, bytes(payload), backend))
 
 
 def _watch_parent(parent: int, running: _Job) -> None:
@@ -190,12 +220,11 @@ def serve(fd: int, parent: int, limits: int) -> None:
     seconds, exception text, stored)``; ``stored`` says whether the worker put the result in the
     destination store itself.
     """
-    import json
-
     watchdog = _start_watchdog(limits, fd)  # before any thread: it forks
     connection = Connection(fd)
     _CONNECTION[:] = [connection]
     running = _Job()
+    _PARENT[0] = parent
     # the parent's pid from the parent: it may have exited before this process got here
     threading.Thread(target=_watch_parent, args=(parent, running), daemon=True).start()
     functions: dict[str, Callable[[bytes], bytes]] = {}
@@ -216,43 +245,61 @@ def serve(fd: int, parent: int, limits: int) -> None:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the parent is gone: what it sent is read, then end-of-input ends this process
             continue
-        with running.lock:
-            running.after_exit_s = destination["after_exit_s"] if destination is not None else 0.0
-        start = time.perf_counter()
-        failure = None
-        _tell(watchdog, "start " + json.dumps({**bounds, "destination": destination}))
-        try:
-            function = functions.get(fn_path)
-            if function is None:
-                function = functions[fn_path] = resolve(fn_path)
-                start = time.perf_counter()  # importing the compiler (torch, ...) is not compile time
-            artifact = function(payload)
-            if not isinstance(artifact, (bytes, bytearray, memoryview)):
-                returned = type(artifact).__name__
-                raise TypeError(f"{fn_path} returned {returned}; a compile function must return bytes")
-            reply = [True, bytes(artifact), time.perf_counter() - start, None]
-        except Exception as error:
-            failure = "".join(traceback.format_exception_only(error)).strip()
-            reply = [False, traceback.format_exc(), time.perf_counter() - start, failure]
-        _tell(watchdog, "end")
+        _FOLLOW_UPS.clear()
+        reply = _run(functions, fn_path, payload, destination, bounds, watchdog, running)
         stored = destination is not None and _store(destination, reply)
-        with running.lock:
-            running.after_exit_s = None
         try:
             connection.send((*reply, stored))
         except (BrokenPipeError, ConnectionResetError):
             # the parent is gone; the result is in the store if it had one. The jobs it queued
             # for after its exit are still to be read (Note [Compiles that outlive the program]
             # in neff_cache.jobs); then end-of-input ends this process
+            pass
+        follow_ups = list(_FOLLOW_UPS)
+        _FOLLOW_UPS.clear()
+        if destination is None or not program_gone():
             continue
+        for key, follow_fn, follow_payload, backend in follow_ups:  # Note [Follow-up compiles after exit]
+            where = {**destination, "key": key, "backend": backend}
+            store = _open(where)
+            if store is None or store.contains(key) or not store.claim(key, ttl_s=where.get("claim_ttl_s", 900.0)):
+                continue
+            _store(where, _run(functions, follow_fn, follow_payload, where, {**bounds, "key": key}, watchdog, running))
+
+
+def _run(functions: dict, fn_path: str, payload: bytes, destination: dict | None, bounds: dict, watchdog: int,
+         running: _Job) -> list:
+    """One job, under its bounds (Note [Compile limits]): its reply without ``stored``."""
+    import json
+
+    with running.lock:
+        running.after_exit_s = destination["after_exit_s"] if destination is not None else 0.0
+    start = time.perf_counter()
+    _tell(watchdog, "start " + json.dumps({**bounds, "destination": destination}))
+    try:
+        function = functions.get(fn_path)
+        if function is None:
+            function = functions[fn_path] = resolve(fn_path)
+            start = time.perf_counter()  # importing the compiler (torch, ...) is not compile time
+        artifact = function(payload)
+        if not isinstance(artifact, (bytes, bytearray, memoryview)):
+            returned = type(artifact).__name__
+            raise TypeError(f"{fn_path} returned {returned}; a compile function must return bytes")
+        reply = [True, bytes(artifact), time.perf_counter() - start, None]
+    except Exception as error:
+        failure = "".join(traceback.format_exception_only(error)).strip()
+        reply = [False, traceback.format_exc(), time.perf_counter() - start, failure]
+    _tell(watchdog, "end")
+    with running.lock:
+        running.after_exit_s = None
+    return reply
 
 
 _STORES: dict[tuple, Any] = {}
 
 
-def _store(destination: dict, reply: list) -> bool:
-    """Put the artifact (or the failure) in the destination store and release the job's claim if it
-    was handed over to this process; True if it landed on disk."""
+def _open(destination: dict):
+    """The destination's store, opened once per process; None if it cannot be opened."""
     from neff_cache.store import ArtifactStore
 
     where = (destination["directory"], destination["size_limit_mb"], destination["format_version"])
@@ -260,6 +307,18 @@ def _store(destination: dict, reply: list) -> bool:
         store = _STORES.get(where)
         if store is None:
             store = _STORES[where] = ArtifactStore(where[0], size_limit_mb=where[1], format_version=where[2])
+        return store
+    except Exception:  # noqa: BLE001 - the parent stores it instead
+        return None
+
+
+def _store(destination: dict, reply: list) -> bool:
+    """Put the artifact (or the failure) in the destination store and release the job's claim if it
+    was handed over to this process; True if it landed on disk."""
+    try:
+        store = _open(destination)
+        if store is None:
+            return False
         ok, result, seconds, failure = reply
         key, fingerprint, backend = destination["key"], destination["fingerprint"], destination["backend"]
         if ok:

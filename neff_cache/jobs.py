@@ -405,7 +405,7 @@ class CompileJobs:
         return {"directory": store.directory, "size_limit_mb": store.size_limit_bytes / BYTES_PER_MB,
                 "format_version": store.format_version, "key": key, "fingerprint": str(fingerprint),
                 "backend": str(backend), "after_exit_s": self.finish_after_exit_s,
-                "failure_fingerprint": failure_fingerprint}
+                "failure_fingerprint": failure_fingerprint, "claim_ttl_s": self.claim_ttl_s}
 
     def _pending_keys(self) -> set[str]:
         return {job.key for job in self._unfinished_jobs()}

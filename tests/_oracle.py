@@ -161,3 +161,18 @@ def declining_trace_job(payload: bytes) -> bytes:
     from adaptive_eager._capture import _Decline
 
     raise _Decline("test_decline", "declined by the test")
+
+
+def trace_job_after_exit(payload: bytes) -> bytes:
+    """A worker's trace job that starts once its program has exited (Note [Follow-up compiles after
+    exit] in neff_cache._worker), so that the program never reads the record: ``_capture._TRACE_JOB``
+    names it in a test's child program."""
+    import time
+
+    from adaptive_eager._capture_trace import trace_job
+    from neff_cache._worker import program_gone
+
+    deadline = time.monotonic() + 120.0
+    while not program_gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return trace_job(payload)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -603,6 +604,80 @@ def test_the_aot_trace_runs_in_the_worker_and_its_record_takes_over(tmp_path, mo
     assert graphs.count("module") >= 2 * (steps - HOT_AFTER - 1), graphs
     assert graphs.count("optimizer") >= steps - HOT_AFTER - 1, graphs
     assert m["module_captured_calls"] == steps - HOT_AFTER and m["optimizer_hot_steps"] == steps - HOT_AFTER - 1, m
+
+
+_EXIT_BEFORE_THE_TRACE = """
+import json, sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import torch
+import adaptive_eager as ae
+import fuser
+from adaptive_eager import _capture
+
+_capture._TRACE_JOB = "_oracle:trace_job_after_exit"  # the records land after this program exits
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+with ae.adaptive_eager(backend="inductor", cache_dir={cache!r}, hot_after={hot_after}):
+    for _ in range(6):
+        opt.zero_grad()
+        (model(torch.randn(5, 8)) ** 2).mean().backward()
+        opt.step()
+    ae.sync()
+    workers = [w.process.pid for jobs in fuser.compile_jobs() for w in jobs._workers]
+    print(json.dumps({{"records": ae.metrics()["capture_records"], "workers": workers}}))
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"  # a zombie nobody reaped has ended
+    except OSError:
+        return True
+
+
+def test_a_program_gone_before_its_records_land_leaves_their_graphs_compiled(tmp_path):
+    """Note [Follow-up compiles after exit] in neff_cache._worker: a program that exits before its
+    captures' AOTAutograd traces land (a short run: the worker still imports the compiler) never
+    submits their graphs' compiles; the worker that traces after the exit compiles them, so that the
+    next process finds the module's forward and backward and the optimizer step compiled."""
+    import torch._inductor.inductor_prims  # noqa: F401 - the records' graphs name its ops (AdamW's prims.fma)
+    from fuser.backends import get_backend
+    from fuser.compile import cache_fingerprint
+    from fuser.program import Program
+    from neff_cache import ArtifactStore
+
+    cache = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _EXIT_BEFORE_THE_TRACE.format(tests=os.path.join(root, "tests"), root=root, cache=cache,
+                                         hot_after=HOT_AFTER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    records = child["records"]
+    assert records.get("module_trace_submitted") == 1 and records.get("optimizer_trace_submitted") == 1, records
+    assert not any(k.endswith("_trace_landed") for k in records), records  # the program read no record
+    deadline = time.monotonic() + 300
+    while not all(_gone(pid) for pid in child["workers"]):
+        assert time.monotonic() < deadline, "the compile worker did not end after its program"
+        time.sleep(0.2)
+    store = ArtifactStore(cache)
+    backend = get_backend("inductor", "cpu")
+    fingerprint = cache_fingerprint(backend)
+    graphs = []
+    for entry in store.entries():
+        if entry["backend"] != _capture._RECORD_BACKEND:
+            continue
+        record = json.loads(store.get(entry["key"], fingerprint=fingerprint))
+        for kind in ("forward", "backward"):
+            if kind in record:
+                program = Program.from_bytes(json.dumps(record[kind]["program"]).encode())
+                key = _capture._graph_key(program, record[kind]["may_write"], backend, fingerprint)
+                graphs.append((kind, store.contains(key)))
+    # the module's forward and backward, the optimizer step's one graph: each compiled and stored
+    assert sorted(graphs) == [("backward", True), ("forward", True), ("forward", True)], graphs
 
 
 def test_a_declined_trace_runs_in_the_next_step(tmp_path, monkeypatch):

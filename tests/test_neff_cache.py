@@ -990,6 +990,46 @@ def test_compile_of_a_program_killed_by_sigkill_still_lands(tmp_path):
     assert store.get(KEY_A) == b"compiled after 1"
 
 
+def test_a_follow_up_compile_runs_once_the_program_is_gone(tmp_path):
+    """Note [Follow-up compiles after exit] in neff_cache._worker: a job that ends after its program
+    exited runs the compiles it named, each under its own key and backend, released once stored."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path[:0] = [{REPO_ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+        from neff_cache import ArtifactStore, CompileJobs
+        jobs = CompileJobs(ArtifactStore({str(tmp_path)!r}), finish_after_exit_s=60)
+        assert jobs.submit({KEY_A!r}, {FN + "sleep_then_name_a_follow_up"!r}, b"1", fingerprint="fp", backend="b")
+        """
+    )
+    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0, finished.stderr
+    store = ArtifactStore(tmp_path)
+    assert store.wait_for(KEY_A, timeout_s=60) == b"traced"
+    assert store.wait_for(KEY_B, timeout_s=60) == b"FOLLOW-UP"
+    deadline = time.monotonic() + 10
+    while store.is_claimed(KEY_B) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not store.is_claimed(KEY_B)
+    assert {e["key"]: e["backend"] for e in store.entries()} == {KEY_A: "b", KEY_B: "b2"}
+
+
+def test_a_follow_up_compile_is_dropped_while_the_program_lives(tmp_path):
+    """... and while the program lives it is the program's to submit (it reads the job's result)."""
+    store = ArtifactStore(tmp_path)
+    jobs = CompileJobs(store, finish_after_exit_s=60)
+    try:
+        assert jobs.submit(KEY_A, FN + "sleep_then_name_a_follow_up", b"0", fingerprint="fp", backend="b")
+        (result,) = jobs.poll(timeout_s=60)
+        assert result.ok, result.error
+        assert jobs.submit(KEY_C, FN + "compile_upper", b"next", fingerprint="fp", backend="b")
+        (result,) = jobs.poll(timeout_s=60)  # the worker took the next job: the follow-up is behind it
+        assert result.ok and store.get(KEY_C) == b"NEXT"
+        assert not store.contains(KEY_B) and not store.is_claimed(KEY_B)
+    finally:
+        jobs.shutdown()
+
+
 def test_compile_running_at_exit_is_bounded_by_finish_after_exit_s(tmp_path):
     exit_with_a_compile_running(tmp_path, seconds=60, finish_after_exit_s=1)
     store = ArtifactStore(tmp_path)

@@ -181,3 +181,13 @@ def allocate_and_hold(payload: bytes) -> bytes:
     block = bytearray(int(payload) << 20)  # touched: zero-filled
     ctypes.PyDLL(None).sleep(60)  # PyDLL keeps the GIL through the call (CDLL releases it)
     return bytes(block[:1])
+
+
+def sleep_then_name_a_follow_up(payload: bytes) -> bytes:
+    """Sleep ``payload`` seconds, then name a follow-up compile of key ``"b" * 32`` (Note [Follow-up
+    compiles after exit] in neff_cache._worker)."""
+    from neff_cache._worker import follow_up
+
+    time.sleep(float(payload))
+    follow_up("b" * 32, __name__ + ":compile_upper", b"follow-up", backend="b2")
+    return b"traced"
