@@ -205,14 +205,13 @@ class _Pos:
     """One position of a template: what recording its op produced (Note [Hot windows])."""
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid",
-                 "nbytes", "source", "sig_end", "pending", "view", "offset", "lists", "multi",
+                 "nbytes", "source", "sig_end", "view", "offset", "lists", "multi",
                  "factory", "other", "refs", "specs")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
         self.n = 0  # len(args)
         self.tensors: tuple = ()  # (arg position, ref): ref an Out uid (> 0) or -(slot + 1)
-        self.pending: tuple = ()  # the positions among ``tensors`` with a pending input, in order
         self.consts: tuple = ()  # (arg position, value) of the other arguments, compared equal
         # its floats kept apart from the signature (Note [Scalar recording] in ``_ops``): argument
         # positions and keyword names, in ``Window.scalars`` order, and per float the value compiled
@@ -463,11 +462,10 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
     p = _Pos()
     p.f, p.n, p.source = f, len(node.args), node.source
     lifted = [x for x in node.fpos if type(x) is int]
-    tensors, pending, consts, lists = [], [], [], []
+    tensors, consts, lists = [], [], []
     for j, a in enumerate(node.args):
         if type(a) is Out:
             tensors.append((j, a.uid))
-            pending.append(j)
         elif isinstance(a, _Tensor):
             if not a.is_cpu or (scalar_fast_path and a.numel() == 1):
                 return None  # a real scalar: a recording snapshots it
@@ -490,7 +488,7 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
         if not f.factory:
             return None
         p.factory = True  # ``zeros``, ``arange``, ``scalar_tensor``: made on the default device
-    p.tensors, p.pending, p.consts, p.fpos = tuple(tensors), tuple(pending), tuple(consts), list(node.fpos)
+    p.tensors, p.consts, p.fpos = tuple(tensors), tuple(consts), list(node.fpos)
     p.lists = tuple(lists)
     # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])
     p.fvals = [None if node.fbase + j in lifted_inputs else window.scalars[node.fbase + j]
@@ -545,7 +543,7 @@ def _view_pos(node: Node, f, window: Window) -> _Pos | None:
     p.f, p.n, p.source, p.view = f, len(node.args), node.source, True
     a = node.args[0]
     if type(a) is Out:
-        p.tensors = p.pending = ((0, a.uid),)
+        p.tensors = ((0, a.uid),)
     elif isinstance(a, _Tensor) and a.is_cpu:
         p.tensors = ((0, -1 - window.slots[id(a)]),)
         p.offset = a.storage_offset()
