@@ -41,3 +41,17 @@ def test_the_key_leaves_out_the_lifted_floats_example_values():
 def test_an_argument_the_codec_cannot_describe_has_no_key():
     with pytest.raises(TypeError, match="cannot encode"):
         _program(scalar=object()).digest("fp")
+
+
+def test_a_worker_that_traced_nothing_loads_inductors_prims():
+    """``resolve_op``: Inductor's decompositions name ``prims.fma`` (AdamW's step), which torch registers
+    only when Inductor's prims are imported; a fresh worker compiling a record's graph had not, and the
+    optimizer step's graph ran op by op ("cannot load prims.fma.default")."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fuser.backends._common import resolve_op\n"
+            "assert 'torch._inductor.inductor_prims' not in sys.modules\n"
+            "print(resolve_op('prims.fma.default', 'test'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "prims.fma.default", out.stderr[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import operator
 import struct
@@ -344,15 +345,26 @@ def decode_arg(x: object, values: list, backend: str) -> object:
         raise BackendCompileError(f"{backend}: artifact holds an unknown value {x!r}") from None
 
 
+# the module that registers a namespace's ops that torch does not register at its import: Inductor's
+# decompositions name ``prims.fma`` (AdamW's step), which a worker that traced nothing has not loaded
+_REGISTERED_BY = {"prims": "torch._inductor.inductor_prims"}
+
+
 def resolve_op(name: str, backend: str) -> object:
     """The target ``op_name`` named."""
     if name == "operator.getitem":
         return operator.getitem
     try:
         namespace, packet, overload = name.split(".")
-        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-    except (ValueError, AttributeError, RuntimeError) as e:
+    except ValueError as e:
         raise BackendCompileError(f"{backend}: cannot load {name}: no such op in this process ({e})") from e
+    for attempt in range(2):
+        try:
+            return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+        except (AttributeError, RuntimeError) as e:
+            if attempt or namespace not in _REGISTERED_BY:
+                raise BackendCompileError(f"{backend}: cannot load {name}: no such op in this process ({e})") from e
+            importlib.import_module(_REGISTERED_BY[namespace])
 
 
 def decode_torch_value(tag: str, v: object) -> object:
