@@ -504,7 +504,8 @@ def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
 # it with the compilers every capture uses (``_aot_trace``: Programs only, no compile starts there)
 # and returns the record, stored under the key as one traced here is. Meanwhile the captured call
 # runs Dynamo's graph itself (``_Interim``): its ops as eager runs them, with autograd and with the
-# mode suspended (the captured call's), so eager's values; an optimizer's graph writes the
+# mode suspended (the captured call's), so eager's values, and a backward that cuts the windows
+# where the record's will (Note [The interim backward]); an optimizer's graph writes the
 # parameters and state in place as the step would. Every ``_POLL_S`` it looks for the job's end;
 # once the record lands, the call runs the callable built from it (``_from_record``), whose
 # graphs then compile in the worker as any record's do (a worker whose program exited before the
@@ -531,6 +532,7 @@ class _Interim:
         self.run = None
         self.next_poll = 0.0
         self.ops = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+        self.boundary = who == "module" and _separable(gm)
 
     @classmethod
     def start(cls, key: str, doc: bytes, gm, options, who: str):
@@ -569,6 +571,8 @@ class _Interim:
         else:  # the step itself is one launch (``_optim._count_launches``)
             METRICS.optimizer_uncompiled_runs += 1
             METRICS.launches += self.ops - 1
+        if self.boundary and torch.is_grad_enabled():  # Note [The interim backward]
+            return _cores.running(_InterimBackward.apply, self.gm, *args)
         return _cores.running(self.gm.forward, *args)  # Note [Cores beside a compile]
 
     def _poll(self, args):
@@ -624,6 +628,108 @@ class _Interim:
         setattr(METRICS, f"{self.who}_capture_seconds", seconds + time.perf_counter() - t0)
         self.run = compiled
         return compiled
+
+
+# Note [The interim backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A captured module's backward is a graph of its own (``_Graph``, kind ``backward``) whose call
+# computes its pending tangents first: the window that holds them (the loss, its backward up to
+# the module's output) is cut there, and the graph runs with the mode suspended. While the
+# AOTAutograd trace runs in the worker (Note [Traces off the step]) the call runs Dynamo's graph
+# eagerly, and its backward used to be autograd's own nodes, run by the engine with the mode on:
+# recorded, in the loss's window. That window, a structure the compiled graphs never make, was the
+# one compiled in a short first run, and the next process (whose backward is the record's graph)
+# met a window it had never seen at every step and replayed it while it compiled (the loader loop:
+# 92 of 193 windows compiled in the second process). So the interim call keeps the captured call's
+# boundary: ``_InterimBackward`` runs the graph on detached aliases of the inputs that require
+# grad, and its backward computes the tangents first, as ``_Graph`` does, then the graph's
+# gradients with the mode suspended (``torch.autograd.grad``, eager's nodes and kernels, so eager's
+# values); AccumulateGrad and the hooks on the inputs run in the engine as in eager. A graph whose
+# output shares memory with an input, or that writes in place into memory an input requiring grad
+# owns, keeps the engine's nodes (``_separable``): a detached alias would cut that history.
+
+
+def _separable(gm) -> bool:
+    """Whether Dynamo's graph can run behind ``_InterimBackward`` (Note [The interim backward]):
+    every output a tensor sharing no memory with an input, and no in-place write into memory an
+    input that requires grad owns. Decided from the example values Dynamo keeps; False without them."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node):
+        v = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+        return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+
+    inputs, graded = set(), set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            ref = storage(node)
+            if ref is None:
+                return False
+            inputs.add(ref)
+            if node.meta["example_value"].requires_grad:
+                graded.add(ref)
+        elif node.op == "output":
+            outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+            refs = [storage(o) for o in outs]
+            return all(ref is not None and ref not in inputs for ref in refs)
+        elif _writes_first(node) and node.args and storage(node.args[0]) in graded:
+            return False
+    return False
+
+
+_INPLACE_OPERATORS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
+                                operator.ior, operator.ixor, operator.ilshift, operator.irshift})
+
+
+def _writes_first(node) -> bool:
+    """Whether a node of Dynamo's graph may write its first argument in place."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return node.op == "call_module"
+    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+class _InterimBackward(torch.autograd.Function):
+    """Dynamo's graph run eagerly behind the boundary a captured call's backward has (Note [The
+    interim backward])."""
+
+    @staticmethod
+    def forward(ctx, gm, *args):
+        graded = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        inner = list(args)
+        for i in graded:
+            inner[i] = args[i].detach().requires_grad_()
+        with torch.enable_grad():
+            outs = gm.forward(*inner)
+        ctx.graded, ctx.leaves, ctx.n = graded, [inner[i] for i in graded], len(args)
+        ctx.live = [o.requires_grad for o in outs]
+        ctx.save_for_backward(*outs)  # a second backward raises eager's error when it reads them
+        result = tuple(o.detach() for o in outs)
+        ctx.mark_non_differentiable(*(r for r, live in zip(result, ctx.live) if not live))
+        return result
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from ._threads import sync_values
+
+        outs = ctx.saved_tensors
+        sync_values(reversed(grads), "module_capture")  # the window holding them is cut here, as _Graph's
+        pairs = [(o, g) for o, g, live in zip(outs, grads, ctx.live) if live and g is not None]
+        got = [None] * len(ctx.leaves)
+        if pairs:
+            with _modes_off():
+                # retained: the program's own ``retain_graph`` keeps ``outs`` for a second backward
+                got = torch.autograd.grad([o for o, _ in pairs], ctx.leaves, [g for _, g in pairs],
+                                          retain_graph=True, create_graph=torch.is_grad_enabled(), allow_unused=True)
+        result = [None] * (ctx.n + 1)
+        for i, g in zip(ctx.graded, got):
+            result[i + 1] = g
+        return tuple(result)
 
 
 def _job_cause(failure: str) -> str:

@@ -1,10 +1,13 @@
 """The commonest training loop, a DataLoader over a TensorDataset, in adaptive eager with default
 options: counts per epoch, not times.
 
-    python benchmarks/loader_loop.py [--epochs 3] [--shuffle on|off|both]
+    python benchmarks/loader_loop.py [--epochs 3] [--shuffle on|off|both] [--at-once]
 
 A 20-64-1 MLP trained with AdamW on 1000 rows, batches of 32 (31 full batches and one of 8 an
-epoch), ``num_workers=0``, in a cold cache directory, then in a second process on the same cache.
+epoch), ``num_workers=0``, in a cold cache directory, then in a second process on the same cache,
+started once the first process's compile workers have ended (the compiles a short run leaves
+queued go on after its exit: Note [Compiles that outlive the program] in neff_cache.jobs), or at
+once with ``--at-once``.
 Prints, per process and epoch: windows (and how many had nothing to run), compiled runs, and the
 windows replayed, while cold or while their compile (or load) was in flight. Note [Views of unwritten memory] in adaptive_eager._record
 says why a shuffled batch once made a new window each step; Note [Warm workers] in neff_cache.jobs
@@ -19,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def train(epochs: int, shuffle: bool) -> list[dict]:
@@ -52,14 +56,28 @@ def train(epochs: int, shuffle: bool) -> list[dict]:
     return rows
 
 
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"  # ended, not yet reaped
+    except OSError:
+        return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--shuffle", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--at-once", action="store_true",
+                        help="start the second process as the first exits, not once its compile workers ended")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(train(args.epochs, args.shuffle == "on")))
+        rows = train(args.epochs, args.shuffle == "on")
+        import fuser
+
+        workers = [w.process.pid for jobs in fuser.compile_jobs() for w in jobs._workers]
+        print(json.dumps({"rows": rows, "workers": workers}))
         return
     for shuffle in (("on", "off") if args.shuffle == "both" else (args.shuffle,)):
         cache = tempfile.mkdtemp(prefix="loader_loop_")
@@ -67,7 +85,8 @@ def main() -> None:
             env = {**os.environ, "NEURON_EAGER_CACHE_DIR": cache}
             out = subprocess.run([sys.executable, __file__, "--child", "--epochs", str(args.epochs), "--shuffle",
                                   shuffle], env=env, check=True, capture_output=True, text=True).stdout
-            rows = json.loads(out.strip().splitlines()[-1])
+            child = json.loads(out.strip().splitlines()[-1])
+            rows = child["rows"]
             ran = sum(r["compiled"] + r["replayed"] for r in rows)
             compiled = sum(r["compiled"] for r in rows)
             print(f"shuffle {shuffle}, {process}: {compiled}/{ran} windows that ran ops compiled "
@@ -78,6 +97,11 @@ def main() -> None:
                 print(f"  epoch {epoch}: windows {r['windows']} ({r['windows'] - r['compiled'] - r['replayed']} "
                       f"with nothing to run), compiled {r['compiled']}, replayed {r['replayed']}: cold "
                       f"{r['cold']}, compiling or loading {r['in_flight']}")
+            if process == "cold cache" and not args.at_once:
+                t0 = time.monotonic()
+                while not all(_gone(pid) for pid in child["workers"]) and time.monotonic() - t0 < 600:
+                    time.sleep(0.2)
+                print(f"  (its compile workers ended {time.monotonic() - t0:.1f} s after it exited)")
 
 
 if __name__ == "__main__":

@@ -73,10 +73,15 @@ class _Job:
 # worker whose program is gone runs them itself: one after the other, each under its own key
 # claimed in the job's store and stored there with the job's fingerprint, each bounded as a job is
 # (Note [Compile limits]) and within the program's time after exit. While the program lives they
-# are dropped: it reads the result and submits them itself, as before. A program that exits after
-# the result was sent and before it read it leaves them to the next process, as before.
+# are held: it reads the result and submits them itself, and its compile of a key, stored (or
+# claimed) first, makes the worker skip that key. A program that exits after the result was sent
+# and before it read it (the loader loop's first process, polling every ``_POLL_S``, ended so) used
+# to leave them to the next process, which then ran its captured graphs op by op; the worker runs
+# the held ones once its program is gone, after the job that runs then or at end-of-input.
 _PARENT = [0]  # the program's pid, once serving
 _FOLLOW_UPS: list = []  # (key, fn_path, payload, backend) named by the running job
+_HELD: list = []  # (key, fn_path, payload, destination, bounds) named by the jobs run, until the program is gone
+_HELD_MAX = 256  # the newest kept: a long program reads its results and submits their compiles itself
 
 
 def program_gone() -> bool:
@@ -233,6 +238,8 @@ def serve(fd: int, parent: int, limits: int) -> None:
             fn_path, payload, destination, bounds = connection.recv()
         except (EOFError, ConnectionError):
             # the parent closed its end: an exit with a reply of ours unread resets the connection
+            if program_gone():
+                _follow_ups(functions, watchdog, running)
             return
         if destination == WARM:  # Note [Warm workers] in neff_cache.jobs: nothing stored, one reply
             try:
@@ -255,16 +262,24 @@ def serve(fd: int, parent: int, limits: int) -> None:
             # for after its exit are still to be read (Note [Compiles that outlive the program]
             # in neff_cache.jobs); then end-of-input ends this process
             pass
-        follow_ups = list(_FOLLOW_UPS)
+        if destination is not None:
+            _HELD.extend((key, follow_fn, follow_payload, {**destination, "key": key, "backend": backend}, bounds)
+                         for key, follow_fn, follow_payload, backend in _FOLLOW_UPS)
+            del _HELD[:-_HELD_MAX]
         _FOLLOW_UPS.clear()
-        if destination is None or not program_gone():
+        if program_gone():
+            _follow_ups(functions, watchdog, running)
+
+
+def _follow_ups(functions: dict, watchdog: int, running: _Job) -> None:
+    """The compiles the jobs named (Note [Follow-up compiles after exit]), each unless its key is
+    stored or claimed meanwhile (the program submitted it before it exited)."""
+    while _HELD:
+        key, fn_path, payload, where, bounds = _HELD.pop(0)
+        store = _open(where)
+        if store is None or store.contains(key) or not store.claim(key, ttl_s=where.get("claim_ttl_s", 900.0)):
             continue
-        for key, follow_fn, follow_payload, backend in follow_ups:  # Note [Follow-up compiles after exit]
-            where = {**destination, "key": key, "backend": backend}
-            store = _open(where)
-            if store is None or store.contains(key) or not store.claim(key, ttl_s=where.get("claim_ttl_s", 900.0)):
-                continue
-            _store(where, _run(functions, follow_fn, follow_payload, where, {**bounds, "key": key}, watchdog, running))
+        _store(where, _run(functions, fn_path, payload, where, {**bounds, "key": key}, watchdog, running))
 
 
 def _run(functions: dict, fn_path: str, payload: bytes, destination: dict | None, bounds: dict, watchdog: int,

@@ -642,6 +642,44 @@ def test_a_program_gone_before_its_records_land_leaves_their_graphs_compiled(tmp
     captures' AOTAutograd traces land (a short run: the worker still imports the compiler) never
     submits their graphs' compiles; the worker that traces after the exit compiles them, so that the
     next process finds the module's forward and backward and the optimizer step compiled."""
+    _exit_then_compiled_graphs(_EXIT_BEFORE_THE_TRACE, tmp_path)
+
+
+_EXIT_WITH_THE_TRACE_UNREAD = """
+import json, sys, time
+sys.path[:0] = [{tests!r}, {root!r}]
+import torch
+import adaptive_eager as ae
+import fuser
+from adaptive_eager import _capture
+from fuser.regions import poll_jobs
+from neff_cache import ArtifactStore
+
+_capture._POLL_S = 1e9  # the captures never look for their records: the program exits with them unread
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+with ae.adaptive_eager(backend="inductor", cache_dir={cache!r}, hot_after={hot_after}):
+    for _ in range(6):
+        opt.zero_grad()
+        (model(torch.randn(5, 8)) ** 2).mean().backward()
+        opt.step()
+    ae.sync()
+    store = ArtifactStore({cache!r})
+    deadline = time.monotonic() + 300
+    while sum(e["backend"] == _capture._RECORD_BACKEND for e in store.entries()) < 2 and time.monotonic() < deadline:
+        poll_jobs()  # the results are read (a worker's reply waits for that), the records are not
+        time.sleep(0.1)
+    time.sleep(0.5)
+    workers = [w.process.pid for jobs in fuser.compile_jobs() for w in jobs._workers]
+    print(json.dumps({{"records": ae.metrics()["capture_records"], "workers": workers}}))
+"""
+
+
+def _exit_then_compiled_graphs(template: str, tmp_path) -> None:
+    """Run ``template``'s program (6 steps of an MLP and AdamW whose records it never reads) and wait
+    for its compile workers to end: the module's forward and backward and the optimizer step's graph
+    must then be compiled and stored (Note [Follow-up compiles after exit] in neff_cache._worker)."""
     import torch._inductor.inductor_prims  # noqa: F401 - the records' graphs name its ops (AdamW's prims.fma)
     from fuser.backends import get_backend
     from fuser.compile import cache_fingerprint
@@ -650,8 +688,7 @@ def test_a_program_gone_before_its_records_land_leaves_their_graphs_compiled(tmp
 
     cache = str(tmp_path / "cache")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = _EXIT_BEFORE_THE_TRACE.format(tests=os.path.join(root, "tests"), root=root, cache=cache,
-                                         hot_after=HOT_AFTER)
+    code = template.format(tests=os.path.join(root, "tests"), root=root, cache=cache, hot_after=HOT_AFTER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -678,6 +715,13 @@ def test_a_program_gone_before_its_records_land_leaves_their_graphs_compiled(tmp
                 graphs.append((kind, store.contains(key)))
     # the module's forward and backward, the optimizer step's one graph: each compiled and stored
     assert sorted(graphs) == [("backward", True), ("forward", True), ("forward", True)], graphs
+
+
+def test_a_program_gone_with_its_records_unread_leaves_their_graphs_compiled(tmp_path):
+    """Note [Follow-up compiles after exit] in neff_cache._worker: the traces end while the program
+    runs, and the program exits before it reads their results (so it submits none of their graphs'
+    compiles); the worker holds the compiles the traces named and runs them once the program is gone."""
+    _exit_then_compiled_graphs(_EXIT_WITH_THE_TRACE_UNREAD, tmp_path)
 
 
 def test_a_declined_trace_runs_in_the_next_step(tmp_path, monkeypatch):
@@ -904,3 +948,95 @@ def test_a_module_called_under_activation_checkpointing_stays_recorded(tmp_path)
     _assert_same(eager, lazy)
     m = ae.metrics()
     assert m["module_capture_misses"]["saved_tensor_hooks"] >= 5 and not m["module_captured_calls"], m
+
+
+def _interim_only(monkeypatch):
+    """Keep every capture on Dynamo's graph run eagerly (its record never lands here), and count the
+    module calls that ran behind the interim backward (Note [The interim backward])."""
+    monkeypatch.setattr(_capture._Interim, "_poll", lambda self, args: None)
+    behind = []
+    apply = _capture._InterimBackward.apply
+    monkeypatch.setattr(_capture._InterimBackward, "apply", lambda *a: behind.append(1) or apply(*a))
+    return behind
+
+
+def _backward_cuts(line_of_backward: int) -> int:
+    return sum(n for (reason, site, _), n in ae._metrics.METRICS.flush_sites.items()
+               if reason == "module_capture" and site is not None and site[1] == line_of_backward)
+
+
+def test_the_interim_call_cuts_the_window_where_the_captured_backward_does(tmp_path, monkeypatch):
+    """Note [The interim backward] in adaptive_eager._capture: while the worker's trace runs, a captured
+    module's backward computes its tangents first and runs with the mode suspended, as the record's
+    backward graph will: the loss's window ends at ``backward()`` (the window a later process, whose
+    backward is the record's, meets), and the values are eager's."""
+    behind = _interim_only(monkeypatch)
+    steps = 6
+    eager = _train_adamw(steps, False)
+    lazy = _train_adamw(steps, True, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert m["capture_records"].get("module_trace_submitted") == 1, m["capture_records"]
+    assert m["module_uncompiled_runs"] == steps - HOT_AFTER and len(behind) == steps - HOT_AFTER, m
+    line = _train_adamw.__code__.co_firstlineno + 11  # ``loss.backward()``
+    assert _backward_cuts(line) == steps - HOT_AFTER, ae._metrics.METRICS.flush_sites
+
+
+def test_the_interim_backward_keeps_eagers_autograd(tmp_path, monkeypatch):
+    """Note [The interim backward]: gradients accumulated over two backwards, a retained graph's second
+    backward, and a second backward through a freed graph raising eager's error."""
+    behind = _interim_only(monkeypatch)
+
+    def run(lazy):
+        torch.manual_seed(0)
+        model, xs = _mlp(), _batches(5)
+        out = []
+        with ae.adaptive_eager(backend="inductor", cache_dir=str(tmp_path)) if lazy else _nothing():
+            for x in xs[:3]:
+                model(x).sum().backward()  # accumulated: no zero_grad
+            loss = (model(xs[3]) ** 2).mean()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            loss = model(xs[4]).sum()
+            loss.backward()
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                loss.backward()
+            out = [p.grad.clone() for p in model.parameters()]
+        return out
+
+    eager, lazy = run(False), run(True)
+    assert len(behind) == 3, behind
+    for a, b in zip(eager, lazy):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+class _ViewOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)  # in place into an input that requires grad
+        return self.lin(x), x.view(-1)  # and an output that is a view of it
+
+
+def test_a_graph_that_writes_or_returns_its_inputs_keeps_the_engines_nodes(tmp_path, monkeypatch):
+    """Note [The interim backward]: a detached alias would cut the history of an input the graph writes
+    in place or returns a view of; such a graph runs with autograd's own nodes, with eager's gradients."""
+    behind = _interim_only(monkeypatch)
+
+    def run(lazy):
+        torch.manual_seed(0)
+        model = _ViewOut()
+        w = torch.randn(5, 8, requires_grad=True)
+        with ae.adaptive_eager(backend="inductor", cache_dir=str(tmp_path)) if lazy else _nothing():
+            for _ in range(5):
+                y, v = model(w * 1.0)
+                (y.sum() + (v ** 2).sum()).backward()
+            grads = [w.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+        return grads
+
+    eager, lazy = run(False), run(True)
+    assert behind == [] and ae.metrics()["module_uncompiled_runs"] == 5 - HOT_AFTER, ae.metrics()
+    for a, b in zip(eager, lazy):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
