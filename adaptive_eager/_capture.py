@@ -723,9 +723,11 @@ class _InterimBackward(torch.autograd.Function):
         got = [None] * len(ctx.leaves)
         if pairs:
             with _modes_off():
-                # retained: the program's own ``retain_graph`` keeps ``outs`` for a second backward
-                got = torch.autograd.grad([o for o, _ in pairs], ctx.leaves, [g for _, g in pairs],
-                                          retain_graph=True, create_graph=torch.is_grad_enabled(), allow_unused=True)
+                # retained: the program's own ``retain_graph`` keeps ``outs`` for a second backward;
+                # ops we run, beside a compile (Note [Cores beside a compile])
+                got = _cores.running(functools.partial(
+                    torch.autograd.grad, [o for o, _ in pairs], ctx.leaves, [g for _, g in pairs], retain_graph=True,
+                    create_graph=torch.is_grad_enabled(), allow_unused=True))
         result = [None] * (ctx.n + 1)
         for i, g in zip(ctx.graded, got):
             result[i + 1] = g
