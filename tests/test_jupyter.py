@@ -192,7 +192,11 @@ def test_notebook_report_and_threads(executed):
     stdout = _outputs(report)[0]
     assert "flushes by reason" in stdout
     flushes = dict(re.findall(r"^\s+(\w+)\s+(\d+)$", stdout.split("flushes by reason")[1], re.M))
-    assert int(flushes.get("cell", 0)) >= 2 and int(flushes.get("optimizer_step", 0)) == 6, stdout
+    # each of the 6 steps ends its window at the optimizer step, or, once the module is captured, at
+    # its backward (Note [The interim backward] in adaptive_eager._capture), after which the optimizer
+    # step finds nothing pending
+    steps = int(flushes.get("optimizer_step", 0)) + int(flushes.get("module_capture", 0))
+    assert int(flushes.get("cell", 0)) >= 2 and steps == 6, stdout
     [thread_cell] = [c for c in nb.cells if "thread-check" in _tags(c)]
     assert _outputs(thread_cell)[1] == [repr((True, True, sys.executable))]
 
