@@ -606,15 +606,18 @@ def test_the_aot_trace_runs_in_the_worker_and_its_record_takes_over(tmp_path, mo
     assert m["module_captured_calls"] == steps - HOT_AFTER and m["optimizer_hot_steps"] == steps - HOT_AFTER - 1, m
 
 
-_EXIT_BEFORE_THE_TRACE = """
-import json, sys
+# a program whose captures' records it never reads, on the cache ``cache``: ``before`` makes it so
+_EXITS_WITH_RECORDS_UNREAD = """
+import json, sys, time
 sys.path[:0] = [{tests!r}, {root!r}]
 import torch
 import adaptive_eager as ae
 import fuser
 from adaptive_eager import _capture
+from fuser.regions import poll_jobs
+from neff_cache import ArtifactStore
 
-_capture._TRACE_JOB = "_oracle:trace_job_after_exit"  # the records land after this program exits
+{before}
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -624,6 +627,13 @@ with ae.adaptive_eager(backend="inductor", cache_dir={cache!r}, hot_after={hot_a
         (model(torch.randn(5, 8)) ** 2).mean().backward()
         opt.step()
     ae.sync()
+    if {wait}:  # for both traces to end, their results sent while the program lives
+        store = ArtifactStore({cache!r})
+        deadline = time.monotonic() + 300
+        while sum(e["backend"] == _capture._RECORD_BACKEND for e in store.entries()) < 2 and time.monotonic() < deadline:
+            poll_jobs()  # the results are read (a worker's reply waits for that), the records are not
+            time.sleep(0.1)
+        time.sleep(0.5)
     workers = [w.process.pid for jobs in fuser.compile_jobs() for w in jobs._workers]
     print(json.dumps({{"records": ae.metrics()["capture_records"], "workers": workers}}))
 """
@@ -642,42 +652,13 @@ def test_a_program_gone_before_its_records_land_leaves_their_graphs_compiled(tmp
     captures' AOTAutograd traces land (a short run: the worker still imports the compiler) never
     submits their graphs' compiles; the worker that traces after the exit compiles them, so that the
     next process finds the module's forward and backward and the optimizer step compiled."""
-    _exit_then_compiled_graphs(_EXIT_BEFORE_THE_TRACE, tmp_path)
+    _exit_then_compiled_graphs(tmp_path, '_capture._TRACE_JOB = "_oracle:trace_job_after_exit"', False)
 
 
-_EXIT_WITH_THE_TRACE_UNREAD = """
-import json, sys, time
-sys.path[:0] = [{tests!r}, {root!r}]
-import torch
-import adaptive_eager as ae
-import fuser
-from adaptive_eager import _capture
-from fuser.regions import poll_jobs
-from neff_cache import ArtifactStore
-
-_capture._POLL_S = 1e9  # the captures never look for their records: the program exits with them unread
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
-opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-with ae.adaptive_eager(backend="inductor", cache_dir={cache!r}, hot_after={hot_after}):
-    for _ in range(6):
-        opt.zero_grad()
-        (model(torch.randn(5, 8)) ** 2).mean().backward()
-        opt.step()
-    ae.sync()
-    store = ArtifactStore({cache!r})
-    deadline = time.monotonic() + 300
-    while sum(e["backend"] == _capture._RECORD_BACKEND for e in store.entries()) < 2 and time.monotonic() < deadline:
-        poll_jobs()  # the results are read (a worker's reply waits for that), the records are not
-        time.sleep(0.1)
-    time.sleep(0.5)
-    workers = [w.process.pid for jobs in fuser.compile_jobs() for w in jobs._workers]
-    print(json.dumps({{"records": ae.metrics()["capture_records"], "workers": workers}}))
-"""
 
 
-def _exit_then_compiled_graphs(template: str, tmp_path) -> None:
-    """Run ``template``'s program (6 steps of an MLP and AdamW whose records it never reads) and wait
+def _exit_then_compiled_graphs(tmp_path, before: str, wait: bool) -> None:
+    """Run ``_EXITS_WITH_RECORDS_UNREAD`` (6 steps of an MLP and AdamW whose records it never reads) and wait
     for its compile workers to end: the module's forward and backward and the optimizer step's graph
     must then be compiled and stored (Note [Follow-up compiles after exit] in neff_cache._worker)."""
     import torch._inductor.inductor_prims  # noqa: F401 - the records' graphs name its ops (AdamW's prims.fma)
@@ -688,7 +669,8 @@ def _exit_then_compiled_graphs(template: str, tmp_path) -> None:
 
     cache = str(tmp_path / "cache")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = template.format(tests=os.path.join(root, "tests"), root=root, cache=cache, hot_after=HOT_AFTER)
+    code = _EXITS_WITH_RECORDS_UNREAD.format(tests=os.path.join(root, "tests"), root=root, cache=cache,
+                                             hot_after=HOT_AFTER, before=before, wait=wait)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_EAGER")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -721,7 +703,7 @@ def test_a_program_gone_with_its_records_unread_leaves_their_graphs_compiled(tmp
     """Note [Follow-up compiles after exit] in neff_cache._worker: the traces end while the program
     runs, and the program exits before it reads their results (so it submits none of their graphs'
     compiles); the worker holds the compiles the traces named and runs them once the program is gone."""
-    _exit_then_compiled_graphs(_EXIT_WITH_THE_TRACE_UNREAD, tmp_path)
+    _exit_then_compiled_graphs(tmp_path, '_capture._POLL_S = 1e9  # the captures never look for their records', True)
 
 
 def test_a_declined_trace_runs_in_the_next_step(tmp_path, monkeypatch):
