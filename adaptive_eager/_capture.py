@@ -494,7 +494,11 @@ def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # AOTAutograd's trace of a captured graph costs seconds on a loaded machine (3 s for an 8-block
 # MLP, 11 s for AdamW's step over it), and a cold run's capturing step stalled for it. Dynamo's
-# trace stays in the step (it is what guards the call, and it is fast); AOTAutograd's moves to a
+# trace stays in the step: it is what guards the call, and it cannot run in a thread beside the
+# program, since it saves and then restores the process's CPU generator and default dtype around
+# each trace (``preserve_global_state``), which would rewind the random numbers the program drew
+# meanwhile (0.7-1.2 s for an 8-block MLP and its AdamW step on 2 cores, after 1.6 s of first
+# imports in a process's first capture, benchmarks/RESULTS.md); AOTAutograd's moves to a
 # compile worker process, as a graph's compile does (Note [Background compiles] in
 # fuser.artifacts: the PT2 stack is not thread-safe, so never a thread of this process). The job
 # is the graph's record (Note [Captures from the cache]): its payload is the JSON the record's key
