@@ -640,11 +640,10 @@ class _Interim:
 # computes its pending tangents first: the window that holds them (the loss, its backward up to
 # the module's output) is cut there, and the graph runs with the mode suspended. While the
 # AOTAutograd trace runs in the worker (Note [Traces off the step]) the call runs Dynamo's graph
-# eagerly, and its backward used to be autograd's own nodes, run by the engine with the mode on:
-# recorded, in the loss's window. That window, a structure the compiled graphs never make, was the
-# one compiled in a short first run, and the next process (whose backward is the record's graph)
-# met a window it had never seen at every step and replayed it while it compiled (the loader loop:
-# 92 of 193 windows compiled in the second process). So the interim call keeps the captured call's
+# eagerly; were its backward autograd's own nodes, run by the engine with the mode on, they would
+# be recorded in the loss's window, a structure the compiled graphs never make: a short first run
+# would compile that window, and the next process (whose backward is the record's graph) would
+# meet a window it never saw at every step. So the interim call keeps the captured call's
 # boundary: ``_InterimBackward`` runs the graph on detached aliases of the inputs that require
 # grad, and its backward computes the tangents first, as ``_Graph`` does, then the graph's
 # gradients with the mode suspended (``torch.autograd.grad``, eager's nodes and kernels, so eager's

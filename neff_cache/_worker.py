@@ -73,11 +73,11 @@ class _Job:
 # worker whose program is gone runs them itself: one after the other, each under its own key
 # claimed in the job's store and stored there with the job's fingerprint, each bounded as a job is
 # (Note [Compile limits]) and within the program's time after exit. While the program lives they
-# are held: it reads the result and submits them itself, and its compile of a key, stored (or
-# claimed) first, makes the worker skip that key. A program that exits after the result was sent
-# and before it read it (the loader loop's first process, polling every ``_POLL_S``, ended so) used
-# to leave them to the next process, which then ran its captured graphs op by op; the worker runs
-# the held ones once its program is gone, after the job that runs then or at end-of-input.
+# are held, not dropped: a program may exit after the result was sent and before it read it (a
+# capture polls for its record every ``_POLL_S``), and then nobody else would compile them. A held
+# compile whose key the program stored or claimed first (it read the result and submitted it
+# itself) is skipped. The held ones run once the program is gone: after the job running then, or at
+# end-of-input.
 _PARENT = [0]  # the program's pid, once serving
 _FOLLOW_UPS: list = []  # (key, fn_path, payload, backend) named by the running job
 _HELD: list = []  # (key, fn_path, payload, destination, bounds) named by the jobs run, until the program is gone
@@ -90,8 +90,8 @@ def program_gone() -> bool:
 
 
 def follow_up(key: str, fn_path: str, payload: bytes, *, backend: str) -> None:
-    """Have ``fn_path(payload)`` compile ``key`` after the running job if the program is gone by then
-    (Note [Follow-up compiles after exit]); its artifact is stored where the job's result goes."""
+    """Have ``fn_path(payload)`` compile ``key`` once the program is gone, unless the program compiled
+    it first (Note [Follow-up compiles after exit]); its artifact is stored where the job's result goes."""
     _FOLLOW_UPS.append((key, fn_path, bytes(payload), backend))
 
 
