@@ -14,6 +14,7 @@ import functools
 import importlib
 import json
 import operator
+import os
 import sys
 import threading
 import time
@@ -175,7 +176,7 @@ def _call(self, *args, **kwargs):
         return _run(st, self, cap, args, kwargs)
     if cap.off is None:
         cap.calls += 1
-        if cap.calls > st.options.hot_after:
+        if cap.calls > st.options.hot_after or (cap.calls == 1 and _hinted(st, self, args, kwargs)):
             return _capture(st, self, cap, args, kwargs)
         if cap.calls == st.options.hot_after and not cap.due and _not_capturable(st, self) is None:
             cap.due = True
@@ -183,6 +184,11 @@ def _call(self, *args, **kwargs):
     elif cap.off is not _THEIRS:
         _miss(cap.off, self)
     return _recorded(self, args, kwargs)
+
+
+def _hinted(st, module, args, kwargs) -> bool:
+    """Whether a module's first call is captured at once (Note [Capture hints])."""
+    return _not_capturable(st, module) is None and hinted(module_hint_doc(module, args, kwargs), st.options, "module")
 
 
 def _recorded(module, args, kwargs):
@@ -336,6 +342,8 @@ def _capture(st, module, cap: _Cap, args, kwargs):
     finally:
         _BUSY = busy
     METRICS.module_capture_seconds += time.perf_counter() - t0
+    if cap.captures and not cap.missed:  # our backend compiled it, at its first capture
+        leave_hint(module_hint_doc(module, args, kwargs), st.options)
     cap.fn = fn
     METRICS.module_captured_calls += 1
     return out
@@ -857,16 +865,20 @@ class _Graph:
 
     def join_request(self, args):
         """A request to run this backward joined with the window its pending inputs are in (Note
-        [Joined runs] in fuser.joined); None when there is no such single window or no program."""
+        [Joined runs] in fuser.joined); None when there is no such single window or no program, or
+        for a backend whose runs are not joined (``joins_runs``)."""
         if self.program is None or self.who != "module":
+            return None
+        from fuser.backends import get_backend
+
+        backend = get_backend(self.options.backend, self.options.device)
+        if not getattr(backend, "joins_runs", False):
             return None
         from ._threads import single_owner
 
         if single_owner(reversed(args)) is None:
             return None
-        from fuser.backends import get_backend
-
-        return joined.JoinRequest(self, args, get_backend(self.options.backend, self.options.device))
+        return joined.JoinRequest(self, args, backend)
 
     def _call(self, args):
         run = self.run
@@ -955,8 +967,8 @@ class _Graph:
         backend = get_backend(options.backend, options.device)
         fingerprint = cache_fingerprint(backend)
         with table.LOCK:
-            entry = self.entry
-            if entry is None:
+            entry, first = self.entry, self.entry is None
+            if first:
                 entry = self.entry = table._Entry()
                 entry.program = self.program
                 try:
@@ -968,7 +980,8 @@ class _Graph:
                     return None
                 entry.region = entry.pkey[:8]
                 entry.n_live, entry.mutated = self.n_live, self.program.mutated
-            poll(entry, backend, options)
+            # Note [Loads in the capturing step]
+            poll(entry, backend, options, load_now=first)
             if entry.blacklisted:
                 self.program = None
                 self.uncompiled_graphs[entry.blacklisted] += 1
@@ -983,6 +996,14 @@ class _Graph:
             return self.run
 
 
+# Note [Loads in the capturing step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A captured graph's first call is in the step that captured it (its forward, or the backward
+# that step's loss runs), which Dynamo's trace already makes the longest of the process. An
+# artifact that call finds in the store is loaded there and then, not on the compile thread as a
+# window's is (Note [Load after the replay] in fuser.regions): loaded beside the steps, a warm
+# process's optimizer graph ran op by op for three more steps and its first compiled step came
+# at the sixth (rnn workload of benchmarks/user_step.py, benchmarks/RESULTS.md).
 def _graph_key(program, may_write: bool, backend, fingerprint: str) -> str:
     """A captured graph's persistent key, ``program`` made ready for its compile: the same in the
     program and in a worker that compiles it after the program exited (Note [Follow-up compiles after
@@ -1387,6 +1408,110 @@ def _write_record(key: str, graphs: dict, meta, options, who: str) -> None:
 _RECORD_BACKEND = "capture_record"
 
 
+# Note [Capture hints]
+# ~~~~~~~~~~~~~~~~~~~~
+# Dynamo's trace, in the step that captures (Note [Traces off the step]), was the longest step of
+# a warm process: 1.4-1.9 s at the third step of user_step.py's workloads on a full cache
+# (benchmarks/RESULTS.md), where every later step runs compiled. Waiting ``hot_after`` calls
+# before a capture keeps a module called once (a notebook's cell) from paying for a trace; a
+# module that was captured before, in a process on this cache, is not such a module. So each
+# capture leaves a hint in the store: a key of what is known before any trace (``_hint_doc``: the
+# module's class, its parameters' and buffers' names and metadata, ``training``, grad mode and
+# the call's inputs' metadata; for an optimizer, its class and each group's parameters'
+# metadata and option names) and the backend's fingerprint. A later process that finds the hint
+# captures the module at its first call and the optimizer at its first step (Dynamo makes the
+# optimizer's state while it traces, ``OptimizerVariable`` running ``_init_group``, and the graph
+# is the one a later step's trace makes: the record is found), so both traces land in the first
+# step and the second runs compiled. Captured at its second step instead, the optimizer's first
+# step ran recorded: a window the first process never had, which ``hot_after=1`` compiled.
+# Only Inductor on cpu (``_hints_apply``): on cuda, Dynamo makes a first step's state
+# ``capturable`` (``OptimizerVariable._set_capturable``: ``step`` on the device), so that graph is
+# not the one a later step's trace makes; on the emulated neuron device the first-step graph
+# differed too (a compile in a process that should compile none, a NEFF on Trainium), and its
+# captures keep no record. Only a hint another process left: within a process, a new instance of a model
+# gains nothing from it (its trace only comes two calls sooner) and may be a one-off (an
+# evaluation copy). The hint decides only when to capture: Dynamo's guards and the record's key
+# decide, as always, what runs. Counted in ``capture_records["<who>_hinted"]``.
+_HINT_BACKEND = "capture_hint"
+
+
+def _pid_bytes() -> bytes:  # a hint's value: the process that left it
+    return str(os.getpid()).encode()
+
+
+def _meta_of(x):
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), str(x.dtype), x.device.type, x.requires_grad)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return (type(x).__name__, x)
+    return (type(x).__module__, type(x).__qualname__)
+
+
+def module_hint_doc(module, args, kwargs) -> str:
+    """What a module call's hint key hashes (Note [Capture hints])."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((args, kwargs))
+    return repr(("module", type(module).__module__, type(module).__qualname__, module.training,
+                 torch.is_grad_enabled(),
+                 [(n, _meta_of(p)) for n, p in module.named_parameters(remove_duplicate=False)],
+                 [(n, _meta_of(b)) for n, b in module.named_buffers(remove_duplicate=False)],
+                 [_meta_of(x) for x in leaves]))
+
+
+def optimizer_hint_doc(opt) -> str:
+    """What an optimizer step's hint key hashes (Note [Capture hints])."""
+    return repr(("optimizer", type(opt).__module__, type(opt).__qualname__,
+                 [([_meta_of(p) for p in g["params"]], sorted(k for k in g if k != "params"))
+                  for g in opt.param_groups]))
+
+
+def _hint_key(doc: str, options) -> tuple[str, str]:
+    import xxhash
+
+    from fuser.backends import get_backend
+    from fuser.compile import cache_fingerprint
+
+    fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
+    return xxhash.xxh3_128_hexdigest(f"capture hint\0{doc}\0{fingerprint}".encode()), fingerprint
+
+
+def _hints_apply(options) -> bool:
+    return options.backend == "inductor" and options.device == "cpu"
+
+
+def hinted(doc: str, options, who: str) -> bool:
+    """Whether a process on this cache captured what ``doc`` describes (Note [Capture hints])."""
+    from fuser.artifacts import _store
+
+    if not _hints_apply(options):
+        return False
+    try:
+        key, fingerprint = _hint_key(doc, options)
+        writer = _store(options).get(key, fingerprint=fingerprint)
+        found = writer is not None and writer != _pid_bytes()
+    except Exception as e:  # noqa: BLE001 - no hint: the capture waits for ``hot_after`` calls
+        log.debug("adaptive_eager: a capture hint was not read: %s", e)
+        return False
+    if found:
+        METRICS.capture_records[f"{who}_hinted"] += 1
+    return found
+
+
+def leave_hint(doc: str, options) -> None:
+    from fuser.artifacts import _store
+
+    if not _hints_apply(options):
+        return
+    try:
+        key, fingerprint = _hint_key(doc, options)
+        store = _store(options)
+        if store.get(key, fingerprint=fingerprint) is None:
+            store.put(key, _pid_bytes(), fingerprint=fingerprint, backend=_HINT_BACKEND, compile_seconds=0.0)
+    except Exception as e:  # noqa: BLE001 - a hint only makes a later process capture sooner
+        log.debug("adaptive_eager: a capture hint was not kept: %s", e)
+
+
 def _record_of(graphs: dict, meta) -> dict:
     """The record of AOTAutograd's trace (``meta``: its metadata), if it is of the common kind (Note
     [Captures from the cache]); else ``_Decline`` with the cause."""
@@ -1456,6 +1581,9 @@ def _from_record(key: str, gm, options, who: str):
         log.info("adaptive_eager: a capture's record does not decode (%s); it is traced again", e)
         return None
     METRICS.capture_records[f"{who}_hit"] += 1
+    from fuser.artifacts import stop_warm_up
+
+    stop_warm_up()  # Note [Warm workers] in neff_cache.jobs: this program ran before on this cache
     attrs = dict(gm.named_parameters(remove_duplicate=False))
     attrs.update(gm.named_buffers(remove_duplicate=False))
     attrs = list(attrs.values())

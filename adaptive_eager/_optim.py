@@ -22,7 +22,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._capture import _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, traced_elsewhere
+from ._capture import (_NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, hinted, leave_hint,
+                       optimizer_hint_doc, traced_elsewhere)
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
@@ -109,7 +110,7 @@ _is_compiling = torch.compiler.is_compiling
 class _Capture:
     """One optimizer's compiled step and how many steps it took since its last (re)capture."""
 
-    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed")
+    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed", "hinted")
 
     def __init__(self):
         self.fn = None
@@ -118,6 +119,7 @@ class _Capture:
         self.captures = 0
         self.off: str | None = None  # why this optimizer's step is not captured any more
         self.float_missed: str | None = None  # the group value of the last param_group miss (Note [Specialized floats])
+        self.hinted: bool | None = None  # captured at its first step (Note [Capture hints] in _capture)
 
 
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -188,7 +190,9 @@ def _step(st, opt, raw):
         if cap.off is not None:
             METRICS.optimizer_misses[cap.off] += 1
             return raw(opt)
-        if cap.steps < st.options.hot_after:
+        if cap.hinted is None:
+            cap.hinted = backend == _OURS and hinted(optimizer_hint_doc(opt), st.options, "optimizer")
+        if cap.steps < st.options.hot_after and not (cap.hinted and not cap.captures):
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
             before = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches
@@ -265,7 +269,8 @@ def _specialized_again(opt, cap: _Capture, value: str) -> None:
 
 def _capture(st, opt, raw, cap, backend):
     """Hand the step to Dynamo; the step it runs is this one (Note [Optimizer capture])."""
-    if backend == _OURS:
+    ours = backend == _OURS
+    if ours:
         from ._capture import _Backend
 
         backend = _Backend(None, st.options, "optimizer")
@@ -288,6 +293,8 @@ def _capture(st, opt, raw, cap, backend):
                     type(opt).__name__, type(e).__name__, _first_line(e))
         return raw(opt)
     METRICS.optimizer_capture_seconds += time.perf_counter() - t0
+    if ours and not cap.captures:  # Note [Capture hints] in _capture: its first capture
+        leave_hint(optimizer_hint_doc(opt), st.options)
     cap.fn, cap.captures = fn, cap.captures + 1
     METRICS.optimizer_captures += 1
     _count_launches(cap)

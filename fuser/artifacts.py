@@ -58,6 +58,17 @@ def warm_worker(store, backend, options) -> None:
     _jobs(store, options).warm("fuser.compile:warm_up", payload)
 
 
+def stop_warm_up() -> None:
+    """End the warm-up ``warm_worker`` started, unless a job was given to a worker since (Note
+    [Warm workers] in neff_cache.jobs): called when a capture's record is found in the store, the
+    sign of a program that ran before on this cache. Its warm-up, seconds of imports on another
+    core, only slows the program's compiled steps (benchmarks/RESULTS.md)."""
+    if _PID != os.getpid():
+        return
+    for jobs in list(_JOBS.values()):
+        jobs.stop_warming()
+
+
 def submit_job(entry, backend, store, options) -> bool:
     """Hand the compile of region ``entry`` (its key claimed) to a worker; False if the jobs cannot
     take it (shut down at exit): the caller compiles it here instead. The region is then picked up

@@ -39,6 +39,11 @@ from .window import FlushResult, Out
 # window alone and the graph after it, where eager's error is raised; one that fails otherwise
 # blacklists the joined program. Nothing is written before the run returns, so the fallback
 # starts from the inputs the joined run saw.
+# Only for backends whose executable is a device launch (``joins_runs``: stablehlo and neuron).
+# Inductor's steps ran no faster joined (rnn, blocks8 and cnn of benchmarks/user_step.py on cpu:
+# medians within 2% either way, benchmarks/RESULTS.md), and the joined program is a compile that
+# only a process whose captured graphs are compiled ever asks for: the first warm process on a
+# cache, whose compiled steps it slowed to 0.4-1.1 s while a worker compiled it.
 _tls = threading.local()
 
 

@@ -521,10 +521,11 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
     return FlushResult(launched, *entry.counts, outcome, sym.region)
 
 
-def poll(entry: _Entry, backend, options) -> None:
+def poll(entry: _Entry, backend, options, load_now: bool = False) -> None:
     """Give a region kept outside ``CACHE`` (a joined region, Note [Joined runs] in fuser.joined, or
-    a captured graph, adaptive_eager._capture) its callable, as ``_decide`` and ``_execute`` give a window's region theirs: at its first call
-    load its artifact or compile it (here or in a worker), later take what landed."""
+    a captured graph, adaptive_eager._capture) its callable, as ``_decide`` and ``_execute`` give a
+    window's region theirs: at its first call load its artifact (``load_now``: waiting for the
+    load) or compile it (here or in a worker), later take what landed."""
     if entry.blacklisted or entry.run is not None:
         return
     wait = not options.async_compile
@@ -532,7 +533,8 @@ def poll(entry: _Entry, backend, options) -> None:
     if not entry.seen:
         entry.seen = 1
         store = _store(options)
-        _obtain(entry, store, backend, options, wait, store.get(entry.pkey, fingerprint=fingerprint))
+        data = store.get(entry.pkey, fingerprint=fingerprint)
+        _obtain(entry, store, backend, options, wait or (load_now and data is not None), data)
     elif entry.future is not None and (wait or entry.future.done()):
         _collect(entry)
     elif entry.other_process:

@@ -33,7 +33,11 @@ its pipe until the warm-up ends; so a warm-up made of stages asks ``_worker.job_
 them and ends early when a job waits: the job needs the imports, but not the warm-up's own
 compile, and a first job that compiles nothing (a captured graph's trace) waited for all of it
 (Inductor's: 5.3 s in a worker on 2 shared cores, 3.7 s of it imports). A worker that dies warming up is replaced when a job needs one, as
-an idle worker that dies is.
+an idle worker that dies is. A program that finds what it needs in the store (a capture's record:
+adaptive_eager._capture) ends the warm-up with ``stop_warming``, which kills a worker still
+warming if no job was ever queued: its seconds of imports on the other core made a warm process's
+compiled steps 130-1090 ms where they take 2-24 ms (benchmarks/RESULTS.md); a later job starts a
+worker as if none had been warmed.
 
 Note [Results are collected by poll]
 No thread runs in the background: ``submit`` starts jobs and ``poll`` collects finished ones,
@@ -277,6 +281,7 @@ class CompileJobs:
         self._lock = threading.RLock()
         self._pid = os.getpid()
         self._shut_down = False
+        self._submitted = False  # a job was queued here once: a warming worker is kept (``stop_warming``)
         atexit.register(self._stop_at_exit)
 
     def submit(self, key: str, fn_path: str, payload: bytes, *, fingerprint: str, backend: str,
@@ -302,6 +307,7 @@ class CompileJobs:
             destination = self._destination(key, fingerprint, backend, failure_fp)
             job = _Job(key, fn_path, bytes(payload), str(fingerprint), str(backend), destination,
                        failure_fingerprint=failure_fp, first=first)
+            self._submitted = True
             if first:
                 ahead = sum(1 for queued in self._queue if queued.alone or queued.first)
                 self._queue.insert(ahead, job)
@@ -330,6 +336,21 @@ class CompileJobs:
             worker.warming = True
             self._workers.append(worker)
             return True
+
+    def stop_warming(self) -> bool:
+        """Kill a worker that is still warming up, if no job was ever given to this process's
+        workers (Note [Warm workers]): the program found what it needs in the store. A later
+        ``submit`` starts a worker as it would with none warmed. True if one was killed."""
+        with self._lock:
+            self._forget_parent_jobs_after_fork()
+            if self._submitted or self._queue:
+                return False
+            warming = [w for w in self._workers if w.warming and w.job is None]
+            for worker in warming:
+                self._workers.remove(worker)
+                worker.warming = False
+                worker.kill()
+            return bool(warming)
 
     def busy(self) -> int:
         """How many workers compile or warm up now (queued jobs wait for them). Asked at every flush
@@ -519,6 +540,7 @@ class CompileJobs:
         self._queue.clear()
         self._workers.clear()
         self._finished.clear()
+        self._submitted = False
 
     def _stop_at_exit(self) -> None:
         # No lock: a daemon thread blocked in poll() may hold it, and exit must not wait for it.

@@ -683,6 +683,34 @@ def test_a_warmed_worker_runs_its_warm_up_before_the_first_job(store):
     assert store.get(KEY_A, fingerprint="fp") == b"warmed"
 
 
+def test_stop_warming_kills_a_warming_worker_until_a_job_was_given(store):
+    """Note [Warm workers]: ``stop_warming`` kills a worker still warming up when no job was ever
+    queued (the program found what it needs in the store); a later job starts a worker of its
+    own, without the warm-up; once a job was queued, nothing is stopped."""
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.warm(FN + "remember", b"warmed")
+        (worker,) = jobs._workers
+        assert jobs.busy() == 1
+        assert jobs.stop_warming()
+        assert jobs._workers == [] and jobs.busy() == 0 and worker.process.poll() is not None
+        assert jobs.submit(KEY_A, FN + "remembered", b"", fingerprint="fp", backend="b")
+        assert not jobs.stop_warming()
+        assert [r[:2] for r in finished_within(jobs, 60)] == [(KEY_A, True)]
+        assert jobs._workers[0] is not worker
+    finally:
+        jobs.shutdown()
+    assert store.get(KEY_A, fingerprint="fp") == b"nothing"  # the new worker never warmed up
+    jobs = CompileJobs(store)
+    try:
+        assert jobs.warm(FN + "sleep_then_compile", b"1.0")
+        assert jobs.submit(KEY_B, FN + "remembered", b"", fingerprint="fp", backend="b")
+        assert not jobs.stop_warming() and jobs._workers[0].process.poll() is None
+        assert [r[:2] for r in finished_within(jobs, 60)] == [(KEY_B, True)]
+    finally:
+        jobs.shutdown()
+
+
 def test_a_warm_up_sees_a_job_sent_meanwhile(store):
     """Note [Warm workers]: ``job_waiting`` tells a warm-up that a job waits in its pipe, so that it
     ends before its own compile; the job still runs after it, in the same worker."""

@@ -275,8 +275,8 @@ JOINED = """
     if BREAK:  # every joined region's callable fails at its first run: the window runs alone
         poll = fuser.regions.poll
 
-        def failing(entry, backend, options):  # the captured graphs poll too: break only joined regions
-            poll(entry, backend, options)
+        def failing(entry, backend, options, **kwargs):  # the captured graphs poll too: break only joined regions
+            poll(entry, backend, options, **kwargs)
             joined = sys._getframe(1).f_globals["__name__"] == "fuser.joined"
             if joined and entry.run is not None and not getattr(entry.run, "broken", False):
                 entry.run = broken(entry.run)
