@@ -188,7 +188,8 @@ def _call(self, *args, **kwargs):
 
 def _hinted(st, module, args, kwargs) -> bool:
     """Whether a module's first call is captured at once (Note [Capture hints])."""
-    return _not_capturable(st, module) is None and hinted(module_hint_doc(module, args, kwargs), st.options, "module")
+    return _not_capturable(st, module) is None and hinted(lambda: module_hint_doc(module, args, kwargs), st.options,
+                                                          "module")
 
 
 def _recorded(module, args, kwargs):
@@ -343,7 +344,7 @@ def _capture(st, module, cap: _Cap, args, kwargs):
         _BUSY = busy
     METRICS.module_capture_seconds += time.perf_counter() - t0
     if cap.captures and not cap.missed:  # our backend compiled it, at its first capture
-        leave_hint(module_hint_doc(module, args, kwargs), st.options)
+        leave_hint(lambda: module_hint_doc(module, args, kwargs), st.options)
     cap.fn = fn
     METRICS.module_captured_calls += 1
     return out
@@ -1415,7 +1416,7 @@ _RECORD_BACKEND = "capture_record"
 # (benchmarks/RESULTS.md), where every later step runs compiled. Waiting ``hot_after`` calls
 # before a capture keeps a module called once (a notebook's cell) from paying for a trace; a
 # module that was captured before, in a process on this cache, is not such a module. So each
-# capture leaves a hint in the store: a key of what is known before any trace (``_hint_doc``: the
+# capture leaves a hint in the store: a key of what is known before any trace (``*_hint_doc``: the
 # module's class, its parameters' and buffers' names and metadata, ``training``, grad mode and
 # the call's inputs' metadata; for an optimizer, its class and each group's parameters'
 # metadata and option names) and the backend's fingerprint. A later process that finds the hint
@@ -1424,7 +1425,7 @@ _RECORD_BACKEND = "capture_record"
 # is the one a later step's trace makes: the record is found), so both traces land in the first
 # step and the second runs compiled. Captured at its second step instead, the optimizer's first
 # step ran recorded: a window the first process never had, which ``hot_after=1`` compiled.
-# Only Inductor on cpu (``_hints_apply``): on cuda, Dynamo makes a first step's state
+# Only Inductor on cpu (``_hint``): on cuda, Dynamo makes a first step's state
 # ``capturable`` (``OptimizerVariable._set_capturable``: ``step`` on the device), so that graph is
 # not the one a later step's trace makes; on the emulated neuron device the first-step graph
 # differed too (a compile in a process that should compile none, a NEFF on Trainium), and its
@@ -1466,29 +1467,30 @@ def optimizer_hint_doc(opt) -> str:
                   for g in opt.param_groups]))
 
 
-def _hint_key(doc: str, options) -> tuple[str, str]:
+def _hint(doc, options):
+    """The store, the hint's key and the fingerprint for ``doc()`` (Note [Capture hints]), or None
+    where hints do not apply (only Inductor on cpu)."""
+    if options.backend != "inductor" or options.device != "cpu":
+        return None
     import xxhash
 
+    from fuser.artifacts import _store
     from fuser.backends import get_backend
     from fuser.compile import cache_fingerprint
 
     fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
-    return xxhash.xxh3_128_hexdigest(f"capture hint\0{doc}\0{fingerprint}".encode()), fingerprint
+    key = xxhash.xxh3_128_hexdigest(f"capture hint\0{doc()}\0{fingerprint}".encode())
+    return _store(options), key, fingerprint
 
 
-def _hints_apply(options) -> bool:
-    return options.backend == "inductor" and options.device == "cpu"
-
-
-def hinted(doc: str, options, who: str) -> bool:
-    """Whether a process on this cache captured what ``doc`` describes (Note [Capture hints])."""
-    from fuser.artifacts import _store
-
-    if not _hints_apply(options):
-        return False
+def hinted(doc, options, who: str) -> bool:
+    """Whether another process on this cache captured what ``doc()`` describes (Note [Capture hints])."""
     try:
-        key, fingerprint = _hint_key(doc, options)
-        writer = _store(options).get(key, fingerprint=fingerprint)
+        hint = _hint(doc, options)
+        if hint is None:
+            return False
+        store, key, fingerprint = hint
+        writer = store.get(key, fingerprint=fingerprint)
         found = writer is not None and writer != _pid_bytes()
     except Exception as e:  # noqa: BLE001 - no hint: the capture waits for ``hot_after`` calls
         log.debug("adaptive_eager: a capture hint was not read: %s", e)
@@ -1498,14 +1500,13 @@ def hinted(doc: str, options, who: str) -> bool:
     return found
 
 
-def leave_hint(doc: str, options) -> None:
-    from fuser.artifacts import _store
-
-    if not _hints_apply(options):
-        return
+def leave_hint(doc, options) -> None:
+    """Leave the hint of what ``doc()`` describes, unless one is there (Note [Capture hints])."""
     try:
-        key, fingerprint = _hint_key(doc, options)
-        store = _store(options)
+        hint = _hint(doc, options)
+        if hint is None:
+            return
+        store, key, fingerprint = hint
         if store.get(key, fingerprint=fingerprint) is None:
             store.put(key, _pid_bytes(), fingerprint=fingerprint, backend=_HINT_BACKEND, compile_seconds=0.0)
     except Exception as e:  # noqa: BLE001 - a hint only makes a later process capture sooner

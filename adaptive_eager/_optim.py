@@ -191,7 +191,7 @@ def _step(st, opt, raw):
             METRICS.optimizer_misses[cap.off] += 1
             return raw(opt)
         if cap.hinted is None:
-            cap.hinted = backend == _OURS and hinted(optimizer_hint_doc(opt), st.options, "optimizer")
+            cap.hinted = backend == _OURS and hinted(lambda: optimizer_hint_doc(opt), st.options, "optimizer")
         if cap.steps < st.options.hot_after and not (cap.hinted and not cap.captures):
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
@@ -294,7 +294,7 @@ def _capture(st, opt, raw, cap, backend):
         return raw(opt)
     METRICS.optimizer_capture_seconds += time.perf_counter() - t0
     if ours and not cap.captures:  # Note [Capture hints] in _capture: its first capture
-        leave_hint(optimizer_hint_doc(opt), st.options)
+        leave_hint(lambda: optimizer_hint_doc(opt), st.options)
     cap.fn, cap.captures = fn, cap.captures + 1
     METRICS.optimizer_captures += 1
     _count_launches(cap)

@@ -56,7 +56,8 @@ def train(epochs: int, shuffle: bool) -> list[dict]:
     return rows
 
 
-def _gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped counts); warm_steps.py uses it too."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] == "Z"  # ended, not yet reaped
@@ -99,7 +100,7 @@ def main() -> None:
                       f"{r['cold']}, compiling or loading {r['in_flight']}")
             if process == "cold cache" and not args.at_once:
                 t0 = time.monotonic()
-                while not all(_gone(pid) for pid in child["workers"]) and time.monotonic() - t0 < 600:
+                while not all(process_gone(pid) for pid in child["workers"]) and time.monotonic() - t0 < 600:
                     time.sleep(0.2)
                 print(f"  (its compile workers ended {time.monotonic() - t0:.1f} s after it exited)")
 

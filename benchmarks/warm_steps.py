@@ -24,6 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loader_loop import process_gone  # noqa: E402
 
 
 def child(name: str, steps: int, adaptive: bool) -> dict:
@@ -57,14 +58,6 @@ def child(name: str, steps: int, adaptive: bool) -> dict:
     return {"times": times, "compiled": compiled, "workers": workers}
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"  # ended, not yet reaped
-    except OSError:
-        return True
-
-
 def _run(name: str, steps: int, adaptive: bool, cache: str) -> dict:
     env = {**os.environ, "NEURON_EAGER_CACHE_DIR": cache}
     out = subprocess.run([sys.executable, __file__, "--child", name, "--steps", str(steps)]
@@ -95,7 +88,7 @@ def main() -> None:
         cache = tempfile.mkdtemp(prefix="warm_steps_")
         first = _run(name, args.steps, True, cache)
         t0 = time.monotonic()
-        while not all(_gone(pid) for pid in first["workers"]) and time.monotonic() - t0 < 600:
+        while not all(process_gone(pid) for pid in first["workers"]) and time.monotonic() - t0 < 600:
             time.sleep(0.2)
         waited = time.monotonic() - t0
         eager, warm = [], []
