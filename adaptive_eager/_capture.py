@@ -1,9 +1,10 @@
 """A hot module call runs as one guarded compiled call (Note [Captured modules]).
 
 While adaptive eager is on, ``nn.Module.__call__`` is ``_call`` below. The outermost module call
-of a thread is the unit: once a module instance has been called ``hot_after`` times, it is handed
-to TorchDynamo (``fullgraph``, static shapes) with our AOTAutograd backend, and later calls run
-as a single call of what Dynamo built, with the dispatch mode suspended; the ATen graphs of its
+of a thread is the unit: once a module instance has been called ``hot_after`` times (at its first
+call if the call trains: Note [Training captured at once]), it is handed to TorchDynamo
+(``fullgraph``, static shapes) with our AOTAutograd backend, and later calls run as a single call
+of what Dynamo built, with the dispatch mode suspended; the ATen graphs of its
 forward and backward run op by op until their artifacts, compiled in a worker process like a
 region's, are in ``neff_cache``, and compiled from then on.
 """
@@ -14,7 +15,6 @@ import functools
 import importlib
 import json
 import operator
-import os
 import sys
 import threading
 import time
@@ -36,7 +36,7 @@ from ._log import log
 from ._metrics import METRICS
 from ._ops import facts_for, unseeded_facts
 from ._state import _tls as _state_tls
-from ._state import current_state
+from ._state import alone, current_state
 
 # Note [Captured modules]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -176,7 +176,7 @@ def _call(self, *args, **kwargs):
         return _run(st, self, cap, args, kwargs)
     if cap.off is None:
         cap.calls += 1
-        if cap.calls > st.options.hot_after or (cap.calls == 1 and _hinted(st, self, args, kwargs)):
+        if cap.calls > st.options.hot_after or (cap.calls == 1 and _trains(st, self, args, kwargs)):
             return _capture(st, self, cap, args, kwargs)
         if cap.calls == st.options.hot_after and not cap.due and _not_capturable(st, self) is None:
             cap.due = True
@@ -186,10 +186,15 @@ def _call(self, *args, **kwargs):
     return _recorded(self, args, kwargs)
 
 
-def _hinted(st, module, args, kwargs) -> bool:
-    """Whether a module's first call is captured at once (Note [Capture hints])."""
-    return _not_capturable(st, module) is None and hinted(lambda: module_hint_doc(module, args, kwargs), st.options,
-                                                          "module")
+def _trains(st, module, args, kwargs) -> bool:
+    """Whether a module's first call is captured at once: a training call (Note [Training captured
+    at once])."""
+    if not (at_once(st.options) and torch.is_grad_enabled()) or _not_capturable(st, module) is not None:
+        return False
+    from torch.utils._pytree import tree_leaves
+
+    return (any(p.requires_grad for p in module.parameters())
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_leaves((args, kwargs))))
 
 
 def _recorded(module, args, kwargs):
@@ -198,6 +203,18 @@ def _recorded(module, args, kwargs):
         return _ORIG_CALL(module, *args, **kwargs)
     finally:
         _tls.depth -= 1
+
+
+# Note [Traces beside other threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# While TorchDynamo compiles, ``torch.compiler.is_compiling()`` is true in every thread of the
+# process (``_is_compiling_flag``, a module global, torch 2.13), and eager code takes its
+# compile-only branches: torch.optim's Adam computed its step sizes as tensors instead of floats,
+# so a loop in another thread under the mode got other bits (1 ulp) or a TypeError from
+# ``_foreach_addcdiv_`` (tests/test_generated_training.py, two threads). So a capture, and a
+# recapture, is made only while no other live thread has the mode on (``_state.alone``); else
+# the call runs recorded, counted as ``threads``, and the next call tries again. A thread
+# without the mode is not known to us; a captured call that runs compiled compiles nothing.
 
 
 # Note [Windows a capture supersedes]
@@ -296,6 +313,9 @@ def _run(st, module, cap: _Cap, args, kwargs):
                             "now on (metrics()['module_capture_misses'] says why)", type(module).__name__,
                             _MAX_CAPTURES)
             return _recorded(module, args, kwargs)
+        if not alone(st):  # Note [Traces beside other threads]: no recapture now
+            _miss("threads", module, 3)
+            return _recorded(module, args, kwargs)
         cap.missed.discard(cause)
         recapture = True
 
@@ -316,9 +336,9 @@ def _capture(st, module, cap: _Cap, args, kwargs):
         cap.off = why
         _miss(why, module, 3)
         return _recorded(module, args, kwargs)
-    if traced_elsewhere():  # the next call tries again
+    if traced_elsewhere() or not alone(st):  # the next call tries again
         cap.calls -= 1
-        _miss("traced_elsewhere", module, 3)
+        _miss("traced_elsewhere" if traced_elsewhere() else "threads", module, 3)
         return _recorded(module, args, kwargs)
     if st.window.nodes:
         flush(st, "module_capture")
@@ -343,8 +363,6 @@ def _capture(st, module, cap: _Cap, args, kwargs):
     finally:
         _BUSY = busy
     METRICS.module_capture_seconds += time.perf_counter() - t0
-    if cap.captures and not cap.missed:  # our backend compiled it, at its first capture
-        leave_hint(lambda: module_hint_doc(module, args, kwargs), st.options)
     cap.fn = fn
     METRICS.module_captured_calls += 1
     return out
@@ -1409,108 +1427,27 @@ def _write_record(key: str, graphs: dict, meta, options, who: str) -> None:
 _RECORD_BACKEND = "capture_record"
 
 
-# Note [Capture hints]
-# ~~~~~~~~~~~~~~~~~~~~
-# Dynamo's trace, in the step that captures (Note [Traces off the step]), was the longest step of
-# a warm process: 1.4-1.9 s at the third step of user_step.py's workloads on a full cache
-# (benchmarks/RESULTS.md), where every later step runs compiled. Waiting ``hot_after`` calls
-# before a capture keeps a module called once (a notebook's cell) from paying for a trace; a
-# module that was captured before, in a process on this cache, is not such a module. So each
-# capture leaves a hint in the store: a key of what is known before any trace (``*_hint_doc``: the
-# module's class, its parameters' and buffers' names and metadata, ``training``, grad mode and
-# the call's inputs' metadata; for an optimizer, its class and each group's parameters'
-# metadata and option names) and the backend's fingerprint. A later process that finds the hint
-# captures the module at its first call and the optimizer at its first step (Dynamo makes the
-# optimizer's state while it traces, ``OptimizerVariable`` running ``_init_group``, and the graph
-# is the one a later step's trace makes: the record is found), so both traces land in the first
-# step and the second runs compiled. Captured at its second step instead, the optimizer's first
-# step ran recorded: a window the first process never had, which ``hot_after=1`` compiled.
-# Only Inductor on cpu (``_hint``): on cuda, Dynamo makes a first step's state
-# ``capturable`` (``OptimizerVariable._set_capturable``: ``step`` on the device), so that graph is
-# not the one a later step's trace makes; on the emulated neuron device the first-step graph
-# differed too (a compile in a process that should compile none, a NEFF on Trainium), and its
-# captures keep no record. Only a hint another process left: within a process, a new instance of a model
-# gains nothing from it (its trace only comes two calls sooner) and may be a one-off (an
-# evaluation copy). The hint decides only when to capture: Dynamo's guards and the record's key
-# decide, as always, what runs. Counted in ``capture_records["<who>_hinted"]``.
-_HINT_BACKEND = "capture_hint"
-
-
-def _pid_bytes() -> bytes:  # a hint's value: the process that left it
-    return str(os.getpid()).encode()
-
-
-def _meta_of(x):
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), str(x.dtype), x.device.type, x.requires_grad)
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return (type(x).__name__, x)
-    return (type(x).__module__, type(x).__qualname__)
-
-
-def module_hint_doc(module, args, kwargs) -> str:
-    """What a module call's hint key hashes (Note [Capture hints])."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves, _ = tree_flatten((args, kwargs))
-    return repr(("module", type(module).__module__, type(module).__qualname__, module.training,
-                 torch.is_grad_enabled(),
-                 [(n, _meta_of(p)) for n, p in module.named_parameters(remove_duplicate=False)],
-                 [(n, _meta_of(b)) for n, b in module.named_buffers(remove_duplicate=False)],
-                 [_meta_of(x) for x in leaves]))
-
-
-def optimizer_hint_doc(opt) -> str:
-    """What an optimizer step's hint key hashes (Note [Capture hints])."""
-    return repr(("optimizer", type(opt).__module__, type(opt).__qualname__,
-                 [([_meta_of(p) for p in g["params"]], sorted(k for k in g if k != "params"))
-                  for g in opt.param_groups]))
-
-
-def _hint(doc, options):
-    """The store, the hint's key and the fingerprint for ``doc()`` (Note [Capture hints]), or None
-    where hints do not apply (only Inductor on cpu)."""
-    if options.backend != "inductor" or options.device != "cpu":
-        return None
-    import xxhash
-
-    from fuser.artifacts import _store
-    from fuser.backends import get_backend
-    from fuser.compile import cache_fingerprint
-
-    fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
-    key = xxhash.xxh3_128_hexdigest(f"capture hint\0{doc()}\0{fingerprint}".encode())
-    return _store(options), key, fingerprint
-
-
-def hinted(doc, options, who: str) -> bool:
-    """Whether another process on this cache captured what ``doc()`` describes (Note [Capture hints])."""
-    try:
-        hint = _hint(doc, options)
-        if hint is None:
-            return False
-        store, key, fingerprint = hint
-        writer = store.get(key, fingerprint=fingerprint)
-        found = writer is not None and writer != _pid_bytes()
-    except Exception as e:  # noqa: BLE001 - no hint: the capture waits for ``hot_after`` calls
-        log.debug("adaptive_eager: a capture hint was not read: %s", e)
-        return False
-    if found:
-        METRICS.capture_records[f"{who}_hinted"] += 1
-    return found
-
-
-def leave_hint(doc, options) -> None:
-    """Leave the hint of what ``doc()`` describes, unless one is there (Note [Capture hints])."""
-    try:
-        hint = _hint(doc, options)
-        if hint is None:
-            return
-        store, key, fingerprint = hint
-        if store.get(key, fingerprint=fingerprint) is None:
-            store.put(key, _pid_bytes(), fingerprint=fingerprint, backend=_HINT_BACKEND, compile_seconds=0.0)
-    except Exception as e:  # noqa: BLE001 - a hint only makes a later process capture sooner
-        log.debug("adaptive_eager: a capture hint was not kept: %s", e)
+# Note [Training captured at once]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo's trace is the one step cost a capture cannot move off the step (Note [Traces off the
+# step]): on a 2-core machine 0.5-1.9 s for a module, 1-4 s for an optimizer step, with the first
+# imports of Dynamo and Inductor (about 2 s) in the first one. Made at the ``hot_after + 1``-th
+# call, it was the third step of every training loop, cold or warm (benchmarks/RESULTS.md), when
+# every other step after the first ran within a few times eager's. Waiting keeps a module called
+# once (a notebook's cell, an evaluation) from paying for a trace; a call that trains is not such
+# a call: a module called with grad mode on and a parameter or an input that requires grad is
+# captured at its first call, and an optimizer at its first step (Dynamo makes the optimizer's
+# state while it traces, ``OptimizerVariable`` running ``_init_group``, and the graph is the one
+# a later step's trace makes), so both traces land in the first step, which also pays for the
+# imports. Other calls (``no_grad``, ``inference_mode``, frozen modules) wait ``hot_after`` calls.
+# Only Inductor on cpu (``at_once``): on cuda, Dynamo makes a first step's optimizer state
+# ``capturable`` (``OptimizerVariable._set_capturable``: ``step`` on the device), so that graph
+# is not the one a later step's trace makes; on the emulated neuron device the first step's graph
+# differed too, and a one-off training call would queue a NEFF compile of minutes. When a call is
+# captured changes nothing of what runs: Dynamo's guards and the record's key decide.
+def at_once(options) -> bool:
+    """Whether a training call is captured at its first call (Note [Training captured at once])."""
+    return options.backend == "inductor" and options.device == "cpu"
 
 
 def _record_of(graphs: dict, meta) -> dict:

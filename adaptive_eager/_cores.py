@@ -10,7 +10,7 @@ import time
 import torch
 
 from ._log import log
-from ._state import _tls
+from ._state import _tls, current_state
 
 # Note [Cores beside a compile]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -33,6 +33,9 @@ from ._state import _tls
 # setting alone (``omp_set_num_threads`` of the OpenMP runtime torch loaded), not
 # ``torch.set_num_threads``, which also sets the number every thread that starts later begins
 # with. Without an OpenMP runtime in the process (another build of torch) nothing is changed.
+# Not with ``backend='replay'``: a reduction's result depends on how many threads split it
+# (the embedding's backward differed from eager's in the last bit), and that backend's promise is
+# eager's bits; a compile beside it is another thread's.
 # Whether a compile runs is asked at most every ``_CHECK_S``.
 
 _CHECK_S = 0.02
@@ -90,6 +93,9 @@ def _want(now: float) -> int:
 def lower() -> int:
     """Before we run ops: this thread's intra-op threads lowered if a compile runs beside; returns
     what ``restore`` needs (0: nothing was changed)."""
+    st = current_state()
+    if st is not None and st.options.backend == "replay":  # its values are eager's bits: eager's threads
+        return 0
     want = _want(time.perf_counter())
     if not want:
         return 0

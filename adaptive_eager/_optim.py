@@ -22,12 +22,11 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._capture import (_NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, hinted, leave_hint,
-                       optimizer_hint_doc, traced_elsewhere)
+from ._capture import _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, at_once, traced_elsewhere
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
-from ._state import current_state, pending_hot_ops
+from ._state import alone, current_state, pending_hot_ops
 
 # Note [Optimizer capture]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -110,7 +109,7 @@ _is_compiling = torch.compiler.is_compiling
 class _Capture:
     """One optimizer's compiled step and how many steps it took since its last (re)capture."""
 
-    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed", "hinted")
+    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed", "first")
 
     def __init__(self):
         self.fn = None
@@ -119,7 +118,7 @@ class _Capture:
         self.captures = 0
         self.off: str | None = None  # why this optimizer's step is not captured any more
         self.float_missed: str | None = None  # the group value of the last param_group miss (Note [Specialized floats])
-        self.hinted: bool | None = None  # captured at its first step (Note [Capture hints] in _capture)
+        self.first: bool | None = None  # captured at its first step (Note [Training captured at once] in _capture)
 
 
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -190,9 +189,9 @@ def _step(st, opt, raw):
         if cap.off is not None:
             METRICS.optimizer_misses[cap.off] += 1
             return raw(opt)
-        if cap.hinted is None:
-            cap.hinted = backend == _OURS and hinted(lambda: optimizer_hint_doc(opt), st.options, "optimizer")
-        if cap.steps < st.options.hot_after and not (cap.hinted and not cap.captures):
+        if cap.first is None:
+            cap.first = backend == _OURS and at_once(st.options)
+        if cap.steps < st.options.hot_after and not (cap.first and not cap.captures):
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
             before = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches
@@ -201,6 +200,9 @@ def _step(st, opt, raw):
             finally:
                 cap.launches = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches - before
         if _traced_elsewhere():
+            return raw(opt)
+        if not alone(st):  # Note [Traces beside other threads] in _capture: the next step tries again
+            METRICS.optimizer_misses["threads"] += 1
             return raw(opt)
         if st.window.nodes:
             flush(st, "optimizer_step")
@@ -293,8 +295,6 @@ def _capture(st, opt, raw, cap, backend):
                     type(opt).__name__, type(e).__name__, _first_line(e))
         return raw(opt)
     METRICS.optimizer_capture_seconds += time.perf_counter() - t0
-    if ours and not cap.captures:  # Note [Capture hints] in _capture: its first capture
-        leave_hint(lambda: optimizer_hint_doc(opt), st.options)
     cap.fn, cap.captures = fn, cap.captures + 1
     METRICS.optimizer_captures += 1
     _count_launches(cap)

@@ -105,6 +105,11 @@ def _unregister(st: TracerState) -> None:
         _STATES = tuple(s for s in _STATES if s is not st)
 
 
+def alone(st: TracerState) -> bool:
+    """Whether no other live thread has the mode on (Note [Traces beside other threads] in ``_capture``)."""
+    return all(s is st or s.mode is None or not s.thread.is_alive() for s in _STATES)
+
+
 def _prune(states: tuple) -> tuple:
     """Drop the states of threads that ended with the mode on, once nothing of theirs is pending
     (until then another thread may read their values: Note [Reads from other threads])."""

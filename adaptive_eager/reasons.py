@@ -192,6 +192,9 @@ CAPTURE_MISSES: dict[str, str] = {
                    "captured again",
     "saved_tensor_hooks": "called under a saved-tensor hook (activation checkpointing: torch.utils.checkpoint): "
                           "what the call saves is the hook's, so it stays recorded",
+    "threads": "another thread had adaptive eager on, and a trace would have changed what its code computes "
+               "(torch.compiler.is_compiling() is true in every thread while one compiles): not captured then, "
+               "tried again at the next call",
     "traced_elsewhere": "another thread of this process was tracing a graph (a compile) at that moment, and TorchDynamo "
                         "runs no compiled call then (torch 2.13 and older): that call ran recorded (expected, rare)",
 }

@@ -9,7 +9,8 @@ started once the first process's compile workers have ended (the compiles a shor
 queued go on after its exit: Note [Compiles that outlive the program] in neff_cache.jobs), or at
 once with ``--at-once``.
 Prints, per process and epoch: windows (and how many had nothing to run), compiled runs, and the
-windows replayed, while cold or while their compile (or load) was in flight. Note [Views of unwritten memory] in adaptive_eager._record
+windows replayed, while cold or while their compile (or load) was in flight; then the captured
+calls (model calls and optimizer steps) and how many of their graphs ran compiled or op by op. Note [Views of unwritten memory] in adaptive_eager._record
 says why a shuffled batch once made a new window each step; Note [Warm workers] in neff_cache.jobs
 why the first compile lands sooner.
 """
@@ -52,7 +53,13 @@ def train(epochs: int, shuffle: bool) -> list[dict]:
                          "compiled": m["compiled_runs"] - before["compiled_runs"],
                          "replayed": m["replayed_regions"] - before["replayed_regions"],
                          "cold": reasons.get("cold", 0),
-                         "in_flight": reasons.get("compiling", 0) + reasons.get("loading", 0)})
+                         "in_flight": reasons.get("compiling", 0) + reasons.get("loading", 0),
+                         "captured": m["module_captured_calls"] - before["module_captured_calls"]
+                         + m["optimizer_hot_steps"] - before["optimizer_hot_steps"],
+                         "captured_compiled": m["module_compiled_runs"] - before["module_compiled_runs"]
+                         + m["optimizer_compiled_runs"] - before["optimizer_compiled_runs"],
+                         "captured_uncompiled": m["module_uncompiled_runs"] - before["module_uncompiled_runs"]
+                         + m["optimizer_uncompiled_runs"] - before["optimizer_uncompiled_runs"]})
     return rows
 
 
@@ -97,7 +104,8 @@ def main() -> None:
                 # right after a captured call): neither compiled nor replayed
                 print(f"  epoch {epoch}: windows {r['windows']} ({r['windows'] - r['compiled'] - r['replayed']} "
                       f"with nothing to run), compiled {r['compiled']}, replayed {r['replayed']}: cold "
-                      f"{r['cold']}, compiling or loading {r['in_flight']}")
+                      f"{r['cold']}, compiling or loading {r['in_flight']}; captured calls {r['captured']} "
+                      f"(their graphs compiled {r['captured_compiled']}, run op by op {r['captured_uncompiled']})")
             if process == "cold cache" and not args.at_once:
                 t0 = time.monotonic()
                 while not all(process_gone(pid) for pid in child["workers"]) and time.monotonic() - t0 < 600:

@@ -133,9 +133,9 @@ def _len(x):
 
 def artifacts(store) -> list:
     """``store.entries()`` less adaptive eager's tables of op metadata (Note [Meta entries on disk]
-    in adaptive_eager._meta_disk), the captures' records and hints (Note [Captures from the cache], Note [Capture hints] in
+    in adaptive_eager._meta_disk) and the captures' records (Note [Captures from the cache] in
     adaptive_eager._capture): the compiled artifacts."""
-    return [e for e in store.entries() if e["backend"] not in ("meta", "capture_record", "capture_hint")]
+    return [e for e in store.entries() if e["backend"] not in ("meta", "capture_record")]
 
 
 def count_aot_traces(monkeypatch):

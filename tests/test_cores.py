@@ -136,5 +136,5 @@ def test_the_interim_backward_runs_with_a_core_less(threads, monkeypatch, tmp_pa
         for _ in range(5):
             model(torch.randn(8, 16)).square().mean().backward()
             outside.append(torch.get_num_threads())
-    assert grads == [1, 1, 1], grads  # the three calls after the capture
+    assert grads == [1] * 5, grads  # every call: a training call is captured at the first
     assert set(outside) == {2}
