@@ -206,7 +206,7 @@ class _Pos:
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid",
                  "nbytes", "source", "sig_end", "view", "offset", "lists", "multi",
-                 "factory", "other", "refs", "specs")
+                 "factory", "other", "refs", "specs", "fchecks")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -218,6 +218,7 @@ class _Pos:
         # into the region, or None for one the region takes as an input (Note [Scalar lifting])
         self.fpos: list = []
         self.fvals: list = []
+        self.fchecks: tuple = ()  # (fpos, fvals) pairs, as the record path checks them
         self.kw: tuple = ()  # (name, value) of keywords (in-place ops); the value ``float`` for a float
         self.spec = None  # the fresh output's (shape, stride, dtype); None for an in-place op
         self.uid = 0  # its Out's uid
@@ -493,6 +494,7 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
     # a float the region takes as an input may change; one compiled in must not (Note [Scalar lifting])
     p.fvals = [None if node.fbase + j in lifted_inputs else window.scalars[node.fbase + j]
                for j in range(len(node.fpos))]
+    p.fchecks = tuple(zip(p.fpos, p.fvals))
     for v in node.kwargs.values():
         if isinstance(v, _Tensor) or type(v) is Out:
             return None

@@ -158,7 +158,7 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
         _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
         raise
-    if res.__class__ is not _Answer:
+    if type(res) is not _Answer:
         return res
     return _not_recorded(st, f, args, kwargs, res, window, n0)
 
@@ -182,7 +182,7 @@ def _not_recorded(st: TracerState, f, args, kwargs, res, window: Window, n0: int
         except BaseException:
             _decline(window, n0)
             raise
-        if res.__class__ is not _Answer:
+        if type(res) is not _Answer:
             return res
         if len(window.real_inputs) != n0:
             _unslot(window, n0)
@@ -239,7 +239,7 @@ class LazyMode(TorchDispatchMode):
                 except BaseException:  # ``_record_or_run``, inline
                     _decline(window, n0)
                     raise
-                if res.__class__ is not _Answer:
+                if type(res) is not _Answer:
                     return res
                 return _not_recorded(st, f, args, kwargs, res, window, n0)
             if kind == CHECKED:

@@ -229,8 +229,10 @@ def _demote(window: Window, cause: str) -> None:
 # - the emission (``_emit``): placeholders or ALIAS Outs and write marks, and the one append
 #   (``_add``), of the op's Node and signature entries, or in a hot window of its hot record. A hot
 #   op of the two kinds most positions hold (one fresh output; a write of its first argument) is
-#   emitted right after its checks, by the same emitters (``hot_placeholder``, ``alias_out``): the
-#   branches below them are the cold path's and the rarer kinds'.
+#   emitted right after its checks, by the same emitters (``hot_placeholder``, ``alias_out``); the
+#   rarer kinds, in any window, by ``_emit_others``. What an op of the common kinds never reaches
+#   (the rarer writes, the snapshots, the rarer emission) sits in helpers, so that the frame
+#   ``_record`` sets up and clears at every op holds only the locals the common ops use.
 # So a hot record is the record of an op whose signature is known: it skips the signature, the
 # meta lookup, the Node and the user's line, nothing else. An op that does not match its
 # template's position (``_miss``: the cause, counted if the window is demoted at it) is walked
@@ -327,6 +329,42 @@ def _mark(window: Window, token, written) -> None:
         mark_written(window, sid, o.slot if o is not None and o.win is token else window.slot_of(t))
 
 
+def _writes(f, args, kwargs, n: int):
+    """The arguments an op other than ``writes_first`` writes, as (tensor, storage id), and whether
+    another TensorImpl holds one of their storages (Note [Overlapping writes])."""
+    written = []
+    shared = False
+    for pos in f.write_pos:
+        w = (kwargs.get(pos) if kwargs else None) if type(pos) is str else (args[pos] if pos < n else None)
+        for t in (w if type(w) in (list, tuple) else (w,)):
+            if isinstance(t, _Tensor):
+                sid = _untyped_storage(t)._cdata
+                written.append((t, sid))
+                if _storage_use_count(sid) > 2:
+                    shared = True
+    return written, shared
+
+
+def _raise_overlap(f, args, kwargs) -> None:
+    """Raise eager's error for an op whose written memory overlaps what it reads, if it has one
+    (Note [Overlapping writes])."""
+    error = _overlap_error(f, args, kwargs or {}, shared=True)
+    if error is not None:
+        raise error
+
+
+def _snapshots(window: Window, args, nargs, refs: list, snaps) -> list:
+    """Snapshot the real 0-dim tensors an op reads (``snaps``: argument position, index in ``refs``):
+    eager reads one when the op runs, and the program may change it later (Note [Scalar fast path]).
+    The op's recorded arguments, with the snapshots."""
+    if nargs is None:
+        nargs = list(args)
+    for i, r in snaps:
+        snap = nargs[i] = args[i].clone()
+        refs[r] = -1 - window.slot_of(snap)
+    return nargs
+
+
 def _first_on_target(st: TracerState, f, args):
     """The device of an op's first tensor argument on the target (a target type of several
     devices: cuda:0, cuda:1), as the walk of ``_record`` meets them."""
@@ -416,50 +454,51 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         refs.append(-1 - slot)
         if p is None:
             sig[i] = (a.shape, a.stride(), a.dtype)
-    for i in f.list_pos:  # (an empty tuple for most ops)
-        if i >= n:
-            break
-        lst = args[i]
-        if p is None:
-            new = list(lst)
-            lsig = []
-        for j, a in enumerate(lst):
-            if a is None:
-                if p is None:
-                    lsig.append(None)
-                continue
-            o = getattr(a, "_ae", None)
-            if o is not None and o.win is token:
-                refs.append(o.uid)
-                if p is None:
-                    new[j] = o
-                    inputs.append(o)
-                    lsig.append(o.meta)
-                continue
-            if not _on_target(st, a):
-                return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
-            if o is not None:
-                _check_elsewhere(a, o)
-            if st.scalar_fast_path and a.numel() == 1:
-                if p is not None:
-                    return _miss(st, f, args, kwargs, n0, "metadata")
-                if not a.dim():
-                    scalars += 1
-                if i not in f.write_pos and not _written(window, a) and a.layout is _strided:
-                    a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
-            slot = window.slots.get(id(a))
-            if slot is None:
-                slot = _new_slot(window, a, p is not None)
-                if slot < 0:
-                    return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
-            refs.append(-1 - slot)
+    if f.list_pos:  # (none for most ops: no iterator made for them)
+        for i in f.list_pos:
+            if i >= n:
+                break
+            lst = args[i]
             if p is None:
-                lsig.append((a.shape, a.stride(), a.dtype))
-        if p is None:
-            if nargs is None:
-                nargs = list(args)
-            nargs[i] = new
-            sig[i] = tuple(lsig)
+                new = list(lst)
+                lsig = []
+            for j, a in enumerate(lst):
+                if a is None:
+                    if p is None:
+                        lsig.append(None)
+                    continue
+                o = getattr(a, "_ae", None)
+                if o is not None and o.win is token:
+                    refs.append(o.uid)
+                    if p is None:
+                        new[j] = o
+                        inputs.append(o)
+                        lsig.append(o.meta)
+                    continue
+                if not _on_target(st, a):
+                    return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
+                if o is not None:
+                    _check_elsewhere(a, o)
+                if st.scalar_fast_path and a.numel() == 1:
+                    if p is not None:
+                        return _miss(st, f, args, kwargs, n0, "metadata")
+                    if not a.dim():
+                        scalars += 1
+                    if i not in f.write_pos and not _written(window, a) and a.layout is _strided:
+                        a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
+                slot = window.slots.get(id(a))
+                if slot is None:
+                    slot = _new_slot(window, a, p is not None)
+                    if slot < 0:
+                        return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
+                refs.append(-1 - slot)
+                if p is None:
+                    lsig.append((a.shape, a.stride(), a.dtype))
+            if p is None:
+                if nargs is None:
+                    nargs = list(args)
+                nargs[i] = new
+                sig[i] = tuple(lsig)
     if not f.mutates:
         written = ()  # (tensor, storage id) of every written argument, returned or not
     elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
@@ -469,26 +508,13 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {}, written):
             if p is not None:
                 return _miss(st, f, args, kwargs, n0, "overlap")
-            error = _overlap_error(f, args, kwargs or {}, shared=True)
-            if error is not None:
-                raise error
+            _raise_overlap(f, args, kwargs)
     else:
-        written = []
-        shared = False  # another TensorImpl holds a written storage: Note [Overlapping writes]
-        for pos in f.write_pos:
-            w = (kwargs.get(pos) if kwargs else None) if type(pos) is str else (args[pos] if pos < n else None)
-            for t in (w if type(w) in (list, tuple) else (w,)):
-                if isinstance(t, _Tensor):
-                    sid = _untyped_storage(t)._cdata
-                    written.append((t, sid))
-                    if _storage_use_count(sid) > 2:
-                        shared = True
+        written, shared = _writes(f, args, kwargs, n)
         if shared and _shares_written(window, args, kwargs or {}, written):
             if p is not None:
                 return _miss(st, f, args, kwargs, n0, "overlap")
-            error = _overlap_error(f, args, kwargs or {}, shared=True)
-            if error is not None:
-                raise error
+            _raise_overlap(f, args, kwargs)
     if p is not None:  # the template's position is the signature: Note [One record path]
         if refs != p.refs:
             return _miss(st, f, args, kwargs, n0, "binding")
@@ -500,8 +526,8 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
             if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
                 return _miss(st, f, args, kwargs, n0, "scalar")
         if p.fpos:  # each float compiled into the region equal, each one it takes as an input a float
-            for pos, v in zip(p.fpos, p.fvals):
-                a = args[pos] if type(pos) is int else kwargs.get(pos)
+            for i, v in p.fchecks:
+                a = args[i] if type(i) is int else kwargs.get(i)
                 if a.__class__ is not float or (v is not None and a != v):
                     return _miss(st, f, args, kwargs, n0, "scalar")
         if f.fresh_one:  # most ops: the emission's first branch (below) for a hot record, which is None
@@ -511,8 +537,8 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         if f.writes_first:  # the second: its ALIAS Out is its hot record
             _add(st, window, _alias_out(window, first, p.uid, first_sid), p.fpos, args, kwargs, p.nbytes)
             return first
-        specs = p.specs
-        uid = p.uid
+        return _emit_others(st, window, f, p, p.specs, p.uid, None, None, args, kwargs, written, token, None, None,
+                            None, 0)  # the rarer kinds
     else:
         bound = len(refs) - elsewhere  # tensor arguments on the target
         if scalars and scalars == bound and _scalars_settled(window, f, args, n):
@@ -521,15 +547,16 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
             kwargs = {}
         if f.scalar_pos:
             _numbers(f, args, n, sig, floats)
-        for i in f.seq_pos:
-            if i < n and type(args[i]) is list:
-                lst = args[i]
-                if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
-                    sig[i] = (float, len(lst))
-                    for j in range(len(lst)):  # (no generator: it would make ``i`` a cell in every call)
-                        floats.append((i, j))
-                else:
-                    sig[i] = tuple(lst)
+        if f.seq_pos:  # (none for most ops: no iterator made for them)
+            for i in f.seq_pos:
+                if i < n and type(args[i]) is list:
+                    lst = args[i]
+                    if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
+                        sig[i] = (float, len(lst))
+                        for j in range(len(lst)):  # (no generator: it would make ``i`` a cell in every call)
+                            floats.append((i, j))
+                    else:
+                        sig[i] = tuple(lst)
         device = None if not bound else _first_on_target(st, f, args) if st.device_varies else st.device
         nkwargs = kwargs
         ksig = ()
@@ -558,10 +585,9 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
                     ksig.append((k, v.shape, v.stride(), v.dtype))
                 else:
                     if k == "device" and v is not None:
-                        dv = torch.device(v)
-                        if dv.type != st.target:
+                        device = torch.device(v)
+                        if device.type != st.target:
                             return _decline(window, n0)
-                        device = dv
                     ksig.append(_keyword(f, k, v, floats))
             ksig = tuple(ksig)
         if device is None:
@@ -596,13 +622,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         if window.hot is not None:
             _demote(window, "general_path")
         if snaps:
-            if nargs is None:
-                nargs = list(args)
-            for i, r in snaps:
-                # Eager reads a 0-dim tensor when the op runs; snapshot it, the program may change it
-                # later (Note [Scalar fast path])
-                snap = nargs[i] = args[i].clone()
-                refs[r] = -1 - window.slot_of(snap)
+            nargs = _snapshots(window, args, nargs, refs, snaps)
         # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
         node = _node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(3),
                      len(window.nodes), f.mutates or f.nrets == 0, False)
@@ -618,7 +638,19 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
     elif f.writes_first:  # it writes and returns its first argument (most writes): an ALIAS Out
         node.outs.append(_alias_out(window, first, uid, first_sid))  # (in a hot window, emitted above)
         res = first
-    elif f.one_ret:  # one output of an op that writes
+    else:  # the rarer kinds
+        return _emit_others(st, window, f, p, specs, uid, node, device, args, kwargs, written, token, eid, refs,
+                            floats, nbytes)
+    _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
+    return res
+
+
+def _emit_others(st: TracerState, window: Window, f, p, specs, uid: int, node, device, args, kwargs, written, token,
+                 eid, refs, floats, nbytes):
+    """The emission of ``_record`` (Note [One record path]) for the kinds of op other than one fresh
+    output and a write of the first argument, then the one append; ``p`` the hot position, or None
+    (then ``node``, ``device``, ``eid``, ``refs``, ``floats`` and ``nbytes`` are the op's)."""
+    if f.one_ret:  # one output of an op that writes
         record = None
         spec = specs[0]
         if spec is None:  # it writes and returns another argument (``out=``): an ALIAS Out
