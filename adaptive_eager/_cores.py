@@ -25,6 +25,10 @@ from ._state import _tls, current_state
 # So while ``fuser.artifacts.compiling()`` counts N such compiles, the ops we run (a window's run
 # at a flush, a captured graph's op-by-op run: ``running``) use ``cores - N`` intra-op threads
 # (at least 1; never more than the thread had), and the thread's own number again right after.
+# A captured graph's compiled run too: Inductor's own C++ kernels keep the number they were
+# compiled for, but its extern kernels (``mm``, ``addmm``) take the thread's. The cold steps in
+# which the first artifacts landed while the worker compiled the next ones took 200-1900 ms
+# (blocks8, 17 ``mm`` calls 224 ms of a 422 ms step), 100-370 ms with it (benchmarks/RESULTS.md).
 # Only there: the program's own code never sees another number (``torch.get_num_threads()``),
 # since what reads it may keep it. Inductor's C++ kernels are compiled for
 # ``torch.get_num_threads()`` (``torch._inductor.utils.parallel_num_threads``), so a

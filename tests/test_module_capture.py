@@ -404,7 +404,9 @@ def test_a_forward_with_another_random_op_is_not_captured_and_keeps_eagers_rando
             return self.lin(x + 0.1 * torch.randn_like(x))
 
     steps = 6
-    wait = (lambda i, m: i == RECORDED + 1 and _wait_for_workers()) if async_compile else None
+    # the next call polls for the worker's answer: past the poll interval
+    wait = (lambda i, m: i == RECORDED + 1 and (_wait_for_workers(), time.sleep(_capture._POLL_S))) \
+        if async_compile else None
     torch.manual_seed(0)
     eager = _outputs(Noisy(), _batches(steps), False)
     torch.manual_seed(0)
