@@ -12,6 +12,7 @@ import operator
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 import pytest
@@ -389,3 +390,32 @@ def test_replay_round_trips_every_argument_kind():
     gm = make_fx(fn, pre_dispatch=False)(x)
     replay = get_backend("replay", "cpu")
     _check_outputs(replay.load(replay.compile(gm, [x]))([x]), gm(x), bitwise=True)
+
+
+def test_inductor_graph_cache_is_keyed_by_the_vector_isa(tmp_path, monkeypatch):
+    """Note [Vector ISA in the graph cache key]: source Inductor generated for another vector ISA
+    (ATEN_CPU_CAPABILITY) is not taken from the shared FX graph cache. It was: 8-lane (avx2) source
+    built with AVX-512 flags stored 16 floats at offset 8 of a 16-float buffer, and the process
+    aborted ("malloc(): unaligned tcache chunk detected")."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from fuser.backends import _inductor_artifacts
+    from fuser.backends._inductor_artifacts import _unpack
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    lanes = pick_vec_isa().nelements(torch.float) if pick_vec_isa() else 0
+    if not lanes:
+        pytest.skip("Inductor vectorizes nothing on this machine")
+    # a build directory of this test's own: Inductor's default is <tempdir>/torchinductor_$USER
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(_inductor_artifacts, "_stand_in_build_dirs", {})
+    x, w = torch.randn(16), torch.randn(16)
+    gm = make_fx(lambda x, w: (torch.tanh(x * w + 0.8125) - x,), pre_dispatch=False)(x, w)
+
+    def wrapper() -> str:
+        return _unpack(get_backend("inductor", "cpu").compile(gm, [x, w]))[1]["wrapper.py"].decode()
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # scalar code, cached first
+    assert "Vectorized" not in wrapper()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert f"x0+=static_cast<int64_t>({lanes}L)" in wrapper()

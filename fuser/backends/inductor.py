@@ -74,6 +74,7 @@ the callable from ``load`` passes them, read off its inputs, after its inputs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -276,7 +277,8 @@ def _run_inductor(
     # AOTAutograd's cache would answer a repeated graph without calling inner_compile, leaving
     # nothing to capture; Inductor's own graph cache still makes such a compile fast.
     no_autograd_cache = torch._functorch.config.patch(enable_autograd_cache=False)
-    with torch.no_grad(), cache_dir, no_autograd_cache, config.patch(_CONFIG), _atomic_builds():
+    with (torch.no_grad(), cache_dir, no_autograd_cache, config.patch(_CONFIG), _atomic_builds(),
+          _keyed_by_vec_isa(device_type)):
         try:
             standalone_compile(gm, inputs, dynamic_shapes="from_graph" if symbolic else "from_example_inputs",
                                options={"inner_compile": capture})
@@ -312,6 +314,36 @@ def _run_inductor(
             raise BackendCompileError(f"inductor: the generated wrapper does not load: {type(e).__name__}: {e}") from e
         triton_files = _collect_triton(_device_index(example_inputs)) if device_type == "cuda" else {}
     return source, cpp_kernels, triton_files, list(compiled.inputs_to_check), relayout, sym_inputs
+
+
+# Note [Vector ISA in the graph cache key]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inductor's C++ kernels are generated for the vector ISA ``pick_vec_isa()`` picks in this process
+# (``ATEN_CPU_CAPABILITY`` chooses it: avx2 gives 8 float lanes, avx512 16): the loops step by its
+# lane count and a float ``store`` writes a whole ``Vectorized<float>``. Inductor's FX graph cache
+# (torch 2.13) does not key on that ISA, while the kernel's build does (the ISA's compiler flags).
+# So a graph compiled once under ``ATEN_CPU_CAPABILITY=avx2`` left 8-lane source in the cache that
+# a later process on an AVX-512 machine took and built with AVX-512 flags: ``x0 += 8`` with 16-lane
+# stores wrote 32 bytes past a 16-float output buffer ("malloc(): unaligned tcache chunk detected"),
+# and the other way round (16-lane source built for avx2: ``x0 += 16``, 8-lane loads and stores)
+# half of each output is never written. Our build directory is shared by every process of this
+# user (it ignores TORCHINDUCTOR_CACHE_DIR: Note [Trusted build directory]), so a compile adds the
+# picked ISA to ``torch.compiler.config.cache_key_tag``, which is part of the FX graph cache key.
+
+
+@contextlib.contextmanager
+def _keyed_by_vec_isa(device_type: str):
+    """Note [Vector ISA in the graph cache key]; enter inside the compile's cache directory (the
+    ISA probes build there)."""
+    if device_type != "cpu":  # no C++ kernels; picking would build the ISA probes for nothing
+        yield
+        return
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    tag = f"{torch.compiler.config.cache_key_tag}|adaptive_eager-vec-isa:{isa}:{isa.bit_width()}:{isa.build_arch_flags()}"
+    with torch.compiler.config.patch(cache_key_tag=tag):
+        yield
 
 
 def _symbols_as_inputs(gm: torch.fx.GraphModule) -> list[list[int]]:
