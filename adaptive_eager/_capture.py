@@ -36,7 +36,7 @@ from ._log import log
 from ._metrics import METRICS
 from ._ops import facts_for, unseeded_facts
 from ._state import _tls as _state_tls
-from ._state import alone, current_state
+from ._state import current_state, trace_alone, trace_done
 
 # Note [Captured modules]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -212,9 +212,10 @@ def _recorded(module, args, kwargs):
 # compile-only branches: torch.optim's Adam computed its step sizes as tensors instead of floats,
 # so a loop in another thread under the mode got other bits (1 ulp) or a TypeError from
 # ``_foreach_addcdiv_`` (tests/test_generated_training.py, two threads). So a capture, and a
-# recapture, is made only while no other live thread has the mode on (``_state.alone``); else
-# the call runs recorded, counted as ``threads``, and the next call tries again. A thread
-# without the mode is not known to us; a captured call that runs compiled compiles nothing.
+# recapture, is made only while no other live thread has the mode on, holding a lock that a
+# thread turning the mode on waits for (``_state.trace_alone``, ``_register``); else the call
+# runs recorded, counted as ``threads``, and the next call tries again. A thread without the mode
+# is not known to us; a captured call that runs compiled compiles nothing.
 
 
 # Note [Windows a capture supersedes]
@@ -303,6 +304,8 @@ def _run(st, module, cap: _Cap, args, kwargs):
             _BUSY = busy
             if prior is not None:
                 _set_stance(prior)
+            if recapture:
+                trace_done()
         # Note [Captured modules]: a miss runs recorded; the same cause missing again recaptures
         _miss(cause, module, 3)
         if cause not in cap.missed or cap.captures >= _MAX_CAPTURES:
@@ -313,7 +316,7 @@ def _run(st, module, cap: _Cap, args, kwargs):
                             "now on (metrics()['module_capture_misses'] says why)", type(module).__name__,
                             _MAX_CAPTURES)
             return _recorded(module, args, kwargs)
-        if not alone(st):  # Note [Traces beside other threads]: no recapture now
+        if not trace_alone(st):  # Note [Traces beside other threads]: no recapture now
             _miss("threads", module, 3)
             return _recorded(module, args, kwargs)
         cap.missed.discard(cause)
@@ -336,12 +339,16 @@ def _capture(st, module, cap: _Cap, args, kwargs):
         cap.off = why
         _miss(why, module, 3)
         return _recorded(module, args, kwargs)
-    if traced_elsewhere() or not alone(st):  # the next call tries again
+    if traced_elsewhere():  # the next call tries again
         cap.calls -= 1
-        _miss("traced_elsewhere" if traced_elsewhere() else "threads", module, 3)
+        _miss("traced_elsewhere", module, 3)
         return _recorded(module, args, kwargs)
     if st.window.nodes:
         flush(st, "module_capture")
+    if not trace_alone(st):  # Note [Traces beside other threads]: the next call tries again
+        cap.calls -= 1
+        _miss("threads", module, 3)
+        return _recorded(module, args, kwargs)
     t0 = time.perf_counter()
     fn = torch.compile(_fresh(module), backend=_Backend(cap, st.options), dynamic=False, fullgraph=True)
     busy, _BUSY = _BUSY, True
@@ -362,6 +369,7 @@ def _capture(st, module, cap: _Cap, args, kwargs):
         return _recorded(module, args, kwargs)
     finally:
         _BUSY = busy
+        trace_done()
     METRICS.module_capture_seconds += time.perf_counter() - t0
     cap.fn = fn
     METRICS.module_captured_calls += 1

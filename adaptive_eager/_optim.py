@@ -26,7 +26,7 @@ from ._capture import _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, a
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
-from ._state import alone, current_state, pending_hot_ops
+from ._state import current_state, pending_hot_ops, trace_alone, trace_done
 
 # Note [Optimizer capture]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -201,12 +201,15 @@ def _step(st, opt, raw):
                 cap.launches = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches - before
         if _traced_elsewhere():
             return raw(opt)
-        if not alone(st):  # Note [Traces beside other threads] in _capture: the next step tries again
-            METRICS.optimizer_misses["threads"] += 1
-            return raw(opt)
         if st.window.nodes:
             flush(st, "optimizer_step")
-        return _capture(st, opt, raw, cap, backend)
+        if not trace_alone(st):  # Note [Traces beside other threads] in _capture: the next step tries again
+            METRICS.optimizer_misses["threads"] += 1
+            return raw(opt)
+        try:
+            return _capture(st, opt, raw, cap, backend)
+        finally:
+            trace_done()
     if _traced_elsewhere():
         return raw(opt)
     if st.window.nodes:

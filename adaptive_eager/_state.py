@@ -90,9 +90,10 @@ _states_lock = threading.Lock()
 
 def _register(st: TracerState) -> int:
     """Add ``st``; answers how many states of ended threads were dropped (``_prune``): each held
-    the reader patches installed (``_mode.activate`` removes them)."""
+    the reader patches installed (``_mode.activate`` removes them). Waits for a trace of another
+    thread to end (Note [Traces beside other threads] in ``_capture``)."""
     global _STATES
-    with _states_lock:
+    with _trace_lock, _states_lock:
         kept = _prune(_STATES)
         dropped = len(_STATES) - len(kept)
         _STATES = (*kept, st)
@@ -105,9 +106,21 @@ def _unregister(st: TracerState) -> None:
         _STATES = tuple(s for s in _STATES if s is not st)
 
 
-def alone(st: TracerState) -> bool:
-    """Whether no other live thread has the mode on (Note [Traces beside other threads] in ``_capture``)."""
-    return all(s is st or s.mode is None or not s.thread.is_alive() for s in _STATES)
+_trace_lock = threading.RLock()  # held by a trace of ours, and by a thread turning the mode on
+
+
+def trace_alone(st: TracerState) -> bool:
+    """Take the trace lock if no other live thread has the mode on (Note [Traces beside other
+    threads] in ``_capture``); True: taken, and ``trace_done`` must follow."""
+    _trace_lock.acquire()
+    if all(s is st or s.mode is None or not s.thread.is_alive() for s in _STATES):
+        return True
+    _trace_lock.release()
+    return False
+
+
+def trace_done() -> None:
+    _trace_lock.release()
 
 
 def _prune(states: tuple) -> tuple:
