@@ -109,7 +109,7 @@ _is_compiling = torch.compiler.is_compiling
 class _Capture:
     """One optimizer's compiled step and how many steps it took since its last (re)capture."""
 
-    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed", "first")
+    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed")
 
     def __init__(self):
         self.fn = None
@@ -118,7 +118,6 @@ class _Capture:
         self.captures = 0
         self.off: str | None = None  # why this optimizer's step is not captured any more
         self.float_missed: str | None = None  # the group value of the last param_group miss (Note [Specialized floats])
-        self.first: bool | None = None  # captured at its first step (Note [Training captured at once] in _capture)
 
 
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -189,9 +188,9 @@ def _step(st, opt, raw):
         if cap.off is not None:
             METRICS.optimizer_misses[cap.off] += 1
             return raw(opt)
-        if cap.first is None:
-            cap.first = backend == _OURS and at_once(st.options)
-        if cap.steps < st.options.hot_after and not (cap.first and not cap.captures):
+        # Note [Training captured at once] in _capture: at its first step, where that applies
+        at_first = not cap.captures and backend == _OURS and at_once(st.options)
+        if cap.steps < st.options.hot_after and not at_first:
             cap.steps += 1
             METRICS.optimizer_cold_steps += 1
             before = METRICS.ops_recorded + pending_hot_ops()[1] + METRICS.eager_equivalent_launches
@@ -274,8 +273,7 @@ def _specialized_again(opt, cap: _Capture, value: str) -> None:
 
 def _capture(st, opt, raw, cap, backend):
     """Hand the step to Dynamo; the step it runs is this one (Note [Optimizer capture])."""
-    ours = backend == _OURS
-    if ours:
+    if backend == _OURS:
         from ._capture import _Backend
 
         backend = _Backend(None, st.options, "optimizer")
