@@ -37,6 +37,7 @@ from ._metrics import METRICS
 from ._ops import facts_for, unseeded_facts
 from ._state import _tls as _state_tls
 from ._state import current_state, trace_alone, trace_done
+from ._threads import sync_values
 
 # Note [Captured modules]
 # ~~~~~~~~~~~~~~~~~~~~~~~
@@ -753,8 +754,6 @@ class _InterimBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from ._threads import sync_values
-
         outs = ctx.saved_tensors
         sync_values(reversed(grads), "module_capture")  # the window holding them is cut here, as _Graph's
         pairs = [(o, g) for o, g, live in zip(outs, grads, ctx.live) if live and g is not None]
@@ -858,8 +857,6 @@ class _Graph:
         # ``disable``) hides ``_boxed_call``, so it is called with the tensors as arguments
         args = args[0] if len(args) == 1 and type(args[0]) is list else list(args)
         if self.kind == "backward":
-            from ._threads import sync_values
-
             outs = joined.finished(self, args)
             if outs is not None:  # its window ran it, before the call (``_compile._graph_aside``)
                 return self._joined(args, outs)
@@ -1485,7 +1482,7 @@ def _record_of(graphs: dict, meta) -> dict:
     if sorted(forward.source.mutated) != list(meta.mutated_graph_handled_indices):
         raise _Decline("written_input_plan")
     n_out = len(meta.output_info)
-    record = {"format": _RECORD_FORMAT, "outputs": n_out, "forward": forward.describe(),
+    record = {"format": _RECORD_FORMAT, "outputs": n_out,
               "bumped": list(meta.mutated_graph_handled_indices_seen_by_autograd)}
     if backward is not None:
         requires_grad = [bool(o.requires_grad) for o in meta.output_info]
@@ -1498,9 +1495,22 @@ def _record_of(graphs: dict, meta) -> dict:
             if tuple(stride) != make_contiguous_strides_for(shape):
                 raise _Decline("tangents")
         record.update(requires_grad=requires_grad, saved=saved, backward=backward.describe())
+        _share_saved(forward, backward, n_out)
     elif len(forward.plan) != n_out:
         raise _Decline("outputs")
+    record["forward"] = forward.describe()
     return record
+
+
+def _share_saved(forward: _Graph, backward: _Graph, n_out: int) -> None:
+    """Let the forward's outputs that only the backward reads share a buffer where the compiled code
+    returns one for several (Note [Repeated outputs] in fuser.backends.inductor): before the
+    forward's first compile, and so in its record."""
+    program = forward.source
+    if backward.source.mutated or forward.entry is not None:
+        return  # a backward that writes a saved tensor; or a compile already keyed without it
+    user = {how[1] for how in forward.plan[:n_out] if how is not None and how[0] == "out"}
+    program.shared = tuple(k for k in range(forward.n_live) if k not in user)
 
 
 def _from_record(key: str, gm, options, who: str):
@@ -1578,12 +1588,18 @@ class _Recorded(torch.autograd.Function):
         return (None, *graphs.backward([*ctx.saved_tensors, *tangents]))
 
 
+@functools.lru_cache(maxsize=256)
+def _contiguous(shape: torch.Size) -> tuple:
+    """A tangent's contiguous strides, checked at every backward."""
+    return tuple(make_contiguous_strides_for(shape))
+
+
 def _traced_strides(g: torch.Tensor) -> torch.Tensor:
     """A tangent in the contiguous strides it was traced with, made as AOTAutograd's runtime makes it
     (``coerce_to_expected_memory_format``: ``empty_strided`` and ``copy_``, not ``contiguous()``): the
     window recorded before the backward then has the structure a process that traced recorded, and
     runs the region the cache holds for it (``contiguous()`` made a new one, compiled again)."""
-    strides = make_contiguous_strides_for(g.shape)
+    strides = _contiguous(g.shape)
     if g.stride() == strides:
         return g
     out = torch.empty_strided(g.shape, strides, dtype=g.dtype, device=g.device, layout=g.layout)

@@ -78,7 +78,7 @@ class Program:
     in another thread or process, after the window itself is gone."""
 
     def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False,
-                 default_dtype=None, derived=()):
+                 default_dtype=None, derived=(), shared=()):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
         # what ``i * 1.5`` and factories without dtype= make: a window runs under the default dtype
         # it was recorded under (Note [Meta cache key] in adaptive_eager._meta), and so is traced
@@ -99,6 +99,9 @@ class Program:
         # (slot, base slot, permutation): slots the graph makes from a written input instead of
         # reading their own (Note [Inputs over one memory] in fuser.compilable)
         self.derived = tuple(derived)
+        # live output indices that may share one buffer with each other (Note [Repeated outputs]
+        # in fuser.backends.inductor): a captured forward's outputs that only its backward reads
+        self.shared = tuple(shared)
 
     @classmethod
     def from_window(cls, window: Window, live: list[Out], mutated: tuple[int, ...], lifted=(),
@@ -159,6 +162,8 @@ class Program:
         }
         if self.derived:  # only where there are any: the keys of every other program stay as they were
             doc["derived"] = [[v, w, list(perm)] for v, w, perm in self.derived]
+        if self.shared:  # likewise
+            doc["shared"] = list(self.shared)
         return doc
 
     def to_bytes(self) -> bytes:
@@ -177,7 +182,8 @@ class Program:
         return cls(ops, inputs, doc["live"], tuple(doc["mutated"]), tuple(doc["lifted"]), tuple(doc["scalars"]),
                    [tuple(d) for d in doc["dynamic"]], [tuple(d) for d in doc["dims"]], doc["inplace"],
                    getattr(torch, doc["default_dtype"]),
-                   tuple((v, w, tuple(perm)) for v, w, perm in doc.get("derived", ())))
+                   tuple((v, w, tuple(perm)) for v, w, perm in doc.get("derived", ())),
+                   tuple(doc.get("shared", ())))
 
     def digest(self, fingerprint: str) -> str:
         """The persistent region key: xxh3_128 of the program's one encoding (``to_bytes``'s, keys
@@ -291,6 +297,8 @@ class Program:
             # standalone_compile(dynamic_shapes="from_graph") finds the ShapeEnv through these
             for out in next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]:
                 out.meta["example_value"] = out.meta.get("val")
+        if self.shared:  # Note [Repeated outputs] in fuser.backends.inductor
+            gm.meta["shared_outputs"] = self.shared
         gm.recompile()
         return gm
 

@@ -1002,6 +1002,59 @@ def test_a_one_element_gradient_makes_no_window_of_its_own(tmp_path):
     assert "op" not in m["hot_mismatches"], m["hot_mismatches"]
 
 
+class _Recurrent(nn.Module):
+    """A cell unrolled over time steps: each step's ``tanh`` is saved twice (for its own backward
+    and for the next step's matmul), and Inductor returns one buffer for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.hid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, xs):
+        h = xs.new_zeros(xs.shape[1], 16)
+        for t in range(xs.shape[0]):
+            h = torch.tanh(self.inp(xs[t]) + self.hid(h))
+        return self.out(h)
+
+
+def test_a_tensor_the_forward_saves_twice_is_not_copied(tmp_path):
+    """Note [Repeated outputs] in fuser.backends.inductor: the captured forward's saved outputs may
+    share one buffer (only its backward reads them), so a compiled step makes no copy of them
+    (``aten::copy_`` of its own, counted by torch.profiler; the old code made one per time step), and the
+    gradients are eager's."""
+    from torch.profiler import profile
+
+    def run(lazy):
+        torch.manual_seed(0)
+        model = _Recurrent()
+        xs = torch.randn(6, 5, 8)
+        grads, copies = [], []
+        with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)) if lazy else _nothing():
+            for step in range(4):
+                with profile() as prof:
+                    loss = model(xs).square().mean()
+                    loss.backward()
+                    grads.append([p.grad.clone() for p in model.parameters()])
+                model.zero_grad()
+                # not the copies inside an op (``addmm`` copies its bias into its result)
+                copies.append(sum(e.name == "aten::copy_" and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))
+                                  for e in prof.events()))
+        return grads, copies
+
+    eager, _ = run(False)
+    for built_from in ("module_written", "module_hit"):  # traced, then from its record (as in a new process)
+        torch._dynamo.reset()
+        ae.reset_metrics()
+        lazy, copies = run(True)
+        for a, b in zip(eager, lazy):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+        m = ae.metrics()
+        assert m["capture_records"] == {built_from: 1}, m
+        assert m["module_compiled_runs"] > 0 and m["module_uncompiled_runs"] == 0, m
+        assert copies[-1] == 0, copies
+
+
 class _CheckedMLP(nn.Module):
     """A forward with a host read that TorchDynamo skips, as transformers' mask checks are
     (``is_torchdynamo_compiling()``): recorded, it flushes in the middle; captured, it is one graph."""

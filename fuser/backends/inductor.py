@@ -43,6 +43,12 @@ to its own placeholder: sharing one buffer, an in-place write to one (the next m
 would show through the other. The calling-convention check lists every output that repeats an
 earlier one (or is an input) in the manifest's ``relayout`` with no layout of its own, and the
 callable from ``load`` copies it into a buffer of its own in the layout it came back in.
+Not where both are outputs no program tensor is bound to: a captured forward's outputs that only
+its backward reads (the tensors it saves), which the forward's Program lists in ``shared``
+(``adaptive_eager._capture._share_saved``). Those are read, never written, as AOTAutograd's own
+runtime and ``torch.compile`` pass them: a recurrent cell's ``tanh`` saved twice per time step
+(once for its own backward, once for the next step's matmul) made 16 copies a step, 63 us of a
+1.6 ms step (benchmarks/RESULTS.md). An input returned as a saved output is still copied.
 
 Note [Symbolic Inductor artifacts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -160,7 +166,8 @@ class InductorBackend:
         # its duration: one at a time in a process (Note [One trace at a time] in ._common).
         with trace_lock():
             source, cpp_kernels, triton_files, inputs_to_check, relayout, sym_inputs = _run_inductor(
-                gm, example_inputs, expected, self.device_type, symbolic, storages
+                gm, example_inputs, expected, self.device_type, symbolic, storages,
+                frozenset(gm.meta.get("shared_outputs", ())),
             )
         guards = None
         if symbolic:
@@ -236,6 +243,7 @@ def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
 def _run_inductor(
     gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], expected: list[tuple], device_type: str,
     symbolic: bool = False, storages: dict[str, tuple[str, tuple[int, ...] | None]] | None = None,
+    shared: frozenset = frozenset(),
 ) -> tuple[str, dict[str, bytes], dict[str, bytes], list[int], list[tuple]]:
     """Compile in an Inductor cache dir of our own; return the wrapper source and the binaries it uses."""
     from torch._inductor import config, standalone_compile
@@ -293,7 +301,7 @@ def _run_inductor(
         source = getattr(compiled, "source_code", None)
         if not isinstance(source, str):
             raise BackendCompileError(f"inductor: compiled a {type(compiled).__name__}, which has no Python wrapper")
-        relayout = _check_calling_convention(inner_gm, compiled, expected, len(inputs), written_inputs(gm))
+        relayout = _check_calling_convention(inner_gm, compiled, expected, len(inputs), written_inputs(gm), shared)
 
         cpp_kernels: dict[str, bytes] = {}
 
@@ -463,8 +471,8 @@ def _as_strided_on_storage(gm: torch.fx.GraphModule, storages: dict[str, tuple[s
 
 def _check_calling_convention(
     inner_gm: torch.fx.GraphModule, compiled: object, expected: list[tuple], n_inputs: int,
-    graph_writes: list[int],
-) -> None:
+    graph_writes: list[int], shared: frozenset = frozenset(),
+) -> list:
     """See Note [Calling the wrapper directly]."""
     nodes = list(inner_gm.graph.nodes)
     n_placeholders = sum(n.op == "placeholder" for n in nodes)
@@ -478,13 +486,13 @@ def _check_calling_convention(
             f"inductor: compiled code returns {len(outputs)} outputs for the graph's {len(expected)}"
         )
     relayout = []
-    returned = set()
+    first: dict = {}  # node -> the first output it is
     for i, (out, want) in enumerate(zip(outputs, expected)):
-        repeated = out in returned or out.op == "placeholder"
-        returned.add(out)
+        j = first.setdefault(out, i)
+        repeated = j != i or out.op == "placeholder"
         got = _at_hints(tensor_meta("inductor", getattr(out, "meta", {}).get("val")))
         if got == want:
-            if repeated:
+            if repeated and not (out.op != "placeholder" and i in shared and j in shared):
                 relayout.append((i, None, None))  # a buffer of its own: Note [Repeated outputs]
             continue
         concrete = not any(isinstance(d, torch.SymInt) for part in want[:2] for d in part)
