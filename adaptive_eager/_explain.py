@@ -51,6 +51,9 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     runs = metrics.get("compiled_runs", 0)
     lines.append(f"{windows} windows, {runs} ran compiled, {metrics.get('replayed_regions', 0)} replayed, "
                  f"{compiles} compiles ({metrics.get('compile_seconds', 0)} s)")
+    if metrics.get("small_windows", 0):
+        lines.append(f"{metrics['small_windows']} small windows ran their ops eagerly once compiled: cheaper "
+                     f"than a flush (Note [Small windows run eagerly])")
     captured = metrics.get("module_captured_calls", 0) + metrics.get("optimizer_hot_steps", 0)
     if captured:
         lines.append(f"{metrics.get('module_captured_calls', 0)} module calls and "

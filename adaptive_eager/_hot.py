@@ -181,6 +181,7 @@ import torch
 from fuser.window import ALIAS, FRESH, OUTS_PER_NODE, VIEW, Node, Out, Window, finish_hot, storage_bytes
 
 from . import _ops
+from ._args import _tensors
 from ._emit import dead_out, node as _node
 from ._metrics import METRICS
 from ._source import _user_source
@@ -246,7 +247,7 @@ class _Pos:
 class Template:
     """The expected content of the next window of one compiled region (Note [Hot windows])."""
 
-    __slots__ = ("ops", "views", "sigs", "slot_meta", "entry", "dtype", "options", "after")
+    __slots__ = ("ops", "views", "sigs", "slot_meta", "entry", "dtype", "options", "after", "small")
 
     def __init__(self, ops, sigs, slot_meta, entry, dtype, options):
         self.ops: list[_Pos] = ops
@@ -260,6 +261,11 @@ class Template:
         self.dtype = dtype  # the default dtype its window was recorded under
         self.options = options  # the options its window ran under (they decide the region)
         self.after: Template | None = None  # the template of the window that followed it last time
+        # its positions that are no view, if its windows run eagerly, op by op as they come, else
+        # None (Note [Small windows run eagerly])
+        ran = [p for p in ops if not p.view]
+        self.small = (tuple(ran) if len(ran) <= _SMALL_OPS and sum(p.nbytes for p in ops) <= _SMALL_BYTES
+                      else None)
 
     def launches(self, start: int, end: int) -> int:
         """How many of the hot records ``start:end`` a recording would count as launches."""
@@ -434,7 +440,10 @@ def template_of(st, window: Window, entry) -> Template | None:
     if end != len(window.sigs) or not ops:
         return None
     slot_meta = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in window.real_inputs]
-    return Template(ops, list(window.sigs), slot_meta, entry, st.dtype, st.options)
+    template = Template(ops, list(window.sigs), slot_meta, entry, st.dtype, st.options)
+    if st.options.backend != "inductor":
+        template.small = None  # Note [Small windows run eagerly]: a compiled region is one launch
+    return template
 
 
 def _refused(cause: str, node: Node) -> None:
@@ -582,7 +591,63 @@ def expect_hot(st) -> None:
             t = None
     if not window.nodes:
         window.hot = t
+        st.small = 0  # Note [Small windows run eagerly]
         if t is not None and window.alive is None:
             alive = window.alive = set()  # Note [Hot liveness]
             window.discard = alive.discard
 
+
+
+# Note [Small windows run eagerly]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A window of a few ops on small tensors costs more recorded and run compiled than run eagerly:
+# the flush of the rnn workload's loss window (``mse_loss``, the backward's ``ones_like`` seed,
+# ``mse_loss_backward``: 3 ops on 32 floats) took 87 us, its three records about 25 us, against
+# about 15 us for the three ops run eagerly through the mode (benchmarks/RESULTS.md, session 33).
+# Fusing them saves no memory traffic worth that. So a template of at most ``_SMALL_OPS`` ops that
+# are no view, whose outputs add up to at most ``_SMALL_BYTES``, arms its window to run eagerly
+# (``Template.small``: those ops): while the window is empty, each op that is the next of them (the
+# same op, ``TracerState.small`` counting those run) and reads no other thread's pending value
+# runs now, with eager's kernel, and is not recorded (``ops_eager``). Its views (autograd's
+# ``detach`` of a saved output) are then views of real memory, which no window records (Note
+# [Views of unwritten memory] in ``_record``). Nothing of this thread is
+# pending while its window is empty, so every input is real and the values are eager's, bitwise.
+# After the template's last position, the next template is armed as a flush would arm it
+# (``metrics()["small_windows"]``); an op that is not the next position, or reads a pending value
+# elsewhere, is recorded as usual (against the template's first position: what ran before it is
+# done). Hot templates exist only on a CPU target (``template_of``), and only Inductor's run small
+# windows eagerly: the StableHLO backends on a CPU target stand for a device whose every op is a
+# launch, where the compiled region stays one.
+_SMALL_OPS = 8
+_SMALL_BYTES = 1 << 16
+NOT_RUN = object()  # ``run_small``'s answer for an op it leaves to the record path
+
+
+def run_small(st, hot: Template, f, args, kwargs):
+    """Run op ``f`` of a small window now (Note [Small windows run eagerly]), or ``NOT_RUN``.
+    ``st.window`` is empty and armed with ``hot``; ``kwargs`` may be None."""
+    k = st.small
+    ops = hot.small
+    p = ops[k]
+    if p.f is not f or p.n != len(args):
+        st.small = 0
+        return NOT_RUN
+    for t in _tensors(args, kwargs or {}):
+        if getattr(t, "_ae", None) is not None:  # another thread's pending value: its window runs first
+            st.small = 0
+            return NOT_RUN
+    out = f.func(*args, **kwargs) if kwargs else f.func(*args)
+    METRICS.ops_eager += 1
+    METRICS.launches += 1
+    METRICS.eager_equivalent_launches += 1
+    k += 1
+    if k < len(ops):
+        st.small = k
+        return out
+    METRICS.small_windows += 1
+    prev = st.hot_prev
+    if prev is not None and prev is not hot:
+        prev.after = hot  # as a flush chains them (``_flush._arm``)
+    st.hot_prev = hot
+    expect_hot(st)
+    return out

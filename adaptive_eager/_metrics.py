@@ -69,6 +69,7 @@ class Metrics:
         # ops they took, and the windows demoted, by cause; for explain(): (cause, expected op, line)
         self.hot_windows = 0
         self.hot_ops = 0
+        self.small_windows = 0  # windows run eagerly, op by op (Note [Small windows run eagerly] in _hot)
         self.hot_mismatches: Counter[str] = Counter()
         self.hot_break_sites: Counter[tuple] = Counter()
         # compiled regions whose windows can never run hot, by (cause, op, line): _hot.template_of
@@ -106,6 +107,7 @@ class Metrics:
             "compiled_calls": self.compiled_calls,
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
+            "small_windows": self.small_windows,
             "hot_mismatches": dict(self.hot_mismatches),
             "hot_refusals": self._refusals(),
             "malloc_tuned": _heap.tuned(),  # Note [Heap thresholds] in _heap

@@ -16,6 +16,7 @@ from fuser.window import Window
 from . import _gc, _heap, _ops, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target, run_untouched
 from ._flush import _poison, _release, apply_frees, flush
+from ._hot import NOT_RUN, run_small
 from ._metrics import METRICS
 from ._data_checks import CPU_KERNEL_DEVICES as _CPU_KERNEL_DEVICES, EAGER as _CHECK_EAGER, KEEP as _CHECK_KEEP
 from ._data_checks import check as _data_check
@@ -152,6 +153,11 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     None (none given); the caller checked the default dtype (``_record._dtype_check``).
     ``LazyMode.__torch_dispatch__`` has this inline."""
     window = st.window
+    hot = window.hot
+    if hot is not None and hot.small is not None and not window.nodes:  # Note [Small windows run eagerly] in _hot
+        res = run_small(st, hot, f, args, kwargs)
+        if res is not NOT_RUN:
+            return res
     n0 = len(window.real_inputs)
     try:
         res = _record(st, window, f, args, kwargs, n0)
@@ -233,6 +239,11 @@ class LazyMode(TorchDispatchMode):
                 if _default_dtype() is not st.dtype:  # ``_dtype_check``, inline
                     _dtype_changed(st)
                 window = st.window
+                hot = window.hot
+                if hot is not None and hot.small is not None and not window.nodes:  # Note [Small windows run eagerly] in _hot
+                    res = run_small(st, hot, f, args, kwargs)
+                    if res is not NOT_RUN:
+                        return res
                 n0 = len(window.real_inputs)
                 try:
                     res = _record(st, window, f, args, kwargs, n0)  # kwargs None or a dict

@@ -38,6 +38,7 @@ class TracerState:
         self.running: Window | None = None
         self.aside = None  # a compiled call runs with the mode off the stack (Note [User torch.compile] in _compile)
         self.hot_prev = None  # the template of the last window that ran compiled (Note [Hot windows] in _hot)
+        self.small = 0  # positions of a small window run eagerly so far (Note [Small windows run eagerly] in _hot)
         # the default dtype the open window's ops were recorded under, and that dtype's meta cache
         # (Note [Meta cache key])
         self.dtype = _default_dtype()

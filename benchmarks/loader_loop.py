@@ -51,6 +51,8 @@ def train(epochs: int, shuffle: bool) -> list[dict]:
             reasons = {k: v - before["replay_reasons"].get(k, 0) for k, v in m["replay_reasons"].items()}
             rows.append({"windows": m["windows"] - before["windows"],
                          "compiled": m["compiled_runs"] - before["compiled_runs"],
+                         # run eagerly after their region was compiled (Note [Small windows run eagerly])
+                         "small": m["small_windows"] - before["small_windows"],
                          "replayed": m["replayed_regions"] - before["replayed_regions"],
                          "cold": reasons.get("cold", 0),
                          "in_flight": reasons.get("compiling", 0) + reasons.get("loading", 0),
@@ -95,15 +97,17 @@ def main() -> None:
                                   shuffle], env=env, check=True, capture_output=True, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1])
             rows = child["rows"]
-            ran = sum(r["compiled"] + r["replayed"] for r in rows)
+            small = sum(r["small"] for r in rows)
+            ran = sum(r["compiled"] + r["replayed"] for r in rows) + small
             compiled = sum(r["compiled"] for r in rows)
-            print(f"shuffle {shuffle}, {process}: {compiled}/{ran} windows that ran ops compiled "
-                  f"({100 * compiled / max(ran, 1):.0f}%)")
+            print(f"shuffle {shuffle}, {process}: {compiled + small}/{ran} windows that ran ops compiled or, "
+                  f"small, eagerly after their compile ({100 * (compiled + small) / max(ran, 1):.0f}%; "
+                  f"{small} small)")
             for epoch, r in enumerate(rows):
                 # a window none of whose ops is needed runs nothing (an optimizer step's flush
                 # right after a captured call): neither compiled nor replayed
                 print(f"  epoch {epoch}: windows {r['windows']} ({r['windows'] - r['compiled'] - r['replayed']} "
-                      f"with nothing to run), compiled {r['compiled']}, replayed {r['replayed']}: cold "
+                      f"with nothing to run), compiled {r['compiled']}, small {r['small']}, replayed {r['replayed']}: cold "
                       f"{r['cold']}, compiling or loading {r['in_flight']}; captured calls {r['captured']} "
                       f"(their graphs compiled {r['captured_compiled']}, run op by op {r['captured_uncompiled']})")
             if process == "cold cache" and not args.at_once:

@@ -42,6 +42,19 @@ def _fresh_metrics():
 
 
 @pytest.fixture
+def small_windows_off(monkeypatch):
+    """For tests of what windows, regions and compiles do, which use windows of a few tiny ops: those
+    would run eagerly once compiled (Note [Small windows run eagerly] in adaptive_eager._hot, tested
+    in tests/test_small_windows.py)."""
+    from adaptive_eager import _hot
+
+    monkeypatch.setattr(_hot, "_SMALL_OPS", -1)
+    for template in list(_hot.TEMPLATES.values()):
+        if template:
+            template.small = None  # made before this test
+
+
+@pytest.fixture
 def fresh_regions():
     """No in-memory region, shape class or scalar group of an earlier test answers for this one
     (tests that count compiles or replays need a cold process's view)."""

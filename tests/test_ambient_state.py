@@ -51,7 +51,10 @@ def test_default_dtype_changed_between_windows(backend):
             got = _promoting(i)
         for g, w in zip(got, want):
             _same(g, w, backend)
-    assert ae.metrics()["flushes"] == {"exit": 4}
+    # a window that ran eagerly (the third, whose region was compiled with float32: Note [Small
+    # windows run eagerly] in adaptive_eager._hot) flushed nothing
+    m = ae.metrics()
+    assert m["flushes"] == {"exit": 4 - m["small_windows"]} and m["small_windows"] <= 1, m
 
 
 @pytest.mark.usefixtures("default_dtype")

@@ -394,6 +394,7 @@ def _writes_columns(p: torch.Tensor) -> torch.Tensor:
     return (p * 2).sum(0)  # shape (4,)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_an_edited_in_place_artifact_writes_nothing_before_its_check(tmp_path, fresh_regions):
     """Note [Artifacts from disk]: the first run of an artifact from disk is checked before anything
     is written, also when its kernels write the window's inputs in place: a mismatch replays the

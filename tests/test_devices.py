@@ -83,6 +83,7 @@ def test_elementwise_chain_compiles_on_the_device(device):
     assert m["compiled_runs"] >= 2 and m["blacklisted"] == 0
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_training_steps_match_eager_on_the_device(device, waits):
     """Eager's values, and no flush of the steps waits for the device (Note [No waiting for the device])."""
     torch.manual_seed(0)

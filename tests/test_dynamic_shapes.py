@@ -36,6 +36,7 @@ def _per_class_compiles() -> list[int]:
     return [c.compiled + (c.sym is not None and c.sym.run is not None) for c in fuser.shapes._CLASSES.values()]
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_elementwise_chain_over_ten_batch_sizes_compiles_once_symbolically(tmp_path):
     xs = {b: torch.randn(b, 8) for b in SIZES}
     got = {}
@@ -164,6 +165,7 @@ def test_failing_guards_fall_back_to_per_shape(tmp_path):
     assert m["compiled_runs"] == 1, m  # size 3 only: size 5 was replayed
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_dtype_change_is_a_new_region_counted_new_dtype(tmp_path, caplog):
     caplog.set_level("INFO", logger="adaptive_eager.fuser")
     x = torch.randn(6, 8)
@@ -204,6 +206,7 @@ def test_symbolic_region_is_stored_and_loaded_by_a_new_process(tmp_path):
     assert m["compiled_runs"] == 2, m  # size 4 replays (one shape: no class yet), 5 loads, 6 hits
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_data_error_in_a_symbolic_region_keeps_the_region(tmp_path):
     """An out-of-range index fails the symbolic region's run; replay raises eager's error, and the
     region stays for the next batches (as for static regions: Note [Partitions])."""

@@ -173,6 +173,7 @@ def _step(table, idx):
 
 
 @pytest.mark.parametrize("pending", [False, True], ids=["real", "pending"])
+@pytest.mark.usefixtures("small_windows_off")
 def test_an_out_of_range_index_in_a_hot_window(fresh_regions, pending):
     """A step recorded against its compiled region (Note [Hot windows] in adaptive_eager._hot): a
     real index out of range raises at its statement, a pending one at the next sync point; what
@@ -256,6 +257,7 @@ def _fill_step(x, i, value):
     return y + 1
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_value_eager_refuses_in_a_hot_window_raises_at_the_statement(fresh_regions):
     """The statement, validated against its compiled region's template until its scalar differs."""
     step, good, bad = _fill_step, 0.5, 1 + 1j

@@ -118,6 +118,7 @@ def test_explain_ranks_sites_with_lines_and_advice():
     assert "adaptive_eager explain" not in ae.report()
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_explain_flags_compiles_too_frequent():
     x = torch.randn(8)
     with ae.adaptive_eager(hot_after=1, async_compile=False):

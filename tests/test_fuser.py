@@ -63,6 +63,7 @@ def test_mutation_write_back_and_views_of_outputs():
     assert row.tolist() == [3.0] * 4 and row._base is y
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_runtime_error_in_compiled_region_is_eager_error_via_replay():
     x = torch.randn(5)
     idx = torch.tensor([1, 10])
@@ -97,6 +98,7 @@ def test_a_region_that_fails_to_compile_is_blacklisted_and_replayed(monkeypatch,
     assert "compiler crashed" in caplog.text
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_first_sight_replays_and_hot_key_compiles():
     x = torch.randn(32)
     with adaptive_eager(backend="inductor", hot_after=2, async_compile=False, cache_dir=str(_fresh_dir())):
@@ -254,6 +256,7 @@ def _aliased_step(w, v, r, read_after, passes=True):
 @pytest.mark.parametrize("view", ["t", "detach", "row"])
 @pytest.mark.parametrize("read_after", [False, True])
 @pytest.mark.parametrize("passes", [True, False])
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_view_of_a_written_input_is_read_in_program_order(fresh_regions, view, read_after, passes):
     """Note [Inputs over one memory]: a read of the view before the write sees the old values, one
     after it the new ones, as in eager; a permutation of the written input runs compiled, a row of
@@ -282,6 +285,7 @@ def test_a_view_of_a_written_input_is_read_in_program_order(fresh_regions, view,
     torch.testing.assert_close(w, want_w)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_window_whose_inputs_no_longer_share_memory_replays(fresh_regions):
     """Note [Inputs over one memory]: a window that passes no view is checked at its structure's
     first sight only; a later window of it whose input is no longer a view of the written one (a
@@ -340,6 +344,7 @@ def test_an_optimizer_float_the_graph_needs_as_a_number_is_baked_and_the_others_
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_scalar_that_starts_changing_after_another_was_lifted_is_lifted_too(fresh_regions):
     """Note [Scalar lifting]: ``a`` changes every window from the start and is lifted; ``b`` is
     constant for 6 windows, then changes every window: it is lifted after LIFT_AFTER changes,
@@ -562,6 +567,7 @@ def test_a_compile_over_its_memory_bound_is_abandoned_counted_remembered_and_rep
     torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_flush_result_outcome_and_region_for_the_flush_log(monkeypatch):
     seen = []
     real_run = fuser.regions.run
@@ -859,6 +865,7 @@ def test_check_only_ops_are_never_compiled_away(fresh_regions):
     assert m["run_alone"].get("check_op", 0) >= 1 and m["compiled_runs"] >= 2 and m["blacklisted"] == 0
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_region_whose_run_fails_but_replay_succeeds_is_blacklisted(fresh_regions, caplog):
     """A compiled run that raises where replay does not is the compiled code's fault: blacklisted.
     (A run that fails because of the data raises in replay too and keeps its region:
@@ -906,6 +913,7 @@ def test_a_view_after_a_cat_onto_an_empty_cache_compiles_whole(fresh_regions):
     assert m["compiled_runs"] == 1 and m["run_alone"] == {} and m["blacklisted"] == 0, str(m)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_dead_view_of_a_dead_value_stays_out_of_the_program(fresh_regions):
     """BERT's mask building makes ``arange(n)`` and views of it that nothing reads: the program
     held the views but not their input (``KeyError: 131072`` building the graph, every window
@@ -956,6 +964,7 @@ def _compiled_entry():
     return entry
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_placeholders_give_their_memory_to_the_compiled_run(monkeypatch, fresh_regions):
     """Note [Placeholder memory at a compiled run]: during the run, a placeholder only its own
     tensor uses holds no memory; one the program holds a view of keeps it; both are then bound
@@ -993,6 +1002,7 @@ def test_placeholders_give_their_memory_to_the_compiled_run(monkeypatch, fresh_r
     torch.testing.assert_close(bt, (x + 1).cos().t())
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_released_placeholder_the_run_does_not_fit_gets_its_memory_back(monkeypatch, fresh_regions):
     """A result in another layout than eager's is copied into the placeholder, which was released
     for the run: its memory comes back first."""
@@ -1013,6 +1023,7 @@ def test_a_released_placeholder_the_run_does_not_fit_gets_its_memory_back(monkey
 
 
 @pytest.mark.parametrize("where", ["run", "bind", "release"])
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_failed_compiled_run_gives_released_placeholders_their_memory_back(monkeypatch, fresh_regions, where):
     """The run raises (its window replays), or Ctrl-C comes while its outputs are bound or right
     after a placeholder's release (the values not bound read NaN): no placeholder is left without

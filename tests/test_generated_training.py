@@ -537,6 +537,7 @@ def test_two_clones_of_one_value_are_two_tensors_compiled(fresh_regions):
     torch.testing.assert_close(b, x * 2)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_mse_loss_backward_compiles_for_varying_batch_sizes(fresh_regions):
     """Found by the compiled loops (not a wrong value: the failed region was replayed, and every new
     batch size then compiled on its own). AOTAutograd's tensorify_python_scalars pass rewrites
@@ -557,6 +558,7 @@ def test_mse_loss_backward_compiles_for_varying_batch_sizes(fresh_regions):
 
 
 @pytest.mark.parametrize("loss", [F.smooth_l1_loss, F.huber_loss, F.l1_loss], ids=lambda f: f.__name__)
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_loss_of_the_mean_compiles_one_symbolic_region(fresh_regions, loss):
     """smooth_l1 and huber's backwards, like mse's, scale by a float of the batch size (Note [Symbols
     as inputs] in fuser.backends.inductor); l1's by an int, for comparison."""

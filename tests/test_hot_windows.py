@@ -16,6 +16,15 @@ SYNC = dict(backend="inductor", hot_after=2, async_compile=False)  # a window se
 N = 50  # ops of the step
 
 
+@pytest.fixture(autouse=True)
+def _no_small_windows(monkeypatch):
+    """These tests are of hot recording: a window small enough would run eagerly instead (Note
+    [Small windows run eagerly] in adaptive_eager._hot, tested in tests/test_small_windows.py)."""
+    from adaptive_eager import _hot
+
+    monkeypatch.setattr(_hot, "_SMALL_OPS", -1)
+
+
 def _op(i, y, x, w):
     """The step's op at position ``i``: a mix of binary, scalar, unary and in-place ops."""
     k = i % 5

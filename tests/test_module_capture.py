@@ -972,6 +972,7 @@ def test_a_captured_backward_looks_for_pending_inputs_until_none_is_left(_uncomp
     assert len(looked) <= captured, len(looked)  # the tangent's, not one per saved tensor
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_one_element_gradient_makes_no_window_of_its_own(tmp_path):
     """AccumulateGrad's ``detach`` of a captured backward's one-element gradient (the output
     layer's bias) is a view of real memory left unrecorded (Note [Views of unwritten memory] in

@@ -67,6 +67,7 @@ def test_a_check_that_fails_raises_eagers_error_and_keeps_the_region(fresh_regio
     assert m["blacklisted"] == 0 and m["compiles"] == 1 and m["compiled_runs"] == 4
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_backend_unsupported_op_runs_alone_between_compiled_pieces(no_sin, fresh_regions):
     x = torch.randn(64, 32)
     w = torch.randn(32, 16)
@@ -88,6 +89,7 @@ def test_backend_unsupported_op_runs_alone_between_compiled_pieces(no_sin, fresh
     assert torch.ops.aten.sin.default in no_sin
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_split_region_with_writes_to_real_tensors(no_sin, fresh_regions):
     """A window that would compile in place (parameter updates) is split with write-back instead."""
     p = torch.randn(100)
@@ -163,6 +165,7 @@ def test_varying_shapes_with_a_check_op_compile_per_shape(fresh_regions, caplog)
     assert "blacklisted" not in caplog.text
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_an_op_the_compiler_fails_on_runs_alone_and_the_rest_compiles(monkeypatch, fresh_regions, caplog):
     """A compile that fails naming an op of the graph is retried with that op run alone."""
     from fuser.backends import BackendCompileError
@@ -198,6 +201,7 @@ def test_an_op_the_compiler_fails_on_runs_alone_and_the_rest_compiles(monkeypatc
     assert any(torch.ops.aten.exp.default in t and torch.ops.aten.sin.default not in t for t in seen)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_split_region_with_a_lifted_float(no_sin, fresh_regions):
     """A float that changes every window becomes an input of the region (Note [Scalar lifting] in
     fuser.scalars); a piece that takes it is compiled like any other."""
@@ -214,6 +218,7 @@ def test_split_region_with_a_lifted_float(no_sin, fresh_regions):
     assert m["run_alone"] == {"not_lowerable": 1}, str(m)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_piece_of_views_only_stays_in_the_plan(no_sin, fresh_regions):
     """Between two ops that run alone, a ``detach`` computes nothing: Inductor would compile no
     code for it (it used to fail with "compiled a function, which has no Python wrapper" and send

@@ -233,6 +233,7 @@ AS_STRIDED_CASES = {
 
 
 @pytest.mark.parametrize("name", list(AS_STRIDED_CASES))
+@pytest.mark.usefixtures("small_windows_off")
 def test_as_strided_of_a_view_of_a_computed_value_reads_its_storage(name):
     """Inductor compiled ``y.expand(5, 6).as_strided([5, 6], [0, 1])`` to ``y[0]`` in every element
     (and a slice's as_strided from the slice's offset): test_view_ops' as_strided_gradients failed
@@ -293,6 +294,7 @@ def test_a_window_with_a_conjugate_or_negative_input_gives_eager_values_compiled
         torch.testing.assert_close(g, want)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_bit_input_of_a_structure_compiled_without_it_gives_eager_values():
     """The conjugate or negative bit is not in a window's key: a structure compiled for plain
     inputs, then given one with the bit (same shape, strides and dtype), replays that window,

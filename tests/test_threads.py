@@ -143,6 +143,7 @@ def test_a_thread_reads_a_detached_loss_of_each_step():
     assert losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_thread_reads_an_alias_of_a_hot_windows_value():
     """The same in hot windows, whose values are live while their tensors are (Note [Hot
     liveness]): a thread reads a detached value and an index into it while the program holds it."""

@@ -45,6 +45,7 @@ def _remember_backend(backend):
     _BACKEND[0] = backend
 
 
+@pytest.mark.usefixtures("small_windows_off")
 def test_values_match_eager_and_ops_are_deferred():
     x = torch.randn(16, 16)
     expected = ((x * 2 + 1).relu() @ x.t()).softmax(-1).sum(0)
@@ -268,6 +269,7 @@ def test_control_flow_on_tensor_values():
         (lambda t: ae.sync(), "sync"),
     ],
 )
+@pytest.mark.usefixtures("small_windows_off")
 def test_sync_points_are_counted_by_reason(read, reason):
     x = torch.randn(3)
     with adaptive_eager():

@@ -126,6 +126,7 @@ def _function(compile):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("options", MODES)
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_compiled_function(options, backend, caplog):
     graphs, m = _three_ways(_function, options, caplog, backend, exact=backend == "eager")
     assert graphs == 1
@@ -164,6 +165,7 @@ def _training(compile, steps=6, make_opt=None):
 
 
 @pytest.mark.parametrize("options", MODES)
+@pytest.mark.usefixtures("small_windows_off")
 def test_a_compiled_module_trains_with_a_guard_miss(options, caplog):
     # our optimizer capture compiles the step the program did not compile: within compiled
     # tolerances of eager's
