@@ -264,8 +264,8 @@ class Template:
         # its positions that are no view, if its windows run eagerly, op by op as they come, else
         # None (Note [Small windows run eagerly])
         ran = [p for p in ops if not p.view]
-        self.small = (tuple(ran) if len(ran) <= _SMALL_OPS and sum(p.nbytes for p in ops) <= _SMALL_BYTES
-                      else None)
+        self.small = (tuple(ran) if options.backend == "inductor" and len(ran) <= _SMALL_OPS
+                      and sum(p.nbytes for p in ops) <= _SMALL_BYTES else None)
 
     def launches(self, start: int, end: int) -> int:
         """How many of the hot records ``start:end`` a recording would count as launches."""
@@ -440,10 +440,7 @@ def template_of(st, window: Window, entry) -> Template | None:
     if end != len(window.sigs) or not ops:
         return None
     slot_meta = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in window.real_inputs]
-    template = Template(ops, list(window.sigs), slot_meta, entry, st.dtype, st.options)
-    if st.options.backend != "inductor":
-        template.small = None  # Note [Small windows run eagerly]: a compiled region is one launch
-    return template
+    return Template(ops, list(window.sigs), slot_meta, entry, st.dtype, st.options)
 
 
 def _refused(cause: str, node: Node) -> None:
@@ -610,8 +607,8 @@ def expect_hot(st) -> None:
 # same op, ``TracerState.small`` counting those run) and reads no other thread's pending value
 # runs now, with eager's kernel, and is not recorded (``ops_eager``). Its views (autograd's
 # ``detach`` of a saved output) are then views of real memory, which no window records (Note
-# [Views of unwritten memory] in ``_record``). Nothing of this thread is
-# pending while its window is empty, so every input is real and the values are eager's, bitwise.
+# [Views of unwritten memory] in ``_record``). Nothing of this thread is pending while its window
+# is empty, so every input is real and the values are eager's, bitwise.
 # After the template's last position, the next template is armed as a flush would arm it
 # (``metrics()["small_windows"]``); an op that is not the next position, or reads a pending value
 # elsewhere, is recorded as usual (against the template's first position: what ran before it is

@@ -48,7 +48,7 @@ its backward reads (the tensors it saves), which the forward's Program lists in 
 (``adaptive_eager._capture._share_saved``). Those are read, never written, as AOTAutograd's own
 runtime and ``torch.compile`` pass them: a recurrent cell's ``tanh`` saved twice per time step
 (once for its own backward, once for the next step's matmul) made 16 copies a step, 63 us of a
-1.6 ms step (benchmarks/RESULTS.md). An input returned as a saved output is still copied.
+1.7 ms step (benchmarks/RESULTS.md). An input returned as a saved output is still copied.
 
 Note [Symbolic Inductor artifacts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
