@@ -34,7 +34,7 @@ from . import _cores
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
-from ._ops import facts_for, unseeded_facts
+from ._ops import HOST_DRAWN_DROPOUT, facts_for, host_dropout_masks, host_dropout_scale, unseeded_facts
 from ._state import _tls as _state_tls
 from ._state import current_state, trace_alone, trace_done
 from ._threads import sync_values
@@ -876,9 +876,13 @@ class _Graph:
         if self.draws:
             # Note [Masks drawn by the call]: in the graph's order, before anything of it runs
             device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
-            args = [*args, *(_draw_mask(draw, device) for draw in self.draws)]
+            if device.type in HOST_DRAWN_DROPOUT:  # one copy onto the device (Note [Dropout drawn at record time])
+                masks = host_dropout_masks([(shape, p) for shape, _, _, p in self.draws], device)
+            else:
+                masks = [_draw_mask(draw, device) for draw in self.draws]
+            args = [*args, *masks]
             if self.who == "module":
-                METRICS.launches += len(self.draws)
+                METRICS.launches += 1 if device.type in HOST_DRAWN_DROPOUT else len(self.draws)
         return self._call(args)
 
     def _joined(self, args, outs):
@@ -1076,9 +1080,12 @@ def follow_up_compiles(record: dict, backend_name: str, device: str) -> None:
 # generator advances as eager's does and the masks are eager's bit for bit, compiled or op by op
 # (tests/test_module_capture.py compares the zeros of every output and the generator's next
 # draws). Inductor's ``fallback_random`` would keep the draw in the graph, but as ``rand`` and a
-# comparison, whose numbers are not those of eager's ``bernoulli_``. Only the ``inductor`` backend
-# draws so (its devices' kernels are eager's); p of 0 or 1 and empty inputs, which eager's CPU
-# dropout answers without a draw, decline.
+# comparison, whose numbers are not those of eager's ``bernoulli_``. The ``inductor`` backend draws
+# so (its devices' kernels are eager's). On ``neuron`` eager's kernel draws on the host (Note
+# [Dropout drawn at record time] in _ops): the call draws every mask there as it does, in the
+# graph's order, and moves them onto the device in one copy; the graph multiplies by the scale in
+# the input's dtype, as that kernel does, and its masks are laid out as that kernel's (contiguous).
+# p of 0 or 1 and empty inputs, which eager's dropout answers without a draw, decline.
 _DROPOUT = torch.ops.aten.native_dropout.default
 
 
@@ -1098,7 +1105,8 @@ def _masks_drawn_by_the_call(gm, options) -> list:
         facts = facts_for(node.target)
         if facts.dropout_arg is not None and unseeded_facts(facts, node.args, node.kwargs) is not None:
             continue  # attention at dropout_p=0 draws nothing (Note [Dropout probability] in ``_ops``)
-        if options.backend != "inductor" or node.target is not _DROPOUT:
+        host = options.device in HOST_DRAWN_DROPOUT  # drawn as torch-neuronx draws, any backend
+        if node.target is not _DROPOUT or not (host or options.backend == "inductor"):
             raise _Decline("random", str(node.target))
         x, p = node.args[0], node.args[1]
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
@@ -1107,14 +1115,15 @@ def _masks_drawn_by_the_call(gm, options) -> list:
             raise _Decline("random", f"{node.target} p={p} train={train}")
         out_val = node.meta["val"][0]
         with val.fake_mode:  # eager's draw is on ``empty_like(input)``: its layout, not the input's
-            layout = torch.empty_like(val)
-            mask_val = torch.empty_like(val, dtype=torch.bool)
+            layout = torch.empty(val.shape, dtype=val.dtype, device=val.device) if host else torch.empty_like(val)
+            mask_val = torch.empty_like(layout, dtype=torch.bool)
         with graph.inserting_after(last):
             mask = last = graph.placeholder(f"dropout_mask_{len(draws)}")
         mask.meta["val"] = mask_val
         with graph.inserting_before(node):
             kept = graph.call_function(torch.ops.aten.mul.Tensor, (x, mask))
-            out = graph.call_function(torch.ops.aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
+            scale = host_dropout_scale(p, val.dtype) if host else 1.0 / (1.0 - p)
+            out = graph.call_function(torch.ops.aten.mul.Tensor, (kept, scale))
         kept.meta["val"] = out.meta["val"] = out_val
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:

@@ -20,6 +20,8 @@ from ._hot import NOT_RUN, run_small
 from ._metrics import METRICS
 from ._data_checks import CPU_KERNEL_DEVICES as _CPU_KERNEL_DEVICES, EAGER as _CHECK_EAGER, KEEP as _CHECK_KEEP
 from ._data_checks import check as _data_check
+from ._ops import HOST_DRAWN_DROPOUT as _HOST_DRAWN_DROPOUT, host_dropout_masks as _host_dropout_masks
+from ._ops import host_dropout_scale as _host_dropout_scale
 from ._ops import (
     ALLOC, BATCH_NORM, CHECKED, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for,
     unseeded_facts,
@@ -105,17 +107,26 @@ def _dropout_now(st: TracerState, args, kwargs):
     x = args[0]
     p = args[1] if len(args) > 1 else kwargs["p"]
     train = args[2] if len(args) > 2 else kwargs.get("train")
-    if (train is False or not _on_target(st, x) or x.device.type not in _CPU_KERNEL_DEVICES
-            or x.numel() == 0 or not _dense(x)):
+    if train is False or not _on_target(st, x) or x.numel() == 0:
+        return None
+    host = x.device.type in _HOST_DRAWN_DROPOUT
+    if host:
+        if not 0.0 < p < 1.0 or not x.is_floating_point():
+            return None
+    elif x.device.type not in _CPU_KERNEL_DEVICES or not _dense(x):
         return None
     o = getattr(x, "_ae", None)
     if o is not None and o.win is not st.window.token:
         _check_elsewhere(x, o)  # before the draw: the op is dispatched again after that window ran
+    METRICS.ops_eager += 1
+    METRICS.launches += 1  # the draw on the device, or the host-drawn mask's copy onto it
+    if host:
+        mask, = _host_dropout_masks([(x.shape, p)], x.device)
+        out = _record_made(st, facts_for(_mul), (x, mask))
+        return _record_made(st, facts_for(_mul), (out, _host_dropout_scale(p, x.dtype))), mask
     p1m = 1.0 - p
     mask = _empty_strided(x.shape, x.stride(), dtype=torch.bool, device=x.device)
     _bernoulli_(mask, p1m)
-    METRICS.ops_eager += 1
-    METRICS.launches += 1
     out = _record_made(st, facts_for(_mul), (x, mask))
     return _record_made(st, facts_for(_mul_scalar_), (out, 0.0 if p1m == 0 else 1.0 / p1m)), mask
 

@@ -359,25 +359,47 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # On cpu ``F.dropout`` decomposes into a ``bernoulli_`` fill (drawn at record time, Note [RNG]); on
 # a PrivateUse1 device (``neuron``) it is ``aten.native_dropout``, a random op that would end the
-# window (eight flushes a step in examples/finetune_transformer.py). Where that op runs CPU's
-# kernel (``native_dropout_cpu``: on cpu, and on the emulated neuron device, which runs every op
-# on its CPU data), its draw depends only on the input's geometry, so it is drawn at record time as
-# that kernel draws it: a bool mask laid out as ``empty_like(input)`` lays it out, filled now with
-# ``bernoulli_(1 - p)`` (the generator consumed exactly as eager's kernel consumes it), then
-# ``input.mul(mask).mul_(scale)`` recorded, ``mul_.Scalar`` as the kernel calls it (for bfloat16
-# it rounds unlike ``mul.Tensor`` with the same number). ``train=False``, an empty input and an
-# input whose layout ``empty_like`` would not keep run the kernel, after a flush. Other kernels
-# (CUDA's Philox, torch-neuronx's) draw in ways that cannot be reproduced here, so on those devices
-# the op still ends the window (``CPU_KERNEL_DEVICES``, in _data_checks, are those whose kernels
-# are CPU's). ``adaptive_eager._mode._dropout_now`` does the drawing.
-# Drawing a device's masks ourselves (one batched draw per window, in program order) would keep
-# the window whole only if it were bitwise the device kernel's draw: for torch-neuronx that means
-# its generator's algorithm and counter advance, which no source we can read describes and no
-# machine of ours runs, so no test could prove it. What the cut costs, measured on the emulated
-# device made to cut as hardware does (benchmarks/RESULTS.md, "dropout on the neuron device as on
-# hardware"): the tiny GPT-2 and BERT at dropout 0.1 make 76 and 91 launches a step (9 windows)
-# against eager's 195 and 186, every window compiled. An opt-in draw that keeps the distribution
-# but not eager's bits is not offered: it would be the one setting that changes values.
+# window (eight flushes a step in examples/finetune_transformer.py). Its draw depends only on the
+# input's geometry, not its values, so where we know how the device's kernel draws, the mask is
+# drawn at record time as that kernel draws it and the rest is recorded:
+# - CPU's kernel (``native_dropout_cpu``, ``CPU_KERNEL_DEVICES`` in _data_checks): a bool mask laid
+#   out as ``empty_like(input)``, filled with ``bernoulli_(1 - p)`` on the device, then
+#   ``input.mul(mask).mul_(scale)``, ``mul_.Scalar`` as the kernel calls it (for bfloat16 it rounds
+#   unlike ``mul.Tensor`` with the same number). An input whose layout ``empty_like`` would not
+#   keep runs the kernel, after a flush.
+# - torch-neuronx's kernel (``neuron``, ``HOST_DRAWN_DROPOUT``; its source's
+#   ``python_ops/jax/ops/native_dropout.py``, ../shared/TRAINIUM.md): the mask is drawn on the
+#   host, from CPU's default generator, ``torch.bernoulli(torch.empty(shape, dtype=torch.bool),
+#   1 - p)``, contiguous whatever the input's layout, then moved to the device, and the kernel
+#   computes ``x * mask.astype(x.dtype) * scale`` in JAX, where a Python float multiplies in the
+#   array's dtype. So ``host_dropout_masks`` draws with that very call (the generator consumed as
+#   eager's kernel consumes it, in program order), moves the masks in one copy, and
+#   ``mul(x, mask)`` then ``mul`` by ``host_dropout_scale`` (the scale rounded to x's dtype) are
+#   recorded. The emulated device's ``native_dropout`` is torch-neuronx's (Note [Emulated dropout]
+#   in adaptive_eager.neuron_emulation), so tests compare with its eager bit for bit, bfloat16 and
+#   strided inputs included; a captured forward's masks are drawn the same way (Note [Masks drawn
+#   by the call] in adaptive_eager._capture). On hardware this rests on the source read, not run.
+# ``train=False`` and an empty input run the kernel, after a flush. Other kernels (CUDA's Philox)
+# draw in ways that cannot be reproduced here, so on those devices the op still ends the window
+# (a captured forward on them draws by calling eager's ``F.dropout``). ``adaptive_eager._mode.
+# _dropout_now`` does the drawing.
+HOST_DRAWN_DROPOUT = frozenset({"neuron"})
+
+
+def host_dropout_masks(draws, device) -> list:
+    """torch-neuronx's dropout masks for ``draws`` ((shape, p) each, in program order), drawn on the
+    host as its kernel draws them and moved to ``device`` in one copy (Note [Dropout drawn at record
+    time])."""
+    masks = [torch.bernoulli(torch.empty(shape, dtype=torch.bool), 1.0 - p) for shape, p in draws]
+    if len(masks) == 1:
+        return [masks[0].to(device)]
+    flat = torch.cat([m.reshape(-1) for m in masks]).to(device)
+    return [part.view(m.shape) for part, m in zip(flat.split([m.numel() for m in masks]), masks)]
+
+
+def host_dropout_scale(p: float, dtype: torch.dtype) -> float:
+    """torch-neuronx's dropout scale, ``1 / (1 - p)`` as its kernel multiplies by it: in ``dtype``."""
+    return float(torch.tensor(1.0 / (1.0 - p), dtype=dtype))
 
 
 def unseeded_facts(f: OpFacts, args: tuple, kwargs: dict) -> OpFacts | None:

@@ -5,7 +5,8 @@ subclass holding its data in a CPU tensor: every ATen op on it unwraps, runs on 
 results back on ``neuron``. Plain eager on it therefore runs op by op as on Trainium, and counts
 each op as one NEFF launch (``launches()``), so a user sizes what adaptive eager saves before
 renting a Trn2, and CI runs the ``neuron`` code path (device type, default backend, placeholders
-allocated on the device) on any machine. Values are CPU's, exactly.
+allocated on the device) on any machine. Values are CPU's, exactly, but for dropout,
+which draws and scales as torch-neuronx's kernel does (Note [Emulated dropout]).
 
 Note [Emulated neuron tensors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -122,6 +123,8 @@ class EmulatedNeuronTensor(torch.Tensor):
             kwargs = {**kwargs, "device": torch.device("cpu")}
         if func in _SET_STORAGE:
             return _set_storage(*args, **kwargs)
+        if func is _NATIVE_DROPOUT:
+            return _dropout(*args, **kwargs)
         wrappers = {id(a._data): a for a in pytree.tree_leaves((args, kwargs)) if type(a) is EmulatedNeuronTensor}
         out = func(*pytree.tree_map(cpu_data, args), **pytree.tree_map(cpu_data, kwargs))
         if func in _BATCH_NORMS:
@@ -155,6 +158,34 @@ class EmulatedNeuronTensor(torch.Tensor):
             return t
 
         return pytree.tree_map(wrap, out)
+
+
+# Note [Emulated dropout]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# torch-neuronx's ``native_dropout`` is not CPU's kernel: it draws its mask on the host, contiguous
+# whatever the input's layout, moves it to the device and multiplies there by the scale in the
+# input's dtype (Note [Dropout drawn at record time] in adaptive_eager._ops). The emulated device
+# does the same, so its plain eager draws, rounds and lays out dropout as the real device's, and a
+# test against it holds adaptive eager to that device's kernel, not CPU's. Two launches, as there:
+# the mask's copy onto the device (or its fill, without a draw) and the kernel.
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+
+
+def _dropout(x, p, train=None):
+    global _launches
+    if train is None:
+        train = True
+    if train and not 0.0 <= p <= 1.0:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+    data = cpu_data(x)
+    if not train or p == 0.0:
+        mask, scale = torch.ones(data.shape, dtype=torch.bool), 1.0
+    elif p == 1.0:
+        mask, scale = torch.zeros(data.shape, dtype=torch.bool), 0.0
+    else:
+        mask, scale = torch.bernoulli(torch.empty(data.shape, dtype=torch.bool), 1.0 - p), 1.0 / (1.0 - p)
+    _launches += 2  # Note [Emulated launches]
+    return on_device(data * mask.to(data.dtype) * torch.tensor(scale, dtype=data.dtype)), on_device(mask)
 
 
 # Note [Emulated aliases]
@@ -403,7 +434,7 @@ def emulate_neuron() -> None:
 
         HOST_DATA[DEVICE] = cpu_data
 
-        CPU_KERNEL_DEVICES.add(DEVICE)  # Note [Dropout drawn at record time] in _ops
+        CPU_KERNEL_DEVICES.add(DEVICE)  # its values can be read on the host (Note [Errors from data])
         pass_to_children("emulate", "1")
         EMULATION_INSTALLED[0] = True
         _installed = True

@@ -3,6 +3,7 @@ torch-neuronx's own op concatenation would make of the same op stream at best.
 
     python benchmarks/neuron_launches.py [--only mlp_train,gpt,cnn] [--steps 3]
     python benchmarks/neuron_launches.py --only cnn,gpt2 --defaults 30
+    python benchmarks/neuron_launches.py --only gpt2,bert --dropout 0.1
 
 Runs the suite's workloads (``workloads.py``, and its ``cnn``) on ``neuron``: the real device where
 torch-neuronx is installed, else the emulated one (``adaptive_eager.emulate_neuron()``, the stablehlo
@@ -34,8 +35,9 @@ fresh ``NEURON_EAGER_CACHE_DIR`` to see a first run; the step depends on how fas
 
 Besides the suite's workloads: ``cnn`` (2 conv blocks with BatchNorm, cross-entropy, AdamW) and
 stock Hugging Face ``gpt2``, ``bert``, ``llama`` training steps from tiny configs (2 layers, width
-32, AdamW, as tests/test_models.py builds them) with dropout 0 (a forward that draws random numbers
-is not captured: Note [Captured modules]), ``use_cache=False`` (the cache's
+32, AdamW, as tests/test_models.py builds them) with dropout 0 (``--dropout P`` for GPT-2's and BERT's:
+their masks are drawn on the host as torch-neuronx's kernel draws them, Note [Dropout drawn at record
+time] in ``adaptive_eager._ops``), ``use_cache=False`` (the cache's
 ``torch.tensor([], device=...)`` does not trace on the emulated device yet) and ``model.loss_type``
 set (transformers 5.x logs a ``warning_once`` in ``loss_function`` otherwise, which TorchDynamo
 cannot trace, so the forward would not be captured).
@@ -123,11 +125,11 @@ def tiny_model(name: str, device: str) -> torch.nn.Module:
     if name == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=32, bos_token_id=0, eos_token_id=0,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+            resid_pdrop=DROPOUT, embd_pdrop=DROPOUT, attn_pdrop=DROPOUT, use_cache=False))
     elif name == "bert":
         model = transformers.BertForMaskedLM(transformers.BertConfig(
             num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=vocab,
-            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+            max_position_embeddings=32, hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -152,6 +154,7 @@ def _hugging_face(name: str):
     return build
 
 
+DROPOUT = 0.0  # ``--dropout``: the stock models' dropout probabilities (Llama has none)
 WORKLOADS = {**BUILDERS, "cnn": build_cnn, **{n: _hugging_face(n) for n in ("gpt2", "bert", "llama")}}
 
 
@@ -231,7 +234,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steady-state steps counted per workload")
     parser.add_argument("--defaults", type=int, metavar="N", default=0,
                         help="instead: N steps from the first under default options, one row a step")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                        help="dropout probability of the stock gpt2 and bert (default 0)")
     args = parser.parse_args()
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    global DROPOUT
+    DROPOUT = args.dropout
     keys = [k for k in args.only.split(",") if k]
     unknown = [k for k in keys if k not in WORKLOADS]
     if unknown:
@@ -241,7 +250,8 @@ def main() -> None:
         ne.emulate_neuron()
         device = "the emulated neuron device (stablehlo backend)"
     print(f"python benchmarks/neuron_launches.py --only {','.join(keys)} "
-          f"{f'--defaults {args.defaults}' if args.defaults else f'--steps {args.steps}'}; {device}, "
+          f"{f'--defaults {args.defaults}' if args.defaults else f'--steps {args.steps}'}"
+          f"{f' --dropout {args.dropout:g}' if args.dropout else ''}; {device}, "
           f"backend {ae.load_options().backend}, torch {torch.__version__}")
     if args.defaults:
         for key in keys:

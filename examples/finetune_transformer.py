@@ -16,8 +16,8 @@ within float tolerance once compiled code has run (README.md, "Limits").
 
 With ``--device neuron`` the pretraining stays on cpu and the fine-tuning runs on ``neuron``
 (both runs; eager there is one NEFF launch per op). Where torch-neuronx is not installed the
-device is emulated in CPU memory (its eager values are CPU's) and the stablehlo backend stands
-in for neuronx-cc, as in examples/train.py.
+device is emulated in CPU memory (its eager values are CPU's, its dropout torch-neuronx's) and the
+stablehlo backend stands in for neuronx-cc, as in examples/train.py.
 """
 
 import argparse

@@ -205,9 +205,10 @@ def test_adaptive_eager_records_on_neuron_and_reads_flush(tmp_path):
 def test_dropout_masks_are_drawn_at_record_time_bitwise_as_eager_there(tmp_path):
     """On a PrivateUse1 device ``F.dropout`` is ``native_dropout``, a random op that ended the window
     (8 flushes a step in examples/finetune_transformer.py); its mask is now drawn at record time as
-    the emulated device's kernel (CPU's) draws it: same seed, the same masks, values and generator
-    state as plain eager on the emulated device, with no "random" flush. bfloat16 included:
-    the kernel scales with ``mul_.Scalar``, which rounds differently from ``mul.Tensor``."""
+    the device's kernel draws it (torch-neuronx's, on the host: Note [Emulated dropout]): same seed,
+    the same masks, values and generator state as plain eager on the emulated device, with no
+    "random" flush. bfloat16 included: the kernel scales in the input's dtype; a strided input's
+    mask is contiguous."""
     out = _child("""
         import torch.nn.functional as F
         ne.emulate_neuron()
@@ -241,6 +242,61 @@ def test_dropout_masks_are_drawn_at_record_time_bitwise_as_eager_there(tmp_path)
         print("ok")
         """, tmp_path)
     assert "ok" in out
+
+
+@needs_stablehlo
+def test_a_forward_with_dropout_is_captured_on_the_device_with_eagers_masks(tmp_path):
+    """Note [Dropout drawn at record time] in adaptive_eager._ops: torch-neuronx's dropout draws its
+    mask on the host (the emulated device's does too: Note [Emulated dropout]). A training forward
+    with dropout is now captured and compiled on the device, where it declined (``random``) and stayed
+    recorded, cut at each dropout with the hardware's kernel (stock GPT-2 at dropout 0.1: 76 launches
+    a step). Each call draws eager's masks on the host and moves them in one copy: a steady step is
+    the forward, the backward, the optimizer step and that copy, as the device counts them; the
+    masks (the zeros of every output) and the generator's next draws are eager's, in bfloat16 too."""
+    out = _child("""
+        import contextlib, json
+        ne.emulate_neuron()
+
+        def run(lazy, dtype):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.GELU(),
+                                        torch.nn.Linear(16, 4), torch.nn.Dropout(0.3)).to("neuron", dtype)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).to("neuron", dtype) for i in range(6)]
+            torch.manual_seed(5)
+            outs, rows = [], []
+            with ae.adaptive_eager(hot_after=1, async_compile=False) if lazy else contextlib.nullcontext():
+                for x in xs:
+                    m0, d0, x0 = ae.metrics()["launches"], ne.launches(), ne.executables_run()
+                    opt.zero_grad()
+                    y = model(x)
+                    (y.float() ** 2).mean().backward()
+                    opt.step()
+                    ae.sync()
+                    rows.append((ae.metrics()["launches"] - m0, ne.launches() - d0, ne.executables_run() - x0))
+                    outs.append(y.detach().cpu())
+                after = torch.rand(3)
+            return outs, after, rows
+
+        report = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            eager = run(False, dtype)
+            ae.reset_metrics()
+            lazy = run(True, dtype)
+            m = ae.metrics()
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            report[str(dtype)] = {
+                "masks": all(torch.equal(a == 0, b == 0) for a, b in zip(eager[0], lazy[0])),
+                "close": all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol) for a, b in zip(eager[0], lazy[0])),
+                "generator": torch.equal(eager[1], lazy[1]), "rows": lazy[2][3:],
+                "misses": m["module_capture_misses"], "compiled": m["module_compiled_runs"]}
+        print(json.dumps(report))
+        """, tmp_path)
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    for dtype, d in r.items():
+        assert d["masks"] and d["close"] and d["generator"], (dtype, d)
+        assert d["misses"] == {} and d["compiled"] >= 6, (dtype, d)
+        assert all(row == [4, 4, 3] for row in d["rows"]), (dtype, d)
 
 
 @needs_stablehlo
