@@ -109,7 +109,7 @@ _is_compiling = torch.compiler.is_compiling
 class _Capture:
     """One optimizer's compiled step and how many steps it took since its last (re)capture."""
 
-    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed")
+    __slots__ = ("fn", "steps", "captures", "off", "launches", "float_missed", "cpu_steps")
 
     def __init__(self):
         self.fn = None
@@ -118,6 +118,7 @@ class _Capture:
         self.captures = 0
         self.off: str | None = None  # why this optimizer's step is not captured any more
         self.float_missed: str | None = None  # the group value of the last param_group miss (Note [Specialized floats])
+        self.cpu_steps: list | None = None  # params whose ``step`` was on cpu before the first trace (Note [Steps put back])
 
 
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -187,6 +188,7 @@ def _step(st, opt, raw):
                         "by op from now on (metrics()['optimizer_misses'] says why)", type(opt).__name__, _MAX_CAPTURES)
         if cap.off is not None:
             METRICS.optimizer_misses[cap.off] += 1
+            _steps_put_back(opt, cap)
             return raw(opt)
         # Note [Training captured at once] in _capture: at its first step, where that applies
         at_first = not cap.captures and backend == _OURS and at_once(st.options)
@@ -222,6 +224,7 @@ def _step(st, opt, raw):
     except _Decline as e:  # Note [Traces off the step] in _capture: raised before the step ran anything
         cap.fn, cap.off = None, e.cause
         METRICS.optimizer_misses[cap.off] += 1
+        _steps_put_back(opt, cap)
         return raw(opt)
     except RuntimeError as e:
         if str(e).startswith(_NESTED_TRACE):  # checked before the call runs anything
@@ -259,6 +262,30 @@ def _step(st, opt, raw):
 # scheduled lr compiles nothing more.
 
 
+# Note [Steps put back]
+# ~~~~~~~~~~~~~~~~~~~~~
+# TorchDynamo's trace of ``optimizer.step()`` moves each ``state[p]["step"]`` that is on cpu onto
+# its parameter's device, for real (``OptimizerVariable.move_step_if_cpu``: a compiled step then
+# reads no host value), and ``torch.compile`` of a step leaves it so. When the capture ends for
+# good (``_Capture.off``) the step runs torch.optim's own code again, which reads a device step on
+# the host each step (``_get_value``: ``.item()``) unless the group is capturable: on the emulated
+# device the finetune example flushed its window there every step (an ``item`` flush and a host
+# read per step). So the steps that were on cpu before the first trace are put back there, once,
+# as the user had them; while a capture runs they stay where its guards expect them.
+def _on_cpu(step) -> bool:
+    return isinstance(step, torch.Tensor) and step.device.type == "cpu"
+
+
+def _steps_put_back(opt, cap: _Capture) -> None:
+    """Put the steps the trace moved back on cpu (Note [Steps put back]); once."""
+    params, cap.cpu_steps = cap.cpu_steps, []
+    for p in params or ():
+        state = opt.state.get(p)
+        step = state.get("step") if state is not None else None
+        if isinstance(step, torch.Tensor) and not _on_cpu(step):
+            state["step"] = step.to("cpu")
+
+
 def _specialized_again(opt, cap: _Capture, value: str) -> None:
     """After a param_group miss on group value ``value`` (the guarded source): stop capturing when
     the last miss was on the same value (Note [Specialized floats])."""
@@ -266,6 +293,7 @@ def _specialized_again(opt, cap: _Capture, value: str) -> None:
         cap.float_missed = value
         return
     cap.off = "specialized_float"
+    _steps_put_back(opt, cap)
     log.warning("adaptive_eager: %s.step() missed its guards on %s again after the recapture that should have made it "
                 "an input (TorchDynamo specialized it again); it is recorded op by op from now on, where its floats "
                 "are runtime inputs", type(opt).__name__, value.removeprefix("ref()."))
@@ -277,6 +305,8 @@ def _capture(st, opt, raw, cap, backend):
         from ._capture import _Backend
 
         backend = _Backend(None, st.options, "optimizer")
+    if cap.cpu_steps is None:
+        cap.cpu_steps = [p for p, state in opt.state.items() if _on_cpu(state.get("step"))]
     t0 = time.perf_counter()
     try:
         with _disable_current_modes(), _grad_mode(opt), warnings.catch_warnings():
@@ -292,6 +322,7 @@ def _capture(st, opt, raw, cap, backend):
             return raw(opt)
         cap.off = "capture_failed"
         METRICS.optimizer_misses[cap.off] += 1
+        _steps_put_back(opt, cap)
         log.warning("adaptive_eager: %s.step() could not be captured (%s: %s); it is recorded op by op",
                     type(opt).__name__, type(e).__name__, _first_line(e))
         return raw(opt)

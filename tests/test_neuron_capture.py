@@ -412,7 +412,9 @@ def test_a_scheduled_lr_that_dynamo_specializes_again_stops_the_recaptures(tmp_p
     where TorchDynamo cannot make a scheduled lr a graph input (it reaches ``_foreach_mul_`` with the
     weight decay) and specializes it at every recapture. The step was captured four times (each a
     Dynamo trace in the step and a compile never used); it stops at the second param_group miss on
-    the same lr and stays recorded, with CPU eager's values."""
+    the same lr and stays recorded, with CPU eager's values. Note [Steps put back]: the AdamW steps
+    the trace moved onto the device are back on cpu once the captures end, where the user had them:
+    a recorded step read them on the host (an ``item`` flush every step)."""
     out = _child("""
         import contextlib
         import json
@@ -431,16 +433,19 @@ def test_a_scheduled_lr_that_dynamo_specializes_again_stops_the_recaptures(tmp_p
                     opt.step()
                     sched.step()
                     opt.zero_grad()
-            return {k: v.cpu() for k, v in model.state_dict().items()}
+            devices = sorted({s["step"].device.type for s in opt.state.values()})
+            return {k: v.cpu() for k, v in model.state_dict().items()}, devices
 
-        cpu_state = run("cpu")
+        cpu_state, _ = run("cpu")
         ae.reset_metrics()
-        state = run("neuron", {"hot_after": 1, "async_compile": False})
+        state, devices = run("neuron", {"hot_after": 1, "async_compile": False})
         m = ae.metrics()
         print(json.dumps({"error": max((state[k] - cpu_state[k]).abs().max().item() for k in state),
-                          "captures": m["optimizer_captures"], "misses": m["optimizer_misses"]}))
+                          "captures": m["optimizer_captures"], "misses": m["optimizer_misses"],
+                          "devices": devices, "item_flushes": m["flushes"].get("item", 0)}))
         """, tmp_path)
     r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))  # the warning follows
     assert "recorded op by op from now on" in out
     assert r["error"] <= 1e-5, r
     assert r["captures"] == 2 and r["misses"]["param_group"] == 2 and "recapture_limit" not in r["misses"], r
+    assert r["devices"] == ["cpu"] and r["item_flushes"] <= 1, r  # the one miss before the captures end
