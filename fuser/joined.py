@@ -10,7 +10,7 @@ from .program import Program, _In, _Ref
 from .replay import _bind, as_recorded, release_placeholders, restore_placeholders
 from .scalars import _scalar_tensor
 from .stats import STATS
-from .window import FlushResult, Out
+from .window import OUTS_PER_NODE, VIEW, FlushResult, Out
 
 # Note [Joined runs]
 # ~~~~~~~~~~~~~~~~~~
@@ -94,8 +94,8 @@ def done(req: JoinRequest) -> None:
 
 
 def joined_program(window_program: Program, graph: Program, mapping: tuple) -> Program:
-    """The window's program followed by ``graph``'s ops: ``mapping[slot]`` is the live index of the
-    window value that graph input ``slot`` is, or -1 for an input of its own (after the window's)."""
+    """The window's program followed by ``graph``'s ops: ``mapping[slot]`` is the uid of the window
+    value that graph input ``slot`` is, or -1 for an input of its own (after the window's)."""
     offset = 1 + max([o[1] for op in window_program.ops for o in op[3] if o is not None] + list(window_program.live),
                      default=0)
     n_in = len(window_program.inputs)
@@ -108,7 +108,7 @@ def joined_program(window_program: Program, graph: Program, mapping: tuple) -> P
             return _Ref(a.uid + offset)
         if t is _In:
             m = mapping[a.slot]
-            return _Ref(window_program.live[m]) if m >= 0 else _In(slot_of[a.slot])
+            return _Ref(m) if m >= 0 else _In(slot_of[a.slot])
         if t is list:
             return [enc(x) for x in a]
         return a
@@ -142,15 +142,14 @@ def try_joined(entry, flush, outcome: str) -> FlushResult | None:
     if flush.mutated or graph.program is None or graph.program.mutated:
         _not_joined("writes_inputs")
         return None
-    index = {id(o): i for i, o in enumerate(flush.live)}
+    live = {id(o) for o in flush.live}
     mapping = []
     for o in marks:
         if type(o) is Out and o.win is window.token:
-            i = index.get(id(o))
-            if i is None:
+            if id(o) not in live and (o.kind != VIEW or flush.validated):
                 _not_joined("not_live")
                 return None
-            mapping.append(i)
+            mapping.append(o.uid)  # a view: Note [Joined views]
         else:
             mapping.append(-1)
     mapping = tuple(mapping)
@@ -179,6 +178,7 @@ def _new(entry, flush, graph, mapping: tuple, backend):
     from .table import _Entry
 
     flush.mark()
+    _views_needed(flush.window, mapping)
     program = Program.from_window(flush.window, flush.live, flush.mutated, flush.lifted, derived=flush.derived)
     joint = _Entry()
     joint.program = joined_program(program, graph.program, mapping)
@@ -192,6 +192,28 @@ def _new(entry, flush, graph, mapping: tuple, backend):
     joint.n_live = len(joint.program.live)
     joint.counts = entry.counts
     return joint
+
+
+# Note [Joined views]
+# ~~~~~~~~~~~~~~~~~~~~
+# A captured backward's tangent may be a view of a window value rather than the value itself: a
+# loss on ``model(x).reshape(-1, vocab)`` hands the backward the ``view`` of its gradient back to
+# the model's output shape. A view is not a live output of its window (its base is: the view shares
+# the base's placeholder, Note [Out kinds] in fuser.window), so the join declined it (``not_live``)
+# and the loss window ran alone before the backward: 6 launches a step in
+# examples/finetune_transformer.py on the emulated device where 5 do. A graph input is named by
+# the uid of the window value it is, and the nodes of such views (and of views they are views of)
+# are marked needed before the joined program is built, so the graph reads the view computed in
+# the program. Their window is not validated there (its nodes are Nodes, Note [Joined runs]).
+def _views_needed(window, mapping: tuple) -> None:
+    """Mark the nodes of the window's views that ``mapping`` names needed (Note [Joined views])."""
+    todo = [uid for uid in mapping if uid >= 0]
+    while todo:
+        node = window.nodes[todo.pop() // OUTS_PER_NODE - 1]
+        if node.needed:
+            continue
+        node.needed = True
+        todo += [a.uid for a in node.args if type(a) is Out and a.kind == VIEW]
 
 
 def _run(entry, joint, flush, req: JoinRequest, mapping: tuple, outcome: str) -> FlushResult | None:
