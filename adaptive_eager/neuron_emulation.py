@@ -25,9 +25,12 @@ tensors alias (its written sets), whether a placeholder's storage is shared (``_
 before it adopts a result's storage with ``set_``. So the outer storages mirror the CPU data's:
 a view's wrapper uses its base's outer storage (and keeps the base alive, so a placeholder outlives
 its views), and ``set_`` to a wrapper's outer storage also points the data at that wrapper's CPU
-storage (``_OWNERS`` finds it). What cannot be mirrored is ``UntypedStorage._swap_data_ptr_``: it
-would swap two empty pointers and move no data, so the fuser copies instead for wrapper subclasses
-(``_swap_storages`` in fuser.replay). Nor can a storage be made on the device
+storage (``_OWNERS`` finds it). ``UntypedStorage._swap_data_ptr_`` of two outer storages would
+swap two empty pointers and move no data, so the fuser's storage swap (Note [Storage swap] in
+fuser.replay: a placeholder's memory given a result's, every view moving with it, no copy) swaps
+the CPU storages behind them instead (``_swap_host_storages``); it copied, a launch a real device
+does not make (a captured backward's tangent bound under a view of it, in
+examples/finetune_transformer.py). Nor can a storage be made on the device
 (``torch.UntypedStorage(n, device="neuron")``, which ``untyped_storage().clone()`` and loading onto
 the device do): PrivateUse1 has no allocator here and torch crashes the process, so the emulation
 refuses it with NeuronEmulationError (``_storage_new``). A compiled region runs on the CPU data (the stablehlo
@@ -254,6 +257,25 @@ def _resized(t: EmulatedNeuronTensor) -> None:
     _OWNERS[_storage_of(t)._cdata] = t
 
 
+def _swap_host_storages(storage, result, meta) -> bool:
+    """The fuser's storage swap for the placeholder storage ``storage`` and ``result``, on their CPU
+    storages (Note [Emulated storage]); False where it would not be a copy's equal."""
+    owner = _OWNERS.get(storage._cdata)
+    if owner is None or type(result) is not EmulatedNeuronTensor:
+        return False
+    r = result._data
+    if (r.dtype is not meta[2] or r.storage_offset() != 0 or tuple(r.size()) != tuple(meta[0])
+            or tuple(r.stride()) != tuple(meta[1])):
+        return False
+    placeholder, rs = _storage_of(owner._data), _storage_of(r)
+    # the result's CPU tensor and ``rs``: nothing else holds that memory
+    nbytes = torch._C.StorageBase.nbytes  # the C method (adaptive_eager wraps UntypedStorage.nbytes)
+    if nbytes(placeholder) != nbytes(rs) or torch._C._storage_Use_Count(rs._cdata) > 2:
+        return False
+    torch.UntypedStorage._swap_data_ptr_(placeholder, rs)
+    return True
+
+
 def _set_outer(t: EmulatedNeuronTensor, storage, offset, size, stride) -> None:
     # the CPU kernel of set_ on the wrapper itself: the storage and its device are the wrapper's
     torch.ops.aten.set_.source_Storage_storage_offset.redispatch(_CPU, t, storage, offset, size, stride)
@@ -430,6 +452,10 @@ def emulate_neuron() -> None:
         from fuser.backends.stablehlo import register_host_device
 
         register_host_device(DEVICE, cpu_data, on_device, _ran)  # Note [Host-memory devices] there
+        from fuser.backends._common import HOST_SWAPS
+
+        if hasattr(torch.UntypedStorage, "_swap_data_ptr_"):  # torch >= 2.12 (Note [Storage swap])
+            HOST_SWAPS[DEVICE] = _swap_host_storages
         from ._data_checks import CPU_KERNEL_DEVICES, HOST_DATA
 
         HOST_DATA[DEVICE] = cpu_data

@@ -12,7 +12,7 @@ from operator import not_
 
 import torch
 
-from .backends._common import launches_op
+from .backends._common import HOST_SWAPS, launches_op
 from .window import ALIAS, FRESH, VIEW, Node, Out, Window, storage_bytes
 
 _storage_use_count = torch._C._storage_Use_Count
@@ -240,7 +240,10 @@ def _swap_storages(storage, result: torch.Tensor, meta) -> bool:
     if _swap_data_ptr is None or result.dtype is not meta[2] or result.storage_offset() != 0:
         return False
     if type(result) is not torch.Tensor:
-        return False  # a wrapper subclass's storage holds no memory: Note [Emulated storage] in adaptive_eager.neuron_emulation
+        # a wrapper subclass's storage holds no memory: its device swaps the memory behind it, or
+        # nothing (Note [Emulated storage] in adaptive_eager.neuron_emulation)
+        swap = HOST_SWAPS.get(result.device.type)
+        return swap is not None and swap(storage, result, meta)
     if tuple(result.size()) != tuple(meta[0]) or tuple(result.stride()) != tuple(meta[1]):
         return False
     rs = _untyped_storage(result)

@@ -12,6 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch.fx.node import _get_qualified_name, map_arg
 
+# device type -> ``swap(storage, result, meta) -> bool``: ``fuser.replay._swap_storages`` for a
+# device whose tensors wrap host memory (registered by adaptive_eager.neuron_emulation, a layer above)
+HOST_SWAPS: dict = {}
+
 
 class BackendCompileError(RuntimeError):
     """A graph a backend cannot compile, or an artifact it cannot load.
