@@ -13,7 +13,7 @@ import torch
 
 import adaptive_eager as ae
 from _device import COMPILED_BACKEND, NEURON
-from adaptive_eager import adaptive_eager
+from adaptive_eager import _capture, adaptive_eager
 
 
 @pytest.fixture(autouse=True, params=["replay", COMPILED_BACKEND])
@@ -488,9 +488,12 @@ def test_training_loop_matches_eager(opt_cls, kwargs):
                 if name == "step" and m_captured_step(got, v):
                     got = got.cpu()  # the README's limit: a captured step's counters live on the device
                 assert_eager(got, v)
-    # the loop ran under the mode: recorded, or (inductor) its forward and optimizer step captured
+    # the loop ran under the mode: recorded, or its forward (dropout and all) and optimizer step
+    # captured, from the first call on cpu's inductor (Note [Training captured at once] in
+    # adaptive_eager._capture), from the second elsewhere (the emulated neuron device's stablehlo)
     m = ae.metrics()
-    assert m["ops_recorded"] > 100 or (m["module_captured_calls"] == 6 and m["optimizer_captures"] > 0), m
+    first = 1 if _capture.at_once(ae.load_options()) else 2
+    assert m["ops_recorded"] > 100 or (m["module_captured_calls"] == 7 - first and m["optimizer_captures"] > 0), m
 
 
 def test_other_threads_run_eagerly_and_correctly():
