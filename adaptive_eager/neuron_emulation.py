@@ -28,7 +28,7 @@ its views), and ``set_`` to a wrapper's outer storage also points the data at th
 storage (``_OWNERS`` finds it). ``UntypedStorage._swap_data_ptr_`` of two outer storages would
 swap two empty pointers and move no data, so the fuser's storage swap (Note [Storage swap] in
 fuser.replay: a placeholder's memory given a result's, every view moving with it, no copy) swaps
-the CPU storages behind them instead (``_swap_host_storages``); it copied, a launch a real device
+the CPU storages behind them instead (``_host_storages``); it copied, a launch a real device
 does not make (a captured backward's tangent bound under a view of it, in
 examples/finetune_transformer.py). Nor can a storage be made on the device
 (``torch.UntypedStorage(n, device="neuron")``, which ``untyped_storage().clone()`` and loading onto
@@ -257,23 +257,13 @@ def _resized(t: EmulatedNeuronTensor) -> None:
     _OWNERS[_storage_of(t)._cdata] = t
 
 
-def _swap_host_storages(storage, result, meta) -> bool:
-    """The fuser's storage swap for the placeholder storage ``storage`` and ``result``, on their CPU
-    storages (Note [Emulated storage]); False where it would not be a copy's equal."""
+def _host_storages(storage, result):
+    """The CPU storage behind the placeholder storage ``storage`` and ``result``'s CPU tensor, which the
+    fuser's storage swap swaps (Note [Emulated storage]); None where there are none."""
     owner = _OWNERS.get(storage._cdata)
     if owner is None or type(result) is not EmulatedNeuronTensor:
-        return False
-    r = result._data
-    if (r.dtype is not meta[2] or r.storage_offset() != 0 or tuple(r.size()) != tuple(meta[0])
-            or tuple(r.stride()) != tuple(meta[1])):
-        return False
-    placeholder, rs = _storage_of(owner._data), _storage_of(r)
-    # the result's CPU tensor and ``rs``: nothing else holds that memory
-    nbytes = torch._C.StorageBase.nbytes  # the C method (adaptive_eager wraps UntypedStorage.nbytes)
-    if nbytes(placeholder) != nbytes(rs) or torch._C._storage_Use_Count(rs._cdata) > 2:
-        return False
-    torch.UntypedStorage._swap_data_ptr_(placeholder, rs)
-    return True
+        return None
+    return _storage_of(owner._data), result._data
 
 
 def _set_outer(t: EmulatedNeuronTensor, storage, offset, size, stride) -> None:
@@ -455,7 +445,7 @@ def emulate_neuron() -> None:
         from fuser.backends._common import HOST_SWAPS
 
         if hasattr(torch.UntypedStorage, "_swap_data_ptr_"):  # torch >= 2.12 (Note [Storage swap])
-            HOST_SWAPS[DEVICE] = _swap_host_storages
+            HOST_SWAPS[DEVICE] = _host_storages
         from ._data_checks import CPU_KERNEL_DEVICES, HOST_DATA
 
         HOST_DATA[DEVICE] = cpu_data

@@ -242,8 +242,9 @@ def _swap_storages(storage, result: torch.Tensor, meta) -> bool:
     if type(result) is not torch.Tensor:
         # a wrapper subclass's storage holds no memory: its device swaps the memory behind it, or
         # nothing (Note [Emulated storage] in adaptive_eager.neuron_emulation)
-        swap = HOST_SWAPS.get(result.device.type)
-        return swap is not None and swap(storage, result, meta)
+        host = HOST_SWAPS.get(result.device.type)
+        pair = None if host is None else host(storage, result)
+        return pair is not None and type(pair[1]) is torch.Tensor and _swap_storages(*pair, meta)
     if tuple(result.size()) != tuple(meta[0]) or tuple(result.stride()) != tuple(meta[1]):
         return False
     rs = _untyped_storage(result)

@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch.fx.node import _get_qualified_name, map_arg
 
-# device type -> ``swap(storage, result, meta) -> bool``: ``fuser.replay._swap_storages`` for a
-# device whose tensors wrap host memory (registered by adaptive_eager.neuron_emulation, a layer above)
+# device type -> ``host(storage, result) -> (storage, result) | None``: the host storage and tensor
+# behind a placeholder's storage and a result of a device whose tensors wrap host memory, which
+# ``fuser.replay._swap_storages`` swaps (registered by adaptive_eager.neuron_emulation, a layer above)
 HOST_SWAPS: dict = {}
 
 
