@@ -207,7 +207,7 @@ class _Pos:
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid",
                  "nbytes", "source", "sig_end", "view", "offset", "lists", "multi",
-                 "factory", "other", "refs", "specs", "fchecks")
+                 "factory", "other", "checks", "refs", "specs", "fchecks")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -242,6 +242,9 @@ class _Pos:
         self.multi: tuple | None = None
         self.factory = False  # an op of no tensor (``zeros``): the default device must still be the target
         self.other = False  # any of ``lists``, ``factory``, ``consts``, ``kw``: one test skips them all
+        # ``other``, floats, or an op whose calls may pass fewer arguments: one test skips every check
+        # but the op's and the refs' (Note [One record path] in ``_record``)
+        self.checks = False
 
 
 class Template:
@@ -506,6 +509,7 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
             return None
     p.kw = tuple((name, float if name in node.fpos else v) for name, v in node.kwargs.items())
     p.other = bool(p.lists or p.factory or p.consts or p.kw)
+    p.checks = p.other or bool(p.fpos) or f.arity_varies
     if fast:
         o = node.outs[0]
         if o is None or o.kind != (ALIAS if f.writes_first else FRESH):
@@ -530,6 +534,7 @@ def _op_pos(node: Node, f, window: Window, scalar_fast_path: bool, lifted_inputs
             p.nbytes += storage_bytes(o.meta)
     p.multi = tuple(multi)
     p.specs = tuple(spec for _, spec in multi)
+    p.spec = p.specs[0]  # what the emission of one fresh output (``cat``) takes
     p.uid = (node.index + 1) * OUTS_PER_NODE  # its first output's, present or not
     return p
 

@@ -164,8 +164,7 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     None (none given); the caller checked the default dtype (``_record._dtype_check``).
     ``LazyMode.__torch_dispatch__`` has this inline."""
     window = st.window
-    hot = window.hot
-    if hot is not None and hot.small is not None and not window.nodes:  # Note [Small windows run eagerly] in _hot
+    if not window.nodes and (hot := window.hot) is not None and hot.small is not None:  # Note [Small windows run eagerly] in _hot
         res = run_small(st, hot, f, args, kwargs)
         if res is not NOT_RUN:
             return res
@@ -250,8 +249,8 @@ class LazyMode(TorchDispatchMode):
                 if _default_dtype() is not st.dtype:  # ``_dtype_check``, inline
                     _dtype_changed(st)
                 window = st.window
-                hot = window.hot
-                if hot is not None and hot.small is not None and not window.nodes:  # Note [Small windows run eagerly] in _hot
+                # Note [Small windows run eagerly] in _hot (most ops: not a window's first)
+                if not window.nodes and (hot := window.hot) is not None and hot.small is not None:
                     res = run_small(st, hot, f, args, kwargs)
                     if res is not NOT_RUN:
                         return res

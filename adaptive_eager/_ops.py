@@ -174,7 +174,8 @@ class OpFacts:
     __slots__ = (
         "func", "call", "name", "kind", "reason", "tensor_pos", "list_pos", "scalar_pos", "seq_pos", "tensor_kw", "write_pos", "liftable", "scalarlist_pos", "pointwise",
         "alias_ret", "mutates", "factory", "returns_list", "nrets", "has_device_kw", "one_out", "writes_first", "one_ret", "fresh_one", "tensor_at",
-        "dropout_arg", "unseeded", "decomposition", "host_read", "data_check",
+        "arity_varies",
+        "dropout_arg", "unseeded", "decomposition", "host_read", "data_check", "lists_or_writes",
     )
 
     def __repr__(self) -> str:
@@ -244,6 +245,9 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
     f.tensor_pos = tuple(tensor_pos)
     # the tensor positions a call with n arguments has (a call may leave out trailing defaults), by n
     f.tensor_at = tuple(tuple(i for i in tensor_pos if i < n) for n in range(len(schema.arguments) + 1))
+    # whether calls differ in how many arguments they pass: only where a positional argument has a
+    # default (the dispatcher leaves out trailing defaults; it passes every other positional one)
+    f.arity_varies = any(a.has_default_value() and not a.kwarg_only for a in schema.arguments)
     f.list_pos = tuple(list_pos)
     f.scalar_pos = tuple(scalar_pos)
     f.seq_pos = tuple(seq_pos)
@@ -339,6 +343,7 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         f.data_check = data_check_for(func, base)
         if f.data_check is not None:
             f.kind = CHECKED  # recorded as RECORD is
+    f.lists_or_writes = bool(f.list_pos) or f.mutates  # neither for most ops: one test in ``_record``
     return f
 
 

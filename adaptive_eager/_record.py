@@ -223,7 +223,9 @@ def _demote(window: Window, cause: str) -> None:
 #   giving the op's dataflow refs (Note [Window signature] in fuser.window), or the op is declined;
 #   then the arguments it writes, checked for overlap (Note [Overlapping writes]);
 # - the output metadata: in a hot window, the template's position (Note [Hot windows] in ``_hot``):
-#   the refs, the other arguments and the floats equal to what it recorded, its output specs; in
+#   the refs, the other arguments and the floats equal to what it recorded (and the argument count,
+#   for an op whose calls may leave out trailing defaults: ``OpFacts.arity_varies``; one test,
+#   ``_Pos.checks``, skips all but the refs for most ops), its output specs; in
 #   any other window, the meta cache (Note [Meta cache key] in ``_meta``), keyed by the signature
 #   the walk built along (each argument's metadata, numbers, keywords, device);
 # - the emission (``_emit``): placeholders or ALIAS Outs and write marks, and the one append
@@ -399,7 +401,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         else:
             if cold:
                 p = None
-            elif p.f is not f or p.n != n:
+            elif p.f is not f:  # (its argument count is checked with ``p.checks``)
                 window.hot_miss = ("op", i)
                 p = None
     token = window.token
@@ -412,6 +414,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
         scalars = 0  # real 0-dim arguments on the target (Note [Scalar fast path])
         elsewhere = 0  # 0-dim CPU tensors of another target
+        written = ()  # (tensor, storage id) of every written argument, returned or not
     for i in f.tensor_at[n]:
         a = args[i]
         o = getattr(a, "_ae", None)
@@ -454,91 +457,95 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         refs.append(-1 - slot)
         if p is None:
             sig[i] = (a.shape, a.stride(), a.dtype)
-    if f.list_pos:  # (none for most ops: no iterator made for them)
-        for i in f.list_pos:
-            if i >= n:
-                break
-            lst = args[i]
-            if p is None:
-                new = list(lst)
-                lsig = []
-            for j, a in enumerate(lst):
-                if a is None:
-                    if p is None:
-                        lsig.append(None)
-                    continue
-                o = getattr(a, "_ae", None)
-                if o is not None and o.win is token:
-                    refs.append(o.uid)
-                    if p is None:
-                        new[j] = o
-                        inputs.append(o)
-                        lsig.append(o.meta)
-                    continue
-                if not _on_target(st, a):
-                    return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
-                if o is not None:
-                    _check_elsewhere(a, o)
-                if st.scalar_fast_path and a.numel() == 1:
-                    if p is not None:
-                        return _miss(st, f, args, kwargs, n0, "metadata")
-                    if not a.dim():
-                        scalars += 1
-                    if i not in f.write_pos and not _written(window, a) and a.layout is _strided:
-                        a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
-                slot = window.slots.get(id(a))
-                if slot is None:
-                    slot = _new_slot(window, a, p is not None)
-                    if slot < 0:
-                        return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
-                refs.append(-1 - slot)
+    if f.lists_or_writes:  # neither for most ops: one test skips both
+        if f.list_pos:
+            for i in f.list_pos:
+                if i >= n:
+                    break
+                lst = args[i]
                 if p is None:
-                    lsig.append((a.shape, a.stride(), a.dtype))
-            if p is None:
-                if nargs is None:
-                    nargs = list(args)
-                nargs[i] = new
-                sig[i] = tuple(lsig)
-    if not f.mutates:
-        written = ()  # (tensor, storage id) of every written argument, returned or not
-    elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
-        first = args[0]
-        first_sid = _untyped_storage(first)._cdata
-        written = ((first, first_sid),)  # marked at its emission
-        if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {}, written):
-            if p is not None:
-                return _miss(st, f, args, kwargs, n0, "overlap")
-            _raise_overlap(f, args, kwargs)
-    else:
-        written, shared = _writes(f, args, kwargs, n)
-        if shared and _shares_written(window, args, kwargs or {}, written):
-            if p is not None:
-                return _miss(st, f, args, kwargs, n0, "overlap")
-            _raise_overlap(f, args, kwargs)
+                    new = list(lst)
+                    lsig = []
+                for j, a in enumerate(lst):
+                    if a is None:
+                        if p is None:
+                            lsig.append(None)
+                        continue
+                    o = getattr(a, "_ae", None)
+                    if o is not None and o.win is token:
+                        refs.append(o.uid)
+                        if p is None:
+                            new[j] = o
+                            inputs.append(o)
+                            lsig.append(o.meta)
+                        continue
+                    if not _on_target(st, a):
+                        return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
+                    if o is not None:
+                        _check_elsewhere(a, o)
+                    if st.scalar_fast_path and a.numel() == 1:
+                        if p is not None:
+                            return _miss(st, f, args, kwargs, n0, "metadata")
+                        if not a.dim():
+                            scalars += 1
+                        if i not in f.write_pos and not _written(window, a) and a.layout is _strided:
+                            a = new[j] = a.clone()  # snapshot: see Note [Scalar fast path]
+                    slot = window.slots.get(id(a))
+                    if slot is None:
+                        slot = _new_slot(window, a, p is not None)
+                        if slot < 0:
+                            return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
+                    refs.append(-1 - slot)
+                    if p is None:
+                        lsig.append((a.shape, a.stride(), a.dtype))
+                if p is None:
+                    if nargs is None:
+                        nargs = list(args)
+                    nargs[i] = new
+                    sig[i] = tuple(lsig)
+        if not f.mutates:
+            written = ()
+        elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
+            first = args[0]
+            first_sid = _untyped_storage(first)._cdata
+            written = ((first, first_sid),)  # marked at its emission
+            if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {}, written):
+                if p is not None:
+                    return _miss(st, f, args, kwargs, n0, "overlap")
+                _raise_overlap(f, args, kwargs)
+        else:
+            written, shared = _writes(f, args, kwargs, n)
+            if shared and _shares_written(window, args, kwargs or {}, written):
+                if p is not None:
+                    return _miss(st, f, args, kwargs, n0, "overlap")
+                _raise_overlap(f, args, kwargs)
     if p is not None:  # the template's position is the signature: Note [One record path]
         if refs != p.refs:
             return _miss(st, f, args, kwargs, n0, "binding")
-        if p.other or kwargs:
-            if p.lists or p.factory:
-                cause = _hot_differs(st, p, args)
-                if cause is not None:
-                    return _miss(st, f, args, kwargs, n0, cause)
-            if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
-                return _miss(st, f, args, kwargs, n0, "scalar")
-        if p.fpos:  # each float compiled into the region equal, each one it takes as an input a float
+        if p.checks or kwargs:
+            if p.n != n:  # fewer or more trailing defaults than the template's call
+                return _miss(st, f, args, kwargs, n0, "op")
+            if p.other or kwargs:
+                if p.lists or p.factory:
+                    cause = _hot_differs(st, p, args)
+                    if cause is not None:
+                        return _miss(st, f, args, kwargs, n0, cause)
+                if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
+                    return _miss(st, f, args, kwargs, n0, "scalar")
+            # each float compiled into the region equal, each one it takes as an input a float
             for i, v in p.fchecks:
                 a = args[i] if type(i) is int else kwargs.get(i)
                 if a.__class__ is not float or (v is not None and a != v):
                     return _miss(st, f, args, kwargs, n0, "scalar")
         if f.fresh_one:  # most ops: the emission's first branch (below) for a hot record, which is None
-            res = hot_placeholder(st.alloc_cpu, window, p.specs[0], p.uid)
+            res = hot_placeholder(st.alloc_cpu, window, p.spec, p.uid)
             _add(st, window, None, p.fpos, args, kwargs, p.nbytes)  # Note [Hot liveness] in _hot
             return res
         if f.writes_first:  # the second: its ALIAS Out is its hot record
             _add(st, window, _alias_out(window, first, p.uid, first_sid), p.fpos, args, kwargs, p.nbytes)
             return first
-        return _emit_others(st, window, f, p, p.specs, p.uid, None, None, args, kwargs, written, token, None, None,
-                            None, 0)  # the rarer kinds
+        return _emit_others(st, window, f, p, p.specs, p.uid, None, None, args, kwargs,
+                            written if f.lists_or_writes else (), token, None, None, None, 0)  # the rarer kinds
     else:
         bound = len(refs) - elsewhere  # tensor arguments on the target
         if scalars and scalars == bound and _scalars_settled(window, f, args, n):

@@ -128,6 +128,30 @@ def test_a_window_that_diverges_at_any_position(fresh_regions, kind):
     _diverge_at_each(_step, torch.randn(16), torch.randn(16), kind, range(N))
 
 
+def test_an_op_called_with_another_count_of_arguments_is_a_mismatch(fresh_regions):
+    """``clamp(y, t)`` and ``clamp(y, None, t)`` are one overload with the same tensors (the None is
+    no ref) and no other argument: only the count of arguments tells the minimum from the maximum."""
+
+    def step(x, t, upper):
+        y = x * 2
+        for _ in range(8):
+            y = torch.clamp(y, None, t) if upper else torch.clamp(y, t)
+            y = y - 0.5
+        return y
+
+    x, t = torch.randn(16), torch.zeros(16)
+    with ae.adaptive_eager(**SYNC):
+        for _ in range(3):
+            kept = step(x, t, False)
+            ae.sync()
+        assert ae.metrics()["hot_windows"] >= 1, ae.metrics()["hot_mismatches"]
+        got = step(x, t, True)
+        ae.sync()
+        assert ae.metrics()["hot_mismatches"] == {"op": 1}
+    torch.testing.assert_close(kept, step(x, t, False))
+    torch.testing.assert_close(got, step(x, t, True))
+
+
 def test_a_window_that_ends_early_or_runs_past_the_end(fresh_regions):
     x, w = torch.randn(16), torch.randn(16)
     with ae.adaptive_eager(**SYNC):
