@@ -414,7 +414,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
         floats = []  # positions of float arguments (Note [Scalar recording] in _ops)
         scalars = 0  # real 0-dim arguments on the target (Note [Scalar fast path])
         elsewhere = 0  # 0-dim CPU tensors of another target
-        written = ()  # (tensor, storage id) of every written argument, returned or not
+        written = ()  # (tensor, storage id) of every written argument, returned or not (set below)
     for i in f.tensor_at[n]:
         a = args[i]
         o = getattr(a, "_ae", None)
@@ -503,9 +503,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
                         nargs = list(args)
                     nargs[i] = new
                     sig[i] = tuple(lsig)
-        if not f.mutates:
-            written = ()
-        elif f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
+        if f.writes_first:  # ``mul_``, ``addcdiv_``: most writes (Note [Overlapping writes])
             first = args[0]
             first_sid = _untyped_storage(first)._cdata
             written = ((first, first_sid),)  # marked at its emission
@@ -513,7 +511,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
                 if p is not None:
                     return _miss(st, f, args, kwargs, n0, "overlap")
                 _raise_overlap(f, args, kwargs)
-        else:
+        elif f.mutates:
             written, shared = _writes(f, args, kwargs, n)
             if shared and _shares_written(window, args, kwargs or {}, written):
                 if p is not None:
@@ -545,7 +543,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
             _add(st, window, _alias_out(window, first, p.uid, first_sid), p.fpos, args, kwargs, p.nbytes)
             return first
         return _emit_others(st, window, f, p, p.specs, p.uid, None, None, args, kwargs,
-                            written if f.lists_or_writes else (), token, None, None, None, 0)  # the rarer kinds
+                            written if f.mutates else (), token, None, None, None, 0)  # the rarer kinds
     else:
         bound = len(refs) - elsewhere  # tensor arguments on the target
         if scalars and scalars == bound and _scalars_settled(window, f, args, n):
