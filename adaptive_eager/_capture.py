@@ -36,7 +36,7 @@ from ._log import log
 from ._metrics import METRICS
 from ._ops import HOST_DRAWN_DROPOUT, facts_for, host_dropout_masks, host_dropout_scale, unseeded_facts
 from ._state import _tls as _state_tls
-from ._state import current_state, trace_alone, trace_done
+from ._state import current_state, park, trace_alone, trace_done, unpark
 from ._threads import sync_values
 
 # Note [Captured modules]
@@ -159,6 +159,8 @@ def _call(self, *args, **kwargs):
     if _BUSY:
         return _ORIG_CALL(self, *args, **kwargs)
     st = current_state()
+    if st is not None and st.parked:  # Note [The mode parked between captured calls] in _state
+        unpark(st)
     if (st is None or st.mode is None or getattr(_tls, "depth", 0) or not st.options.reaches("capture")
             or not _len_dispatch_stack()):  # the mode suspended: a flush's or a capture's own calls
         return _ORIG_CALL(self, *args, **kwargs)
@@ -300,6 +302,7 @@ def _run(st, module, cap: _Cap, args, kwargs):
             return _failed_recapture(module, cap, e, args, kwargs)
         else:
             METRICS.module_captured_calls += 1
+            park(st)  # Note [The mode parked between captured calls] in _state
             return out
         finally:
             _BUSY = busy

@@ -129,6 +129,7 @@ def step_aside():
     aside = _take_off(st)
     if aside is None:
         return _nothing
+    st.theirs = True  # Note [The mode parked between captured calls] in _state
     st.aside = aside
     return aside
 

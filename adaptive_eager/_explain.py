@@ -54,6 +54,9 @@ def explain(metrics: dict, flush_sites: Counter, fallback_sites: Counter, top: i
     if metrics.get("small_windows", 0):
         lines.append(f"{metrics['small_windows']} small windows ran their ops eagerly once compiled: cheaper "
                      f"than a flush (Note [Small windows run eagerly])")
+    if metrics.get("parked", 0):
+        lines.append(f"{metrics['parked']} stretches between captured calls ran with the mode off the dispatch stack, "
+                     f"their ops eager's (Note [The mode parked between captured calls])")
     captured = metrics.get("module_captured_calls", 0) + metrics.get("optimizer_hot_steps", 0)
     if captured:
         lines.append(f"{metrics.get('module_captured_calls', 0)} module calls and "

@@ -23,7 +23,7 @@ from ._log import log
 from ._metrics import METRICS
 from ._signatures import bounded_put
 from ._source import _flush_site
-from ._state import TracerState, _default_dtype, _step_back, _tls
+from ._state import TracerState, _default_dtype, _step_back, _tls, next_cut
 
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_eager._patches)
@@ -129,7 +129,7 @@ def _run_window(st: TracerState, window: Window, reason: str, now: bool = False)
             learn_written(window)  # Note [Views of unwritten memory] in _record
         per = st.periodicity
         per.on_flush(len(window.nodes), window.sigs if hot is None else hot.sigs, reason in _CUTS, op_ids)
-        st.cut_at = per.next_cut()
+        st.cut_at = next_cut(st)
         METRICS.flushes[reason] += 1
         METRICS.windows += 1
         # the user's line that triggered the flush, and a library's it called: Note [Whose line]

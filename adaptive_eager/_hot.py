@@ -250,7 +250,7 @@ class _Pos:
 class Template:
     """The expected content of the next window of one compiled region (Note [Hot windows])."""
 
-    __slots__ = ("ops", "views", "sigs", "slot_meta", "entry", "dtype", "options", "after", "small")
+    __slots__ = ("ops", "views", "sigs", "slot_meta", "entry", "dtype", "options", "after", "small", "parkable")
 
     def __init__(self, ops, sigs, slot_meta, entry, dtype, options):
         self.ops: list[_Pos] = ops
@@ -269,6 +269,9 @@ class Template:
         ran = [p for p in ops if not p.view]
         self.small = (tuple(ran) if options.backend == "inductor" and len(ran) <= _SMALL_OPS
                       and sum(p.nbytes for p in ops) <= _SMALL_BYTES else None)
+        # the last ops that came while it was armed, small, were its ops (Note [The mode parked
+        # between captured calls] in _state)
+        self.parkable = False
 
     def launches(self, start: int, end: int) -> int:
         """How many of the hot records ``start:end`` a recording would count as launches."""
@@ -633,10 +636,12 @@ def run_small(st, hot: Template, f, args, kwargs):
     p = ops[k]
     if p.f is not f or p.n != len(args):
         st.small = 0
+        hot.parkable = False
         return NOT_RUN
     for t in _tensors(args, kwargs or {}):
         if getattr(t, "_ae", None) is not None:  # another thread's pending value: its window runs first
             st.small = 0
+            hot.parkable = False
             return NOT_RUN
     out = f.func(*args, **kwargs) if kwargs else f.func(*args)
     METRICS.ops_eager += 1
@@ -647,6 +652,7 @@ def run_small(st, hot: Template, f, args, kwargs):
         st.small = k
         return out
     METRICS.small_windows += 1
+    hot.parkable = True
     prev = st.hot_prev
     if prev is not None and prev is not hot:
         prev.after = hot  # as a flush chains them (``_flush._arm``)

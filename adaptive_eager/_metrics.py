@@ -70,6 +70,7 @@ class Metrics:
         self.hot_windows = 0
         self.hot_ops = 0
         self.small_windows = 0  # windows run eagerly, op by op (Note [Small windows run eagerly] in _hot)
+        self.parked = 0  # stretches between captured calls with the mode off (Note [The mode parked between captured calls] in _state)
         self.hot_mismatches: Counter[str] = Counter()
         self.hot_break_sites: Counter[tuple] = Counter()
         # compiled regions whose windows can never run hot, by (cause, op, line): _hot.template_of
@@ -108,6 +109,7 @@ class Metrics:
             "hot_windows": self.hot_windows,
             "hot_ops": self.hot_ops,
             "small_windows": self.small_windows,
+            "parked": self.parked,
             "hot_mismatches": dict(self.hot_mismatches),
             "hot_refusals": self._refusals(),
             "malloc_tuned": _heap.tuned(),  # Note [Heap thresholds] in _heap

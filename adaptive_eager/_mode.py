@@ -34,6 +34,7 @@ from ._state import (
     _on_target,
     _register,
     _step_back,
+    unpark,
     _tls,
     _unregister,
     current_state,
@@ -361,6 +362,7 @@ def activate(options: Options) -> TracerState:
             _heap.tune()  # once per process: Note [Heap thresholds] in _heap
         _open_caches(options)
         st.periodicity = None  # a new program phase: find its period afresh
+        st.theirs, st.parks = False, 0  # (Note [The mode parked between captured calls] in _state)
         st.set_options(options)
         st.mode = LazyMode(st)
         st.mode.__enter__()
@@ -373,6 +375,8 @@ def activate(options: Options) -> TracerState:
 
 
 def deactivate(st: TracerState) -> None:
+    if st.parked:  # Note [The mode parked between captured calls] in _state
+        unpark(st)
     try:
         flush(st, "exit")
     finally:

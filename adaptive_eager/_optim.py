@@ -26,7 +26,7 @@ from ._capture import _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, a
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
-from ._state import current_state, pending_hot_ops, trace_alone, trace_done
+from ._state import current_state, park, pending_hot_ops, trace_alone, trace_done, unpark
 
 # Note [Optimizer capture]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -160,6 +160,8 @@ def _capturing(raw):
         if _is_compiling():  # first: Dynamo traces the step itself (Note [User torch.compile] in _compile)
             return raw(self, *args, **kwargs)
         st = current_state()
+        if st is not None and st.parked:  # Note [The mode parked between captured calls] in _state
+            unpark(st)
         if args or kwargs or st is None or st.mode is None or st.aside is not None or not st.options.reaches("capture"):
             # a closure (its Python must run), adaptive eager is off here, or the program's own
             # compiled code runs this step (Note [User torch.compile] in _compile: theirs wins)
@@ -237,6 +239,7 @@ def _step(st, opt, raw):
     else:
         METRICS.optimizer_hot_steps += 1
         _count_launches(cap)
+        park(st)  # Note [The mode parked between captured calls] in _state
         return out
     finally:
         _set_stance(prior)

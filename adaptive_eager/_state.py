@@ -7,11 +7,13 @@ import threading
 
 import torch
 from fuser.window import Window
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 
 from . import _gc
 from ._hot import expect_hot
 from ._log import _apply_log_level
 from ._meta import _META_CACHES
+from ._metrics import METRICS
 from ._period import Periodicity
 from .config import Options
 
@@ -39,6 +41,11 @@ class TracerState:
         self.aside = None  # a compiled call runs with the mode off the stack (Note [User torch.compile] in _compile)
         self.hot_prev = None  # the template of the last window that ran compiled (Note [Hot windows] in _hot)
         self.small = 0  # positions of a small window run eagerly so far (Note [Small windows run eagerly] in _hot)
+        # the mode parked between captured calls: the stack's depth with it on, else 0; the chances
+        # to park so far (Note [The mode parked between captured calls])
+        self.parked = 0
+        self.parks = 0
+        self.theirs = False  # the program's own compiled code ran under the mode (Note [User torch.compile] in _compile)
         # the default dtype the open window's ops were recorded under, and that dtype's meta cache
         # (Note [Meta cache key])
         self.dtype = _default_dtype()
@@ -46,6 +53,8 @@ class TracerState:
         self.set_options(options)
 
     def set_options(self, options: Options) -> None:
+        if self.parked:  # the options may stop what parked it (Note [The mode parked between captured calls])
+            unpark(self)
         self.options = options
         window = self.window
         if window.hot is not None and window.nodes:
@@ -65,7 +74,7 @@ class TracerState:
         self.alloc_cpu = _empty_strided_cpu if options.device == "cpu" else None
         if self.periodicity is None or self.periodicity.cap != options.window:
             self.periodicity = Periodicity(options.window)
-        self.cut_at = self.periodicity.next_cut()  # Note [Period detection]
+        self.cut_at = next_cut(self)  # Note [Period detection]
         _apply_log_level(options.log)
         self.max_bytes = int(options.window_mb * 2**20)
         if self.mode is not None:
@@ -98,6 +107,7 @@ def _register(st: TracerState) -> int:
         kept = _prune(_STATES)
         dropped = len(_STATES) - len(kept)
         _STATES = (*kept, st)
+        st.cut_at = next_cut(st)  # Note [The mode parked between captured calls]: 1 while another is parked
     return dropped
 
 
@@ -108,6 +118,95 @@ def _unregister(st: TracerState) -> None:
 
 
 _trace_lock = threading.RLock()  # held by a trace of ours, and by a thread turning the mode on
+
+# Note [The mode parked between captured calls]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Once a training step is hot, its forward and optimizer step run as captured calls (Note
+# [Captured modules] in _capture) and the few ops between them (the loss, the backward's seed,
+# ``zero_grad``, ``loss.item()``) form small windows that run eagerly (Note [Small windows run
+# eagerly] in _hot). Each of those ops still crossed the dispatch mode, and so did what autograd
+# runs after a captured backward (each ``AccumulateGrad``'s ``detach``) and the profiler ranges of
+# ``Optimizer.step`` and ``zero_grad``: 14 crossings a step on the rnn workload, at 4 us each (an
+# empty ``TorchDispatchMode``'s cost), the gap to ``torch.compile`` (benchmarks/RESULTS.md).
+# So when a captured call returns (``park``: ``_capture._run``, ``_optim._step``) and the window
+# open then is empty and armed with a small template, the mode leaves the dispatch stack until
+# the next captured call starts (``unpark``: ``nn.Module.__call__``, ``Optimizer.step``) or the
+# program turns it off or changes its options. Meanwhile every op runs eagerly, as it would in
+# that small window: nothing of this thread is pending while its window is empty, so each input is
+# real, and the values, errors, warnings and random numbers are eager's. A backward started then
+# runs with no mode at all (the engine restores the mode stack of the ``backward()`` call in each
+# node), its captured graph as before. ``metrics()["parked"]`` counts the stretches.
+# - Only a small template whose window, the last time it was armed and ops came, ran its ops
+#   (``Template.parkable``): the stretch was that window. What a parked stretch does is not seen,
+#   so every ``_CHECK_EVERY``-th chance is recorded as usual: an op that is not the template's next
+#   one unsets ``parkable`` (``_hot.run_small``), and the stretch is recorded from then on, until
+#   its ops are the small window's again.
+# - Only while no other live thread has the mode on, and only with our mode on top of the stack
+#   (not beside a pre-dispatch mode): a thread with the mode parked is a thread without it, which
+#   does not see another thread's pending values (Note [Reads from other threads] in _threads). A
+#   thread turning the mode on while another one is parked ends each of its windows after one op
+#   (``next_cut``) until no other is parked: none of its values is pending when an op returns.
+#   The parked thread, at its next captured call, sees it and parks no more.
+# - Not once the program's own compiled code ran under the mode (Note [User torch.compile] in
+#   _compile): its guards and compiled autograd's cache saw the mode on, and a call made with it
+#   parked compiled their graphs again (tests/test_user_compile.py).
+# - Neither inside a backward: the engine runs each node with the mode stack of the ``backward()``
+#   call and puts the caller's back after it, so a push or pop there would not last. A module
+#   called there (a checkpoint's recomputation, compiled autograd's trace) runs as it would with
+#   the mode off.
+# - A mode the program enters while ours is parked stays above ours when ours comes back.
+_CHECK_EVERY = 31  # prime: each of a step's captured calls gets its turn
+
+
+def next_cut(st: TracerState) -> int:
+    """Where ``st``'s window ends (Note [Period detection]): after one op while another live thread
+    has its mode parked (Note [The mode parked between captured calls])."""
+    for s in _STATES:
+        if s.parked and s is not st and s.thread.is_alive():
+            return 1
+    return st.periodicity.next_cut()
+
+
+def park(st: TracerState) -> None:
+    """A captured call returns: the mode leaves the stack if the stretch ahead is small (Note [The
+    mode parked between captured calls])."""
+    window = st.window
+    hot = window.hot
+    if (hot is None or not hot.parkable or window.nodes or st.small or st.parked or st.theirs
+            or _graph_task() != -1):
+        return
+    st.parks += 1
+    if st.parks % _CHECK_EVERY == 0:
+        return
+    n = _len_dispatch_stack()
+    if not n or _dispatch_mode_at(n - 1) is not st.mode or _len_torch_dispatch_stack_pre_dispatch():
+        return
+    with _states_lock:
+        for s in _STATES:
+            if s is not st and s.mode is not None and s.thread.is_alive():
+                return
+        _pop_dispatch_stack(None)
+        st.parked = n
+    METRICS.parked += 1
+
+
+def unpark(st: TracerState) -> None:
+    """The mode back on the stack, under the modes the program entered meanwhile; not inside a
+    backward, whose nodes run with the stack of its ``backward()`` call."""
+    if _graph_task() != -1:
+        return
+    above = [_pop_dispatch_stack(None) for _ in range(_len_dispatch_stack() - st.parked + 1)]
+    _push_dispatch_stack(st.mode)
+    for mode in reversed(above):
+        _push_dispatch_stack(mode)
+    st.parked = 0
+
+
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_pop_dispatch_stack = torch._C._pop_torch_dispatch_stack
+_push_dispatch_stack = torch._C._push_on_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward
 
 
 def trace_alone(st: TracerState) -> bool:
