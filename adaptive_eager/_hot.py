@@ -199,6 +199,9 @@ _uid = attrgetter("uid")
 # fuser decides how long an entry lives (its LRU), and an entry it dropped takes its template
 # with it (a window recorded against it is demoted, "region": ``_flush._run_validated``). One it forgot but that lives on (``fuser.cache_clear``: ``_Entry.forgotten``) arms no
 # window (``expect_hot``) and runs no validated one (Note [Validated windows] in fuser.regions).
+# A template made under other options or another default dtype than the window that ran arms
+# nothing (``expect_hot``), so it is made again from that window: a program that changed an
+# option that leaves the region as it was (``window_mb``) never ran hot again.
 TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -406,7 +409,8 @@ def template_for(st, window: Window, entry) -> Template | None:
     """The template of region ``entry``, made from ``window`` (which just ran compiled with it) the
     first time; None if its windows cannot be recorded hot (Note [Templates by region])."""
     template = TEMPLATES.get(entry)
-    if template is None:
+    if template is None or (template and (template.dtype is not st.dtype or (
+            template.options is not st.options and template.options != st.options))):
         template = TEMPLATES[entry] = template_of(st, window, entry) or False
     return template or None
 

@@ -267,3 +267,34 @@ def test_leaving_with_the_mode_parked(fresh_regions, tmp_path):
         ae.disable()
     assert _stack() == []
 
+
+def test_a_step_parks_again_after_the_options_change(fresh_regions, tmp_path):
+    """An option that leaves the regions as they were (``window_mb``): their templates are made
+    again under the new options (Note [Templates by region] in adaptive_eager._hot), so the loss
+    window runs small and the step parks again; before, a template of the old options armed
+    nothing, and the step stayed recorded for good."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(5, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    options = dict(async_compile=False, cache_dir=str(tmp_path))
+    ae.enable(**options)
+    try:
+        for _ in range(6):
+            step()
+        st = _state.current_state()
+        assert st.parked
+        ae.enable(**options, window_mb=512)
+        parked = []
+        for _ in range(8):
+            step()
+            parked.append(st.parked)
+        assert parked[-1], (parked, ae.metrics()["hot_windows"])
+    finally:
+        ae.disable()
