@@ -55,6 +55,16 @@ def small_windows_off(monkeypatch):
 
 
 @pytest.fixture
+def parking_off(monkeypatch):
+    """For tests of where a training step's windows are cut: once its loss window runs small, the
+    mode would park between its captured calls and no window would be cut there (Note [The mode
+    parked between captured calls] in adaptive_eager._state, tested in tests/test_parked.py)."""
+    from adaptive_eager import _state
+
+    monkeypatch.setattr(_state, "_CHECK_EVERY", 1)  # every chance recorded
+
+
+@pytest.fixture
 def fresh_regions():
     """No in-memory region, shape class or scalar group of an earlier test answers for this one
     (tests that count compiles or replays need a cold process's view)."""
