@@ -8,8 +8,8 @@ epoch), ``num_workers=0``, in a cold cache directory, then in a second process o
 started once the first process's compile workers have ended (the compiles a short run leaves
 queued go on after its exit: Note [Compiles that outlive the program] in neff_cache.jobs), or at
 once with ``--at-once``.
-Prints, per process and epoch: windows (and how many had nothing to run), compiled runs, and the
-windows replayed, while cold or while their compile (or load) was in flight; then the captured
+Prints, per process and epoch: windows (and how many had nothing to run), compiled runs, small
+windows and parked stretches (run eagerly once compiled), and the windows replayed, while cold or while their compile (or load) was in flight; then the captured
 calls (model calls and optimizer steps) and how many of their graphs ran compiled or op by op. Note [Views of unwritten memory] in adaptive_eager._record
 says why a shuffled batch once made a new window each step; Note [Warm workers] in neff_cache.jobs
 why the first compile lands sooner.
@@ -53,6 +53,9 @@ def train(epochs: int, shuffle: bool) -> list[dict]:
                          "compiled": m["compiled_runs"] - before["compiled_runs"],
                          # run eagerly after their region was compiled (Note [Small windows run eagerly])
                          "small": m["small_windows"] - before["small_windows"],
+                         # stretches between captured calls run with the mode off, in place of small
+                         # windows (Note [The mode parked between captured calls] in adaptive_eager._state)
+                         "parked": m["parked"] - before["parked"],
                          "replayed": m["replayed_regions"] - before["replayed_regions"],
                          "cold": reasons.get("cold", 0),
                          "in_flight": reasons.get("compiling", 0) + reasons.get("loading", 0),
@@ -97,17 +100,18 @@ def main() -> None:
                                   shuffle], env=env, check=True, capture_output=True, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1])
             rows = child["rows"]
-            small = sum(r["small"] for r in rows)
+            small = sum(r["small"] + r["parked"] for r in rows)
             ran = sum(r["compiled"] + r["replayed"] for r in rows) + small
             compiled = sum(r["compiled"] for r in rows)
             print(f"shuffle {shuffle}, {process}: {compiled + small}/{ran} windows that ran ops compiled or, "
                   f"small, eagerly after their compile ({100 * (compiled + small) / max(ran, 1):.0f}%; "
-                  f"{small} small)")
+                  f"{small} small, of them {sum(r['parked'] for r in rows)} parked stretches)")
             for epoch, r in enumerate(rows):
                 # a window none of whose ops is needed runs nothing (an optimizer step's flush
                 # right after a captured call): neither compiled nor replayed
                 print(f"  epoch {epoch}: windows {r['windows']} ({r['windows'] - r['compiled'] - r['replayed']} "
-                      f"with nothing to run), compiled {r['compiled']}, small {r['small']}, replayed {r['replayed']}: cold "
+                      f"with nothing to run), compiled {r['compiled']}, small {r['small']}, parked {r['parked']}, "
+                      f"replayed {r['replayed']}: cold "
                       f"{r['cold']}, compiling or loading {r['in_flight']}; captured calls {r['captured']} "
                       f"(their graphs compiled {r['captured_compiled']}, run op by op {r['captured_uncompiled']})")
             if process == "cold cache" and not args.at_once:
