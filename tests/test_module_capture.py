@@ -1133,7 +1133,7 @@ def _backward_cuts(line_of_backward: int) -> int:
                if reason == "module_capture" and site is not None and site[1] == line_of_backward)
 
 
-@pytest.mark.usefixtures("parking_off")
+@pytest.mark.usefixtures("parking_off", "fresh_regions")
 def test_the_interim_call_cuts_the_window_where_the_captured_backward_does(tmp_path, monkeypatch):
     """Note [The interim backward] in adaptive_eager._capture: while the worker's trace runs, a captured
     module's backward computes its tangents first and runs with the mode suspended, as the record's
