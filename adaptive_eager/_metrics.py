@@ -133,7 +133,7 @@ def format_report(m: dict) -> str:
               "eager_equivalent_launches", "compiled_runs", "replayed_regions", "compiles", "compile_seconds",
               "cache_hits_memory", "cache_hits_disk", "blacklisted", "optimizer_captures",
               "optimizer_hot_steps", "optimizer_compiled_runs", "module_captures", "module_captured_calls",
-              "module_compiled_runs", "compiled_calls"):
+              "module_compiled_runs", "small_windows", "parked", "compiled_calls"):
         if k in m:
             lines.append(f"{k:<28}{m[k]:>12}")
     eq = m["eager_equivalent_launches"]
