@@ -276,6 +276,10 @@ class Template:
         # between captured calls] in _state)
         self.parkable = False
 
+    def fits(self, st) -> bool:
+        """Whether it was made under ``st``'s options and default dtype (Note [Templates by region])."""
+        return self.dtype is st.dtype and (self.options is st.options or self.options == st.options)
+
     def launches(self, start: int, end: int) -> int:
         """How many of the hot records ``start:end`` a recording would count as launches."""
         return end - start - (self.views[end] - self.views[start])
@@ -409,8 +413,7 @@ def template_for(st, window: Window, entry) -> Template | None:
     """The template of region ``entry``, made from ``window`` (which just ran compiled with it) the
     first time; None if its windows cannot be recorded hot (Note [Templates by region])."""
     template = TEMPLATES.get(entry)
-    if template is None or (template and (template.dtype is not st.dtype or (
-            template.options is not st.options and template.options != st.options))):
+    if template is None or (template and not template.fits(st)):
         template = TEMPLATES[entry] = template_of(st, window, entry) or False
     return template or None
 
@@ -595,8 +598,7 @@ def expect_hot(st) -> None:
         t = t.after or t
     if t is not None:
         entry = t.entry()
-        if (entry is None or entry.forgotten or t.dtype is not st.dtype
-                or (t.options is not st.options and t.options != st.options)):
+        if entry is None or entry.forgotten or not t.fits(st):
             t = None
     if not window.nodes:
         window.hot = t

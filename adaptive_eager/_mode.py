@@ -34,10 +34,10 @@ from ._state import (
     _on_target,
     _register,
     _step_back,
-    unpark,
     _tls,
     _unregister,
     current_state,
+    unpark,
 )
 from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader, read_on_host
 from .config import Options

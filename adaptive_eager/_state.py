@@ -182,9 +182,8 @@ def park(st: TracerState) -> None:
     if not n or _dispatch_mode_at(n - 1) is not st.mode or _len_torch_dispatch_stack_pre_dispatch():
         return
     with _states_lock:
-        for s in _STATES:
-            if s is not st and s.mode is not None and s.thread.is_alive():
-                return
+        if not _alone(st):
+            return
         _pop_dispatch_stack(None)
         st.parked = n
     METRICS.parked += 1
@@ -213,7 +212,7 @@ def trace_alone(st: TracerState) -> bool:
     """Take the trace lock if no other live thread has the mode on (Note [Traces beside other
     threads] in ``_capture``); True: taken, and ``trace_done`` must follow."""
     _trace_lock.acquire()
-    if all(s is st or s.mode is None or not s.thread.is_alive() for s in _STATES):
+    if _alone(st):
         return True
     _trace_lock.release()
     return False
@@ -221,6 +220,11 @@ def trace_alone(st: TracerState) -> bool:
 
 def trace_done() -> None:
     _trace_lock.release()
+
+
+def _alone(st: TracerState) -> bool:
+    """Whether no other live thread has the mode on."""
+    return all(s is st or s.mode is None or not s.thread.is_alive() for s in _STATES)
 
 
 def _prune(states: tuple) -> tuple:

@@ -64,6 +64,21 @@ def _same(lazy, eager):
         torch.testing.assert_close(b, a, **TOL)
 
 
+def _sgd_steps(optimizer=torch.optim.SGD):
+    """A model, its input, and a training step of it (no loss function: the output's sum)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.randn(5, 8)
+    opt = optimizer(model.parameters(), lr=0.01)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, x, step
+
+
 def test_a_hot_step_crosses_the_mode_with_no_op(fresh_regions, tmp_path, crossings):
     per_step = []
 
@@ -156,9 +171,7 @@ def test_hooks_run_in_a_parked_backward(fresh_regions, tmp_path):
 
 
 def test_a_mode_entered_while_parked_stays_above_ours(fresh_regions, tmp_path):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    x = torch.randn(5, 8)
+    model, x, step = _sgd_steps()
     seen = []
 
     class Counting(TorchDispatchMode):
@@ -166,12 +179,9 @@ def test_a_mode_entered_while_parked_stays_above_ours(fresh_regions, tmp_path):
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)):
         for _ in range(6):
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
+            step()
         st = _state.current_state()
         assert st.parked, ae.metrics()
         with Counting() as counting:
@@ -189,10 +199,7 @@ def test_another_thread_turning_the_mode_on_hands_over_real_values(fresh_regions
     """A thread with the mode parked does not see another thread's pending values: a thread that
     turns the mode on meanwhile ends each window after one op; the parked thread parks no more
     while that thread lives."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    x = torch.randn(5, 8)
+    _, _, step = _sgd_steps(torch.optim.AdamW)
     handed, go_on, done = [], threading.Event(), threading.Event()
 
     def other():
@@ -204,11 +211,6 @@ def test_another_thread_turning_the_mode_on_hands_over_real_values(fresh_regions
             done.wait(timeout=60)
 
     with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)):
-        def step():
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-
         for _ in range(6):
             step()
         st = _state.current_state()
@@ -233,16 +235,7 @@ def test_another_thread_turning_the_mode_on_hands_over_real_values(fresh_regions
 def test_leaving_with_the_mode_parked(fresh_regions, tmp_path):
     """``disable()`` and a block's exit with the mode parked leave no mode on the stack; a block
     with other options brings it back for its duration."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    x = torch.randn(5, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step():
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    model, x, step = _sgd_steps()
     options = dict(async_compile=False, cache_dir=str(tmp_path))
     ae.enable(**options)
     try:
@@ -273,16 +266,7 @@ def test_a_step_parks_again_after_the_options_change(fresh_regions, tmp_path):
     again under the new options (Note [Templates by region] in adaptive_eager._hot), so the loss
     window runs small and the step parks again; before, a template of the old options armed
     nothing, and the step stayed recorded for good."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    x = torch.randn(5, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step():
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    _, _, step = _sgd_steps()
     options = dict(async_compile=False, cache_dir=str(tmp_path))
     ae.enable(**options)
     try:
