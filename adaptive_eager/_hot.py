@@ -145,8 +145,9 @@ function-local loop, min of 41 runs): the placeholder's alloc + free (Inductor's
 ``_empty_strided_cpu``) 320-600 ns, its mark (``_ae``: a ``__dict__`` per tensor) ~80, the
 ``HotRef`` and ``alive.add`` 155-180 (plus its callback at the tensor's death), an ``Out`` by
 ``__init__`` 135-245 against 137-143 for a hot Out (Note [Hot Outs]), a facts lookup by the
-``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id``
-(``_ops.FACTS_BY_ID``), the default-dtype check 22-45, a Python call ~35. So a hot record makes
+``OpOverload`` (its ``__hash__`` is Python) 101-107 against 61-69 by ``id`` and about 0 (within
+the loop's noise, against 72 by ``id`` in the same run) as an attribute the op carries
+(``_ops.facts_for``), the default-dtype check 22-45, a Python call ~35. So a hot record makes
 no ``Out.__init__`` call, counts nothing per op (``count_hot`` counts a window's records when it
 ends, ``metrics()`` adds the open windows': ``_state.pending_hot_ops``), calls ``_cut`` only at a
 cut (``_record._add``, the one append of every op, checks it inline), tests a position's rarer
@@ -155,8 +156,10 @@ the template's next position without a length test (an ``IndexError`` costs noth
 raised). What stands is the mark, the ``HotRef`` and the allocation (each is what makes a value
 pending, live while its tensor lives, and real memory), and the walk over the op's arguments,
 one bytecode at a time. Counted with ``sys.settrace`` on the tiny-op loop, an op's dispatch and
-hot record run 401 bytecodes and 7.0 Python calls; the hot records' own validator, which looped
-over the template's tensor positions instead of the op's (before the one record path), ran 346.
+hot record run 347 bytecodes (401 when the one record path came); the hot records' own validator,
+which looped over the template's tensor positions instead of the op's (before the one record
+path), ran 346 with its dispatch. Valgrind counts 36,300 instructions an op against its 36,240
+(``benchmarks/RESULTS.md``).
 
 Note [Hot view cost]
 ~~~~~~~~~~~~~~~~~~~~

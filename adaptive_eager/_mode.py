@@ -13,21 +13,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fuser.window import Window
 
-from . import _gc, _heap, _ops, _patches, _state
+from . import _gc, _heap, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target, run_untouched
 from ._flush import _poison, _release, apply_frees, flush
-from ._hot import NOT_RUN, run_small
 from ._metrics import METRICS
 from ._data_checks import CPU_KERNEL_DEVICES as _CPU_KERNEL_DEVICES, EAGER as _CHECK_EAGER, KEEP as _CHECK_KEEP
 from ._data_checks import check as _data_check
 from ._ops import HOST_DRAWN_DROPOUT as _HOST_DRAWN_DROPOUT, host_dropout_masks as _host_dropout_masks
 from ._ops import host_dropout_scale as _host_dropout_scale
 from ._ops import (
-    ALLOC, BATCH_NORM, CHECKED, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, RECORD, VIEW as VIEW_OP, facts_for,
+    ALLOC, BATCH_NORM, CHECKED, HOST_READ, INLINE, RANDOM_FILL, RANDOM_NEW, VIEW as VIEW_OP, facts_for,
     unseeded_facts,
 )
-from ._record import (_DECLINED, _SCALAR, _WARNS, _Answer, _decline, _dtype_changed, _dtype_check, _record, _record_view,
-                      _unslot, resize_outs, view_of_unwritten)
+from ._record import (_DECLINED, _decline, _dtype_changed, _dtype_check, _record, _record_view,
+                      view_of_unwritten)
 from ._state import (
     TracerState,
     _default_dtype,
@@ -43,7 +42,6 @@ from ._threads import _check_elsewhere, _Elsewhere, _flush_for_reader, read_on_h
 from .config import Options
 
 _empty_strided = torch.empty_strided
-_FACTS_BY_ID = _ops.FACTS_BY_ID
 
 # Note [Tensor subclasses]
 # A mode sees an op before any tensor subclass among its arguments does. A subclass made of inner
@@ -165,48 +163,20 @@ def _record_or_run(st: TracerState, f, args, kwargs):
     None (none given); the caller checked the default dtype (``_record._dtype_check``).
     ``LazyMode.__torch_dispatch__`` has this inline."""
     window = st.window
-    if not window.nodes and (hot := window.hot) is not None and hot.small is not None:  # Note [Small windows run eagerly] in _hot
-        res = run_small(st, hot, f, args, kwargs)
-        if res is not NOT_RUN:
-            return res
-    n0 = len(window.real_inputs)
     try:
-        res = _record(st, window, f, args, kwargs, n0)
+        res = _record(st, window, f, args, kwargs, window.hot)
     except BaseException:  # another thread's value (_Elsewhere), or eager's error at the op
-        _decline(window, n0)  # (Note [Overlapping writes]): nothing recorded
+        _decline(window)  # (Note [Overlapping writes]): nothing recorded
         raise
-    if type(res) is not _Answer:
+    if res is not _DECLINED:
         return res
-    return _not_recorded(st, f, args, kwargs, res, window, n0)
+    return _not_recorded(st, f, args, kwargs)
 
 
-def _not_recorded(st: TracerState, f, args, kwargs, res, window: Window, n0: int):
-    """What ``_record_or_run`` does with an op ``_record`` answered ``res`` for (it registered no real
-    input of it once this returns): run it now, or resize its ``out=`` tensors and record it again."""
+def _not_recorded(st: TracerState, f, args, kwargs):
+    """What ``_record_or_run`` does with an op ``_record`` declined: run it now."""
     if kwargs is None:
         kwargs = {}
-    if len(window.real_inputs) != n0:
-        _unslot(window, n0)
-    if res is _WARNS:
-        return _eager(st, f, args, kwargs, "kernel_warning")
-    if res.entry is not None:  # a ``_Resizes``: Note [Out resizing] in _meta
-        if not resize_outs(st, f, res.entry, args, kwargs):
-            return _eager(st, f, args, kwargs, "out_resize")
-        window = st.window  # a new one if the resize flushed
-        n0 = len(window.real_inputs)
-        try:
-            res = _record(st, window, f, args, kwargs, n0)  # the out= tensors have the result's geometry now
-        except BaseException:
-            _decline(window, n0)
-            raise
-        if type(res) is not _Answer:
-            return res
-        if len(window.real_inputs) != n0:
-            _unslot(window, n0)
-        res = _DECLINED  # never expected: the op runs eagerly, correct if slow
-    if res is _SCALAR:
-        METRICS.host_scalar_ops += 1
-        return _eager(st, f, args, kwargs, None)
     if not _touches_target(st, f, args, kwargs):
         return run_untouched(f, args, kwargs)  # Note [Tensors the mode leaves alone] in _state
     return _eager(st, f, args, kwargs, _reason_for_unrecordable(st, f, args, kwargs))
@@ -242,28 +212,23 @@ class LazyMode(TorchDispatchMode):
         if st.claim is not None and st.busy == 1:
             _step_back(st)
         try:
-            f = _FACTS_BY_ID.get(id(func))
-            if f is None:
+            try:
+                f = func._ae_facts  # (``facts_for``)
+            except AttributeError:
                 f = facts_for(func)
             kind = f.kind
-            if kind == RECORD:  # ``_dtype_check``, then ``_record_or_run``, inline: the hottest lines of the library
+            if not kind:  # RECORD (0): ``_dtype_check``, then ``_record_or_run``, inline: the hottest lines of the library
                 if _default_dtype() is not st.dtype:  # ``_dtype_check``, inline
                     _dtype_changed(st)
                 window = st.window
-                # Note [Small windows run eagerly] in _hot (most ops: not a window's first)
-                if not window.nodes and (hot := window.hot) is not None and hot.small is not None:
-                    res = run_small(st, hot, f, args, kwargs)
-                    if res is not NOT_RUN:
-                        return res
-                n0 = len(window.real_inputs)
                 try:
-                    res = _record(st, window, f, args, kwargs, n0)  # kwargs None or a dict
+                    res = _record(st, window, f, args, kwargs, window.hot)  # kwargs None or a dict
                 except BaseException:  # ``_record_or_run``, inline
-                    _decline(window, n0)
+                    _decline(window)
                     raise
-                if type(res) is not _Answer:
+                if res is not _DECLINED:
                     return res
-                return _not_recorded(st, f, args, kwargs, res, window, n0)
+                return _not_recorded(st, f, args, kwargs)
             if kind == CHECKED:
                 return _record_checked(st, f, args, kwargs)
             if kind == VIEW_OP:

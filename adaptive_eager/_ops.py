@@ -41,7 +41,7 @@ import torch
 from ._args import _tensors
 from ._data_checks import CPU_KERNEL_DEVICES, data_check_for
 
-RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE, HOST_READ, CHECKED = range(10)
+RECORD, VIEW, ALLOC, RANDOM_FILL, RANDOM_NEW, FLUSH, BATCH_NORM, INLINE, HOST_READ, CHECKED = range(10)  # RECORD 0: the dispatch mode tests ``not kind``
 
 # ops that change a tensor's metadata (shape, strides, storage) in place: the placeholder's
 # metadata must never move under a pending write, so they run eagerly after a flush.
@@ -415,15 +415,17 @@ def unseeded_facts(f: OpFacts, args: tuple, kwargs: dict) -> OpFacts | None:
 
 
 FACTS: dict = {}
-# the same facts by ``id(func)``, for the dispatch mode: an ``OpOverload`` hashes in Python
-# (``OpOverload.__hash__``, ~60 ns a lookup), an int in C. An id is never reused here: ``FACTS``
-# holds every func it names.
-FACTS_BY_ID: dict[int, OpFacts] = {}
 
 
 def facts_for(func) -> OpFacts:
+    """The facts of op ``func``, classified at its first sight. They are kept on the op too
+    (``OpOverload._ae_facts``), where the dispatch mode reads them: an attribute load, where a
+    dict of ops hashes each in Python (``OpOverload.__hash__``)."""
     f = FACTS.get(func)
     if f is None:
         f = FACTS[func] = classify(func)
-        FACTS_BY_ID[id(func)] = f
+        try:
+            func._ae_facts = f
+        except (AttributeError, TypeError):  # an op object without a ``__dict__``: looked up here each time
+            pass
     return f

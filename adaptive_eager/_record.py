@@ -3,7 +3,8 @@ op, ``_record_view`` for a view. See Note [Placeholders] and Note [Out kinds] in
 what a pending value is.
 
 This is the hottest code of the library: it does no pytree walking, builds no strings, and pays one
-dict lookup for the op's facts and one for its output metadata (none in a hot window)."""
+dict lookup for an op's output metadata (none in a hot window); the mode reads the op's facts off
+the op (``_ops.facts_for``)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from . import _signatures
 from ._emit import (alias_out as _alias_out, hot_placeholder, mark_written, node as _node, placeholder as _placeholder,
                     view_out)
 from ._flush import flush, is_written
-from ._hot import expect_hot
+from ._hot import NOT_RUN, expect_hot, run_small
 from ._meta import _META_CACHES, _Failed, _Resizes, _Warns, _written_args, meta_entry
 from ._metrics import METRICS
 from ._args import _tensors
+from ._eager import _eager
 from ._overlap import _overlap_error, _shares_written
 from ._source import _user_source, warn
 from ._state import TracerState, _default_dtype, _on_target, _strided
@@ -32,28 +34,13 @@ _untyped_storage = torch._C.TensorBase.untyped_storage  # unpatched (adaptive_ea
 _storage_use_count = torch._C._storage_Use_Count
 
 
-class _Answer:
-    """What ``_record`` answers for an op it does not record (None is a valid op result)."""
-
-    __slots__ = ("name", "entry")
-
-    def __init__(self, name: str, entry=None):
-        self.name = name
-        self.entry = entry  # a ``_Resizes``: what ``resize_outs`` does before the op is recorded again
-
-    def __repr__(self) -> str:
-        return f"<record: {self.name}>"
-
-
-_DECLINED = _Answer("declined")  # not recorded, nothing changed: the op runs eagerly
-_SCALAR = _Answer("scalar")  # an op to run now (Note [Scalar fast path])
-_WARNS = _Answer("warns")  # an op whose kernel warns each run (Note [Kernel warnings])
+_DECLINED = object()  # ``_record``'s answer for an op it does not record (nothing changed): it runs eagerly
 
 # Note [Scalar fast path]
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# On a CPU target, an op reading only real 0-dim tensors (AdamW's ``step += 1``) runs now
-# (``_SCALAR``): deferred, it would make the ``step.item()`` that follows a sync point. Running it
-# early must not change what a pending op reads:
+# On a CPU target, an op reading only real 0-dim tensors (AdamW's ``step += 1``) runs now, eagerly
+# (``_record_full``): deferred, it would make the ``step.item()`` that follows a sync point. Running
+# it early must not change what a pending op reads:
 # - recorded ops snapshot every real one-element tensor they read (a clone, taken at the op, as
 #   eager reads it then), unless a pending op writes its storage: then it is read in window order;
 # - so the early op may not read a tensor with a pending write, nor write one whose storage holds
@@ -107,19 +94,10 @@ def _dtype_changed(st: TracerState) -> None:
     expect_hot(st)
 
 
-def _unslot(window: Window, n0: int) -> None:
-    """Forget the real inputs registered by an op that was not recorded after all: a window
-    must hold (and its region key count) only the real tensors its nodes use."""
-    real = window.real_inputs
-    slots = window.slots
-    for t in real[n0:]:
-        del slots[id(t)]
-    del real[n0:]
-
-
-def _decline(window: Window, n0: int):
-    if len(window.real_inputs) != n0:
-        _unslot(window, n0)
+def _decline(window: Window):
+    """Not recorded: the real inputs the op registered are forgotten (``Window.unslot``)."""
+    if window.slot_op == len(window.nodes):
+        window.unslot()
     return _DECLINED
 
 
@@ -233,8 +211,10 @@ def _demote(window: Window, cause: str) -> None:
 #   op of the two kinds most positions hold (one fresh output; a write of its first argument) is
 #   emitted right after its checks, by the same emitters (``hot_placeholder``, ``alias_out``); the
 #   rarer kinds, in any window, by ``_emit_others``. What an op of the common kinds never reaches
-#   (the rarer writes, the snapshots, the rarer emission) sits in helpers, so that the frame
-#   ``_record`` sets up and clears at every op holds only the locals the common ops use.
+#   (the rarer writes, the snapshots, the rarer emission) sits in helpers, and so does what follows
+#   the walk of an op recorded in full (``_record_full``), so that the frame ``_record`` sets up
+#   and clears at every op holds only the locals a hot record uses (Python clears every local of a
+#   frame at its return: with 44 locals a hot record cost 0.4% more instructions than with 31).
 # So a hot record is the record of an op whose signature is known: it skips the signature, the
 # meta lookup, the Node and the user's line, nothing else. An op that does not match its
 # template's position (``_miss``: the cause, counted if the window is demoted at it) is walked
@@ -258,13 +238,13 @@ def _position(window: Window, f, args):
     return p
 
 
-def _miss(st: TracerState, f, args, kwargs, n0: int, cause: str):
+def _miss(st: TracerState, f, args, kwargs, cause: str):
     """An op of a hot window that does not match its template's position: nothing of it stays, and
     it is recorded as in any window (``_demote`` counts ``cause`` if that demotes the window)."""
     window = st.window
     window.hot_miss = (cause, len(window.nodes))
-    _decline(window, n0)
-    return _record(st, window, f, args, kwargs, n0, True)
+    _decline(window)
+    return _record(st, window, f, args, kwargs, None)
 
 
 def _slot_differs(window: Window, a) -> bool:
@@ -382,26 +362,29 @@ def _first_on_target(st: TracerState, f, args):
     return None
 
 
-def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: bool = False):
+def _record(st: TracerState, window: Window, f, args, kwargs, p):
     """Record op ``f`` (Note [One record path]): its placeholder(s) or written argument, as eager
-    returns them, or an ``_Answer``: ``_DECLINED`` (not recorded, nothing changed), ``_SCALAR``,
-    ``_WARNS``, or one carrying a ``_Resizes``, having registered real inputs past ``n0`` (the window's count of
-    them before the op) that the caller forgets (``_unslot``). ``kwargs`` may be None (none given);
-    the caller checked the default dtype (``_dtype_check``). ``cold``: walk it as in a window that is
-    not hot. ``window`` is ``st.window``."""
+    returns them; or its result, run now (an op of a small window: Note [Small windows run eagerly]
+    in _hot; on host scalars: Note [Scalar fast path]; a kernel that warns: Note [Kernel warnings];
+    ``out=`` tensors it could not resize); or ``_DECLINED``, nothing of it recorded, which the
+    caller runs. ``kwargs`` may be None (none given); the caller checked the default dtype
+    (``_dtype_check``) and, if this raises, forgets the real inputs it registered (``_decline``).
+    ``window`` is ``st.window``; ``p`` its template (``window.hot``), or None: walk the op as in a
+    window that is not hot."""
     n = len(args)
-    p = window.hot
     if p is not None:  # ``_position``, inline
         i = len(window.nodes)
+        if not i and p.small is not None:  # Note [Small windows run eagerly] in _hot
+            res = run_small(st, p, f, args, kwargs)
+            if res is not NOT_RUN:
+                return res
         try:
             p = p.ops[i]
         except IndexError:  # no cost when not raised, unlike a length test
             window.hot_miss = ("past_end", i)
             p = None
         else:
-            if cold:
-                p = None
-            elif p.f is not f:  # (its argument count is checked with ``p.checks``)
+            if p.f is not f:  # (its argument count is checked with ``p.checks``)
                 window.hot_miss = ("op", i)
                 p = None
     token = window.token
@@ -442,10 +425,10 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
                     elsewhere += 1
                     sig[i] = (a.dtype, "cpu-scalar")
                     continue
-                return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
+                return _decline(window) if p is None else _miss(st, f, args, kwargs, "metadata")
             if st.scalar_fast_path and a.numel() == 1:
                 if p is not None:
-                    return _miss(st, f, args, kwargs, n0, "metadata")  # a template holds no real scalar
+                    return _miss(st, f, args, kwargs, "metadata")  # a template holds no real scalar
                 if not a.dim():
                     scalars += 1
                 if i not in f.write_pos and not _written(window, a):
@@ -453,7 +436,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
             if slot is None:
                 slot = _new_slot(window, a, p is not None)
                 if slot < 0:
-                    return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
+                    return _decline(window) if slot == -1 else _miss(st, f, args, kwargs, "metadata")
         refs.append(-1 - slot)
         if p is None:
             sig[i] = (a.shape, a.stride(), a.dtype)
@@ -480,12 +463,12 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
                             lsig.append(o.meta)
                         continue
                     if not _on_target(st, a):
-                        return _decline(window, n0) if p is None else _miss(st, f, args, kwargs, n0, "metadata")
+                        return _decline(window) if p is None else _miss(st, f, args, kwargs, "metadata")
                     if o is not None:
                         _check_elsewhere(a, o)
                     if st.scalar_fast_path and a.numel() == 1:
                         if p is not None:
-                            return _miss(st, f, args, kwargs, n0, "metadata")
+                            return _miss(st, f, args, kwargs, "metadata")
                         if not a.dim():
                             scalars += 1
                         if i not in f.write_pos and not _written(window, a) and a.layout is _strided:
@@ -494,7 +477,7 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
                     if slot is None:
                         slot = _new_slot(window, a, p is not None)
                         if slot < 0:
-                            return _decline(window, n0) if slot == -1 else _miss(st, f, args, kwargs, n0, "metadata")
+                            return _decline(window) if slot == -1 else _miss(st, f, args, kwargs, "metadata")
                     refs.append(-1 - slot)
                     if p is None:
                         lsig.append((a.shape, a.stride(), a.dtype))
@@ -509,32 +492,32 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
             written = ((first, first_sid),)  # marked at its emission
             if _storage_use_count(first_sid) > 2 and _shares_written(window, args, kwargs or {}, written):
                 if p is not None:
-                    return _miss(st, f, args, kwargs, n0, "overlap")
+                    return _miss(st, f, args, kwargs, "overlap")
                 _raise_overlap(f, args, kwargs)
         elif f.mutates:
             written, shared = _writes(f, args, kwargs, n)
             if shared and _shares_written(window, args, kwargs or {}, written):
                 if p is not None:
-                    return _miss(st, f, args, kwargs, n0, "overlap")
+                    return _miss(st, f, args, kwargs, "overlap")
                 _raise_overlap(f, args, kwargs)
     if p is not None:  # the template's position is the signature: Note [One record path]
         if refs != p.refs:
-            return _miss(st, f, args, kwargs, n0, "binding")
+            return _miss(st, f, args, kwargs, "binding")
         if p.checks or kwargs:
             if p.n != n:  # fewer or more trailing defaults than the template's call
-                return _miss(st, f, args, kwargs, n0, "op")
+                return _miss(st, f, args, kwargs, "op")
             if p.other or kwargs:
                 if p.lists or p.factory:
                     cause = _hot_differs(st, p, args)
                     if cause is not None:
-                        return _miss(st, f, args, kwargs, n0, cause)
+                        return _miss(st, f, args, kwargs, cause)
                 if (p.consts or kwargs or p.kw) and _other_args_differ(p, args, kwargs):
-                    return _miss(st, f, args, kwargs, n0, "scalar")
+                    return _miss(st, f, args, kwargs, "scalar")
             # each float compiled into the region equal, each one it takes as an input a float
             for i, v in p.fchecks:
                 a = args[i] if type(i) is int else kwargs.get(i)
                 if a.__class__ is not float or (v is not None and a != v):
-                    return _miss(st, f, args, kwargs, n0, "scalar")
+                    return _miss(st, f, args, kwargs, "scalar")
         if f.fresh_one:  # most ops: the emission's first branch (below) for a hot record, which is None
             res = hot_placeholder(st.alloc_cpu, window, p.spec, p.uid)
             _add(st, window, None, p.fpos, args, kwargs, p.nbytes)  # Note [Hot liveness] in _hot
@@ -544,94 +527,110 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
             return first
         return _emit_others(st, window, f, p, p.specs, p.uid, None, None, args, kwargs,
                             written if f.mutates else (), token, None, None, None, 0)  # the rarer kinds
-    else:
-        bound = len(refs) - elsewhere  # tensor arguments on the target
-        if scalars and scalars == bound and _scalars_settled(window, f, args, n):
-            return _SCALAR  # every tensor argument a real 0-dim one (not a pending value)
-        if kwargs is None:
-            kwargs = {}
-        if f.scalar_pos:
-            _numbers(f, args, n, sig, floats)
-        if f.seq_pos:  # (none for most ops: no iterator made for them)
-            for i in f.seq_pos:
-                if i < n and type(args[i]) is list:
-                    lst = args[i]
-                    if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
-                        sig[i] = (float, len(lst))
-                        for j in range(len(lst)):  # (no generator: it would make ``i`` a cell in every call)
-                            floats.append((i, j))
-                    else:
-                        sig[i] = tuple(lst)
-        device = None if not bound else _first_on_target(st, f, args) if st.device_varies else st.device
-        nkwargs = kwargs
-        ksig = ()
-        if kwargs:
-            ksig = []
-            for k, v in kwargs.items():
-                if k in f.tensor_kw and v is not None:
-                    if not isinstance(v, _Tensor):
-                        return _decline(window, n0)
-                    o = getattr(v, "_ae", None)
-                    if o is not None and o.win is token:
-                        if nkwargs is kwargs:
-                            nkwargs = dict(kwargs)
-                        nkwargs[k] = o
-                        inputs.append(o)
-                        refs.append(o.uid)
-                    else:
-                        if not _on_target(st, v):
-                            return _decline(window, n0)
-                        if o is not None:
-                            _check_elsewhere(v, o)
-                        slot = _real_slot(window, v)
-                        if slot is None:
-                            return _decline(window, n0)
-                        refs.append(-1 - slot)
-                    ksig.append((k, v.shape, v.stride(), v.dtype))
+    return _record_full(st, window, f, args, kwargs, n, token, refs, sig, nargs, inputs, snaps, floats, scalars,
+                        elsewhere, written)
+
+
+def _record_full(st: TracerState, window: Window, f, args, kwargs, n: int, token, refs: list, sig: list, nargs,
+                 inputs: list, snaps: list, floats: list, scalars: int, elsewhere: int, written):
+    """``_record`` past the walk in a window that is not hot (or an op that did not match its
+    template's position): the rest of the signature (numbers, sequences, keywords, device), the meta
+    cache's output metadata, the Node and the emission (Note [One record path]). Its own function:
+    the locals it needs are not in the frame of a hot record."""
+    bound = len(refs) - elsewhere  # tensor arguments on the target
+    if kwargs is None:
+        kwargs = {}
+    if scalars and scalars == bound and _scalars_settled(window, f, args, n):
+        _decline(window)  # every tensor argument a real 0-dim one (not a pending value): it runs now
+        METRICS.host_scalar_ops += 1
+        return _eager(st, f, args, kwargs, None)
+    if f.scalar_pos:
+        _numbers(f, args, n, sig, floats)
+    if f.seq_pos:  # (none for most ops: no iterator made for them)
+        for i in f.seq_pos:
+            if i < n and type(args[i]) is list:
+                lst = args[i]
+                if i in f.scalarlist_pos and f.liftable and all(x.__class__ is float for x in lst):
+                    sig[i] = (float, len(lst))
+                    for j in range(len(lst)):  # (no generator: it would make ``i`` a cell in every call)
+                        floats.append((i, j))
                 else:
-                    if k == "device" and v is not None:
-                        device = torch.device(v)
-                        if device.type != st.target:
-                            return _decline(window, n0)
-                    ksig.append(_keyword(f, k, v, floats))
-            ksig = tuple(ksig)
-        if device is None:
-            if not f.factory:
-                return _decline(window, n0)  # no tensor argument on the target device: not ours
-            device = _get_default_device()
-            if device.type != st.target:
-                return _decline(window, n0)
-            ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
-        elif st.device_in_key:
-            ksig = (ksig, device)
-    if p is None:
-        key = (f, tuple(sig), ksig)
-        try:
-            entry = st.meta_cache.get(key)
-        except TypeError:  # an unhashable argument we do not model: run it eagerly
-            return _decline(window, n0)
-        if entry is None:
-            entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs),
-                               st.options)
-        if entry.__class__ is not tuple:
-            if len(window.real_inputs) != n0:
-                _unslot(window, n0)
-            if entry.__class__ is _Failed:
-                return _DECLINED
-            if entry.__class__ is _Warns:
-                return _WARNS  # Note [Kernel warnings] in _kernel_warnings
-            if entry.__class__ is _Resizes:
-                return _Answer("resizes", entry)  # Note [Out resizing] in _meta: ``resize_outs``, then the op again
-            raise entry.error()  # Note [Overlapping writes]
-        specs, nbytes, _, eid = entry
-        if window.hot is not None:
-            _demote(window, "general_path")
-        if snaps:
-            nargs = _snapshots(window, args, nargs, refs, snaps)
-        # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
-        node = _node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(3),
-                     len(window.nodes), f.mutates or f.nrets == 0, False)
-        uid = (node.index + 1) * OUTS_PER_NODE
+                    sig[i] = tuple(lst)
+    device = None if not bound else _first_on_target(st, f, args) if st.device_varies else st.device
+    nkwargs = kwargs
+    ksig = ()
+    if kwargs:
+        ksig = []
+        for k, v in kwargs.items():
+            if k in f.tensor_kw and v is not None:
+                if not isinstance(v, _Tensor):
+                    return _decline(window)
+                o = getattr(v, "_ae", None)
+                if o is not None and o.win is token:
+                    if nkwargs is kwargs:
+                        nkwargs = dict(kwargs)
+                    nkwargs[k] = o
+                    inputs.append(o)
+                    refs.append(o.uid)
+                else:
+                    if not _on_target(st, v):
+                        return _decline(window)
+                    if o is not None:
+                        _check_elsewhere(v, o)
+                    slot = _real_slot(window, v)
+                    if slot is None:
+                        return _decline(window)
+                    refs.append(-1 - slot)
+                ksig.append((k, v.shape, v.stride(), v.dtype))
+            else:
+                if k == "device" and v is not None:
+                    device = torch.device(v)
+                    if device.type != st.target:
+                        return _decline(window)
+                ksig.append(_keyword(f, k, v, floats))
+        ksig = tuple(ksig)
+    if device is None:
+        if not f.factory:
+            return _decline(window)  # no tensor argument on the target device: not ours
+        device = _get_default_device()
+        if device.type != st.target:
+            return _decline(window)
+        ksig = (ksig, "default-device")  # the default dtype: Note [Meta cache key]
+    elif st.device_in_key:
+        ksig = (ksig, device)
+    key = (f, tuple(sig), ksig)
+    try:
+        entry = st.meta_cache.get(key)
+    except TypeError:  # an unhashable argument we do not model: run it eagerly
+        return _decline(window)
+    if entry is None:
+        entry = meta_entry(st.meta_cache, f, args, kwargs, st.dtype, sig, ksig, written, key, len(refs),
+                           st.options)
+    if entry.__class__ is not tuple:
+        _decline(window)
+        if entry.__class__ is _Failed:
+            return _DECLINED
+        if entry.__class__ is _Warns:
+            return _eager(st, f, args, kwargs, "kernel_warning")  # Note [Kernel warnings] in _kernel_warnings
+        if entry.__class__ is _Resizes:  # Note [Out resizing] in _meta: the outs resized, then the op again
+            if not resize_outs(st, f, entry, args, kwargs):
+                return _eager(st, f, args, kwargs, "out_resize")
+            window = st.window  # a new one if the resize flushed
+            try:
+                return _record(st, window, f, args, kwargs, window.hot)
+            except BaseException:
+                _decline(window)
+                raise
+        raise entry.error()  # Note [Overlapping writes]
+    specs, nbytes, _, eid = entry
+    if window.hot is not None:
+        _demote(window, "general_path")
+    if snaps:
+        nargs = _snapshots(window, args, nargs, refs, snaps)
+    # an op with no outputs exists for its effect (``_linalg_check_errors`` raises): never dead
+    node = _node(f.func, nargs if nargs is not None else list(args), nkwargs, inputs, _user_source(4),
+                 len(window.nodes), f.mutates or f.nrets == 0, False)
+    uid = (node.index + 1) * OUTS_PER_NODE
     # the emission: Note [One record path]
     if f.fresh_one:  # one fresh output: most ops (in a hot window, emitted above)
         if specs[0] is not None:
@@ -641,10 +640,10 @@ def _record(st: TracerState, window: Window, f, args, kwargs, n0: int, cold: boo
             res = None
             node.outs.append(None)
     elif f.writes_first:  # it writes and returns its first argument (most writes): an ALIAS Out
-        node.outs.append(_alias_out(window, first, uid, first_sid))  # (in a hot window, emitted above)
-        res = first
+        (res, sid), = written  # (in a hot window, emitted in ``_record``)
+        node.outs.append(_alias_out(window, res, uid, sid))
     else:  # the rarer kinds
-        return _emit_others(st, window, f, p, specs, uid, node, device, args, kwargs, written, token, eid, refs,
+        return _emit_others(st, window, f, None, specs, uid, node, device, args, kwargs, written, token, eid, refs,
                             floats, nbytes)
     _append(st, window, node, eid, refs, floats, args, kwargs, nbytes)
     return res
@@ -708,8 +707,12 @@ def resize_outs(st: TracerState, f, entry: _Resizes, args, kwargs) -> bool:
     """Do to an op's ``out=`` tensors what its eager kernel does before it computes: warn, resize,
     restride (Note [Out resizing] in _meta); the window runs first where it reads or writes them.
     False, with nothing done, for an out that shares memory with another argument: the op runs
-    eagerly then (what it computes depends on the order in which its kernel reads and writes)."""
+    eagerly then (what it computes depends on the order in which its kernel reads and writes); False
+    too where the outs have the geometry asked for already (never expected: the op asked again
+    after its resize)."""
     outs = dict(_written_args(f, args, kwargs))
+    if all(outs[pos].shape == shape and outs[pos].stride() == stride for pos, shape, stride in entry.changes):
+        return False
     changed = [outs[pos] for pos, _, _ in entry.changes]
     sids = {_untyped_storage(t)._cdata for t in changed}
     for a in _tensors(args, {k: v for k, v in kwargs.items() if k not in outs}):

@@ -218,7 +218,7 @@ class Window:
 
     __slots__ = ("nodes", "pending_bytes", "written", "sigs", "slots", "real_inputs", "mutated", "scalars",
                  "others", "fresh", "handles", "live", "viewed", "token", "hot", "hot_miss", "frees", "alive",
-                 "discard", "hot_counted", "passed", "kept", "bits", "lift_from", "superseded")
+                 "discard", "hot_counted", "passed", "kept", "bits", "lift_from", "superseded", "slot_op", "slot_from")
 
     def __init__(self, owner=None):
         self.token = Token(owner)  # what its Outs carry as ``Out.win``: Note [Window release]
@@ -235,6 +235,9 @@ class Window:
         self.sigs: list[int] = []
         self.slots: dict[int, int] = {}  # id(real tensor) -> slot
         self.real_inputs: list = []  # the real tensors the window reads or writes, by slot
+        # the op at node index ``slot_op`` registered the slots from ``slot_from`` on (``unslot``)
+        self.slot_op = -1
+        self.slot_from = 0
         self.mutated: set[int] = set()  # slots of real inputs written by pending in-place ops
         self.scalars: list[float] = []  # float arguments of the nodes, in order (not in ``sigs``)
         # where an optimizer's step began in ``scalars``: its floats are runtime inputs from the
@@ -280,13 +283,28 @@ class Window:
         self.bits = False
 
     def slot_of(self, t) -> int:
+        """The slot of real tensor ``t``, registered at the next one on its first use."""
         slot = self.slots.get(id(t))
         if slot is None:
             slot = self.slots[id(t)] = len(self.real_inputs)
+            if self.slot_op != len(self.nodes):  # the first slot the next op registers
+                self.slot_op = len(self.nodes)
+                self.slot_from = slot
             self.real_inputs.append(t)
             if t.is_conj() or t.is_neg():
                 self.bits = True  # Note [Conjugate and negative bits] in fuser.compilable
         return slot
+
+    def unslot(self) -> None:
+        """Forget the real inputs that the next op (not recorded after all) registered: a window
+        holds, and its region key counts, only the real tensors its nodes use."""
+        if self.slot_op == len(self.nodes):
+            real = self.real_inputs
+            slots = self.slots
+            for t in real[self.slot_from:]:
+                del slots[id(t)]
+            del real[self.slot_from:]
+            self.slot_op = -1
 
     def __len__(self) -> int:
         return len(self.nodes)
