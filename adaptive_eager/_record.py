@@ -96,7 +96,8 @@ def _dtype_changed(st: TracerState) -> None:
 
 def _decline(window: Window):
     """Not recorded: the real inputs the op registered are forgotten (``Window.unslot``)."""
-    window.unslot()
+    if window.slot_op == len(window.nodes):
+        window.unslot()
     return _DECLINED
 
 
