@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
+HISTORY = "\n# History\n"  # RESULTS.md: the current figures above it, earlier ones below
 FLUSH_TARGET_MS = 0.3
 LAUNCH_TARGET = 20.0
 
@@ -244,7 +245,8 @@ def plot(results: list[Result], path: str, device: str) -> None:
 
 def write_section(name: str, section: str) -> None:
     """Put ``section`` into RESULTS.md between ``<!-- name:begin -->`` and ``<!-- name:end -->``,
-    replacing what was there; the file's other sections are kept."""
+    replacing what was there; the file's other sections are kept. A new section goes at the end of
+    the current figures (before ``# History``)."""
     BEGIN, END = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = ""
     if os.path.exists(RESULTS_MD):
@@ -253,6 +255,9 @@ def write_section(name: str, section: str) -> None:
     block = f"{BEGIN}\n{section.rstrip()}\n{END}"
     if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
         text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    elif HISTORY in text:
+        at = text.index(HISTORY)
+        text = text[:at] + block + "\n\n" + text[at:]
     elif text:
         text = text.rstrip() + "\n\n" + block + "\n"
     else:
@@ -267,7 +272,7 @@ def section_md(results, command: str, info: dict, wall_s: float, repeats: int) -
     machine = ", ".join(f"{k} {v}" for k, v in info.items())
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     errs = errors_md(results)
-    return f"""## Performance suite: eager vs adaptive eager vs torch.compile
+    return f"""#### eager vs adaptive eager vs torch.compile
 
 Reproduce: `{command}` (whole run: {wall_s / 60:.1f} min, compiles included)
 
@@ -285,11 +290,11 @@ torch.compile time (below 1: adaptive is faster).
 
 {main_table(results)}
 
-### Targets
+#### Targets
 
 {targets_md(targets(results))}
 
-### Details
+#### Details
 
 "profiled kernels" is a cross-check that does not use the library's counters: one untimed
 iteration under `torch.profiler`; cpu counts leaf ATen compute ops (no allocations or views) plus
