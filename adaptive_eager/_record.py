@@ -96,8 +96,7 @@ def _dtype_changed(st: TracerState) -> None:
 
 def _decline(window: Window):
     """Not recorded: the real inputs the op registered are forgotten (``Window.unslot``)."""
-    if window.slot_op == len(window.nodes):
-        window.unslot()
+    window.unslot()
     return _DECLINED
 
 
