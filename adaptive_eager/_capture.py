@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
 import operator
 import sys
 import threading
@@ -573,7 +574,10 @@ class _Interim:
     def __init__(self, key: str, gm, options, who: str, ours: bool):
         self.key, self.gm, self.options, self.who, self.ours = key, gm, options, who, ours
         self.run = None
-        self.next_poll = 0.0
+        # not before its second call: the first, the one that made it, comes right after the job was
+        # submitted, and whether the worker had already answered then would decide whether that call
+        # runs Dynamo's graph or traces in the step (a test of it failed by that race under load)
+        self.next_poll = math.inf
         self.ops = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
         self.boundary = who == "module" and _separable(gm)
 
@@ -607,6 +611,8 @@ class _Interim:
             run = self._poll(args)
         if run is not None:
             return run(*args)
+        if self.next_poll == math.inf:  # its first call: the next one polls
+            self.next_poll = 0.0
         if self.who == "module":
             METRICS.module_uncompiled_runs += 1
             METRICS.launches += self.ops

@@ -425,6 +425,42 @@ def test_a_forward_with_another_random_op_is_not_captured_and_keeps_eagers_rando
     assert "random" in ae.explain()
 
 
+def test_the_capturing_call_runs_dynamos_graph_even_when_the_worker_has_answered(monkeypatch):
+    """The capturing call runs Dynamo's graph whatever the worker's speed: here its trace has
+    declined before that call begins (as a fast worker's may while Dynamo builds its guards), and
+    still only the later calls trace in the step (the test above failed by that race under load)."""
+    start = _capture._Interim.start
+
+    def start_and_wait(*args, **kwargs):
+        interim = start(*args, **kwargs)
+        _wait_for_workers()
+        time.sleep(_capture._POLL_S)
+        return interim
+
+    monkeypatch.setattr(_capture._Interim, "start", classmethod(lambda cls, *a, **k: start_and_wait(*a, **k)))
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.lin(x - 0.1 * torch.randn_like(x))
+
+    steps = 4
+    torch.manual_seed(0)
+    eager = _outputs(Noisy(), _batches(steps), False)
+    torch.manual_seed(0)
+    lazy = _outputs(Noisy(), _batches(steps), True, async_compile=True)
+    for a, b in zip(eager[0], lazy[0]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert torch.equal(lazy[1], eager[1])
+    m = ae.metrics()
+    assert m["capture_records"].get("module_trace_declined:random") == 1, m["capture_records"]
+    assert m["module_capture_misses"]["random"] == steps - RECORDED - 1, m["module_capture_misses"]
+    assert m["module_uncompiled_runs"] == 1, m
+
+
 def test_a_module_with_hooks_is_not_captured_and_its_hooks_run(_uncompiled):
     seen = []
     steps = 5
