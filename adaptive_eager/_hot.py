@@ -155,11 +155,12 @@ parts (lists, a factory, other arguments, keywords) behind one flag (``_Pos.othe
 the template's next position without a length test (an ``IndexError`` costs nothing until
 raised). What stands is the mark, the ``HotRef`` and the allocation (each is what makes a value
 pending, live while its tensor lives, and real memory), and the walk over the op's arguments,
-one bytecode at a time. Counted with ``sys.settrace`` on the tiny-op loop, an op's dispatch and
-hot record run 347 bytecodes (401 when the one record path came); the hot records' own validator,
-which looped over the template's tensor positions instead of the op's (before the one record
-path), ran 346 with its dispatch. Valgrind counts 36,300 instructions an op against its 36,240
-(``benchmarks/RESULTS.md``).
+one bytecode at a time, each ref compared with the position's where the walk reaches it
+(``_Pos.ref_at``: no list of refs built and compared, 330 instructions an op). Counted with
+``sys.settrace`` on the tiny-op loop, an op's dispatch and hot record run 344 bytecodes (401 when
+the one record path came); the hot records' own validator, which looped over the template's
+tensor positions instead of the op's (before the one record path), ran 346 with its dispatch.
+Valgrind counts 35,970 instructions an op against its 36,240 (``benchmarks/RESULTS.md``).
 
 Note [Hot view cost]
 ~~~~~~~~~~~~~~~~~~~~
@@ -213,7 +214,7 @@ class _Pos:
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid",
                  "nbytes", "source", "sig_end", "view", "offset", "lists", "multi",
-                 "factory", "other", "checks", "refs", "specs", "fchecks")
+                 "factory", "other", "checks", "refs", "ref_at", "specs", "fchecks")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -240,6 +241,9 @@ class _Pos:
         # ``_record``): the op's refs, as its signature entries have them, and its output specs, as
         # its meta-cache entry has them (None for an output that is an argument, or none)
         self.refs: list = []
+        # the same refs by argument position (None at a position of no tensor; a list argument's, a
+        # list by element), as a hot record compares them, each where the walk reaches it
+        self.ref_at: list = []
         self.specs: tuple = ()
         # an op of tensor lists or several outputs (Note [Hot views]): per list argument (position,
         # length, (element index, ref) per tensor); per output (uid, its spec or None), for an op
@@ -447,6 +451,13 @@ def template_of(st, window: Window, entry) -> Template | None:
             if p is None:
                 return _refused("op", node)
             refs = [ref for _, ref in p.tensors] + [ref for _, _, elems in p.lists for _, ref in elems]
+        p.ref_at = at = [None] * (len(f.tensor_at) - 1)  # a place for every argument of the schema
+        for pos, ref in p.tensors:
+            at[pos] = ref
+        for pos, length, elems in p.lists:
+            at[pos] = lst = [None] * length
+            for j, ref in elems:
+                lst[j] = ref
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         if window.sigs[end + 1: end + 1 + len(refs)] != refs:
             return _refused("signature", node)  # not what a recording makes: never guess

@@ -202,7 +202,8 @@ def _demote(window: Window, cause: str) -> None:
 # - the output metadata: in a hot window, the template's position (Note [Hot windows] in ``_hot``):
 #   the refs, the other arguments and the floats equal to what it recorded (and the argument count,
 #   for an op whose calls may leave out trailing defaults: ``OpFacts.arity_varies``; one test,
-#   ``_Pos.checks``, skips all but the refs for most ops), its output specs; in
+#   ``_Pos.checks``, skips all but the refs for most ops), its output specs; the walk compares each
+#   ref with the position's (``_Pos.ref_at``) where it reaches it, so a hot record builds no list; in
 #   any other window, the meta cache (Note [Meta cache key] in ``_meta``), keyed by the signature
 #   the walk built along (each argument's metadata, numbers, keywords, device);
 # - the emission (``_emit``): placeholders or ALIAS Outs and write marks, and the one append
@@ -361,6 +362,13 @@ def _first_on_target(st: TracerState, f, args):
     return None
 
 
+def _unbound(st: TracerState, f, p, args, kwargs, n: int):
+    """A hot op whose tensor arguments are not its position's (``_record``'s walk): a miss, counted as
+    ``op`` where the call has another count of arguments (``clamp(y, t)`` against ``clamp(y, None,
+    t)``: the same tensors, by position apart), else as ``binding``."""
+    return _miss(st, f, args, kwargs, "op" if p.n != n and (p.checks or kwargs) else "binding")
+
+
 def _record(st: TracerState, window: Window, f, args, kwargs, p):
     """Record op ``f`` (Note [One record path]): its placeholder(s) or written argument, as eager
     returns them; or its result, run now (an op of a small window: Note [Small windows run eagerly]
@@ -386,9 +394,11 @@ def _record(st: TracerState, window: Window, f, args, kwargs, p):
             if p.f is not f:  # (its argument count is checked with ``p.checks``)
                 window.hot_miss = ("op", i)
                 p = None
+            else:
+                at = p.ref_at  # each argument's ref, as the walk below would build ``refs``
     token = window.token
-    refs = []  # Note [Window signature] in fuser.window
     if p is None:
+        refs = []  # Note [Window signature] in fuser.window
         sig = list(args)
         nargs = None
         inputs = []
@@ -402,18 +412,23 @@ def _record(st: TracerState, window: Window, f, args, kwargs, p):
         o = getattr(a, "_ae", None)
         if o is not None:
             if o.win is token:  # a pending value of this window
-                refs.append(o.uid)
                 if p is None:
+                    refs.append(o.uid)
                     if nargs is None:
                         nargs = list(args)
                     nargs[i] = o
                     inputs.append(o)
                     sig[i] = o.meta  # known since it was recorded: no shape/stride objects to build
+                elif at[i] != o.uid:
+                    return _unbound(st, f, p, args, kwargs, n)
                 continue
             _check_elsewhere(a, o)  # another thread's pending value: that window runs first
         elif not isinstance(a, _Tensor):  # None, or a Python number passed where the schema says Tensor
-            if p is None and a is not None:
-                sig[i] = _number(f, a, i, floats)
+            if p is None:
+                if a is not None:
+                    sig[i] = _number(f, a, i, floats)
+            elif at[i] is not None:
+                return _unbound(st, f, p, args, kwargs, n)
             continue
         slot = window.slots.get(id(a))  # a real input of the window: on the target
         if slot is None or p is None:  # in a hot window, a slotted one is checked by its ref
@@ -436,9 +451,11 @@ def _record(st: TracerState, window: Window, f, args, kwargs, p):
                 slot = _new_slot(window, a, p is not None)
                 if slot < 0:
                     return _decline(window) if slot == -1 else _miss(st, f, args, kwargs, "metadata")
-        refs.append(-1 - slot)
         if p is None:
+            refs.append(-1 - slot)
             sig[i] = (a.shape, a.stride(), a.dtype)
+        elif at[i] != -1 - slot:
+            return _unbound(st, f, p, args, kwargs, n)
     if f.lists_or_writes:  # neither for most ops: one test skips both
         if f.list_pos:
             for i in f.list_pos:
@@ -448,18 +465,26 @@ def _record(st: TracerState, window: Window, f, args, kwargs, p):
                 if p is None:
                     new = list(lst)
                     lsig = []
+                else:
+                    lat = at[i]  # the list's refs, by element
+                    if type(lat) is not list or len(lat) != len(lst):
+                        return _unbound(st, f, p, args, kwargs, n)
                 for j, a in enumerate(lst):
                     if a is None:
                         if p is None:
                             lsig.append(None)
+                        elif lat[j] is not None:
+                            return _unbound(st, f, p, args, kwargs, n)
                         continue
                     o = getattr(a, "_ae", None)
                     if o is not None and o.win is token:
-                        refs.append(o.uid)
                         if p is None:
+                            refs.append(o.uid)
                             new[j] = o
                             inputs.append(o)
                             lsig.append(o.meta)
+                        elif lat[j] != o.uid:
+                            return _unbound(st, f, p, args, kwargs, n)
                         continue
                     if not _on_target(st, a):
                         return _decline(window) if p is None else _miss(st, f, args, kwargs, "metadata")
@@ -477,9 +502,11 @@ def _record(st: TracerState, window: Window, f, args, kwargs, p):
                         slot = _new_slot(window, a, p is not None)
                         if slot < 0:
                             return _decline(window) if slot == -1 else _miss(st, f, args, kwargs, "metadata")
-                    refs.append(-1 - slot)
                     if p is None:
+                        refs.append(-1 - slot)
                         lsig.append((a.shape, a.stride(), a.dtype))
+                    elif lat[j] != -1 - slot:
+                        return _unbound(st, f, p, args, kwargs, n)
                 if p is None:
                     if nargs is None:
                         nargs = list(args)
@@ -500,8 +527,6 @@ def _record(st: TracerState, window: Window, f, args, kwargs, p):
                     return _miss(st, f, args, kwargs, "overlap")
                 _raise_overlap(f, args, kwargs)
     if p is not None:  # the template's position is the signature: Note [One record path]
-        if refs != p.refs:
-            return _miss(st, f, args, kwargs, "binding")
         if p.checks or kwargs:
             if p.n != n:  # fewer or more trailing defaults than the template's call
                 return _miss(st, f, args, kwargs, "op")
