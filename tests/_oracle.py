@@ -18,10 +18,17 @@ REPLAY = {"backend": "replay"}
 COMPILED = {"backend": "inductor", "hot_after": 1, "async_compile": False}
 
 
+CACHE_ENV = "NEURON_EAGER_CACHE_DIR"
+
+
 def program_env(drop: tuple[str, ...] = ("NEURON_EAGER",)) -> dict:
     """The environment of a program a test runs in a fresh process: this one's without the
-    variables that start with ``drop`` (the settings the test gives it are its own)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    variables that start with ``drop`` (the settings the test gives it are its own), but with the
+    test session's cache (conftest's ``_private_cache_dir``), so that it never writes the user's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    if CACHE_ENV in os.environ:
+        env.setdefault(CACHE_ENV, os.environ[CACHE_ENV])
+    return env
 
 
 def clone_exact(tree):

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 import _device
@@ -28,9 +30,21 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_dir(tmp_path_factory):
-    """Compiled regions go to a cache of this test session, never the user's ~/.cache."""
-    with ae.defaults(cache_dir=str(tmp_path_factory.mktemp("adaptive_eager_cache"))):
-        yield
+    """Compiled regions go to a cache of this test session, never the user's ~/.cache: this
+    process's (``ae.defaults``) and a program's a test starts (the environment, which
+    ``_oracle.program_env`` keeps; a program that found none wrote the user's cache)."""
+    path = str(tmp_path_factory.mktemp("adaptive_eager_cache"))
+    CACHE_ENV = "NEURON_EAGER_CACHE_DIR"
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = path
+    try:
+        with ae.defaults(cache_dir=path):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop(CACHE_ENV, None)
+        else:
+            os.environ[CACHE_ENV] = saved
 
 
 @pytest.fixture(autouse=True)
