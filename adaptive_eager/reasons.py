@@ -114,7 +114,8 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
 # fuser/ and missing here fails tests/test_explain.py.
 RECOMPILES: dict[str, str] = {
     "new_shape": "shapes change between windows (a varying batch size or sequence length): pad or bucket them; "
-                 "after a few sizes adaptive eager compiles the region with symbolic sizes",
+                 "after a few sizes the inductor backend compiles the region with symbolic sizes (the stablehlo "
+                 "and neuron backends compile one executable per shape, as neuronx-cc does)",
     "new_dtype": "a region was seen with new dtypes: keep dtypes stable across steps",
     "scalar_lifted": "a Python float that changes between steps became a runtime input of its region, which was "
                      "compiled again for it: expected once per region",
