@@ -214,7 +214,7 @@ class _Pos:
 
     __slots__ = ("f", "n", "tensors", "consts", "fpos", "fvals", "kw", "spec", "uid",
                  "nbytes", "source", "sig_end", "view", "offset", "lists", "multi",
-                 "factory", "other", "checks", "refs", "ref_at", "specs", "fchecks")
+                 "factory", "other", "checks", "ref_at", "specs", "fchecks")
 
     def __init__(self):
         self.f = None  # the op's OpFacts
@@ -238,11 +238,10 @@ class _Pos:
         self.view = False
         self.offset = 0
         # what the walk of ``_record`` checks and the emission makes (Note [One record path] in
-        # ``_record``): the op's refs, as its signature entries have them, and its output specs, as
-        # its meta-cache entry has them (None for an output that is an argument, or none)
-        self.refs: list = []
-        # the same refs by argument position (None at a position of no tensor; a list argument's, a
-        # list by element), as a hot record compares them, each where the walk reaches it
+        # ``_record``): the op's refs (as its signature entries have them) by argument position, None
+        # at a position of no tensor, a list argument's a list by element, each compared where the
+        # walk reaches it; and its output specs, as its meta-cache entry has them (None for an output
+        # that is an argument, or none)
         self.ref_at: list = []
         self.specs: tuple = ()
         # an op of tensor lists or several outputs (Note [Hot views]): per list argument (position,
@@ -461,7 +460,6 @@ def template_of(st, window: Window, entry) -> Template | None:
         # its signature entries: the id, then the refs in argument order (Note [Window signature])
         if window.sigs[end + 1: end + 1 + len(refs)] != refs:
             return _refused("signature", node)  # not what a recording makes: never guess
-        p.refs = refs
         end = p.sig_end = end + 1 + len(refs)
         ops.append(p)
     if end != len(window.sigs) or not ops:

@@ -851,7 +851,7 @@ def _record_view(st: TracerState, f, args, kwargs):
             # a pending op may read this one-element tensor through the view: no fast-path writes
             window.viewed.add(_untyped_storage(a)._cdata)
     if p is not None:
-        if ref != p.refs[0]:
+        if ref != p.ref_at[0]:  # a view's tensor is its first argument
             p = _view_miss(window, "binding")
         elif ref < 0 and a.storage_offset() != p.offset:  # part of a view's signature
             p = _view_miss(window, "metadata")

@@ -7,6 +7,8 @@ import adaptive_eager as ae
 
 _device.install()  # before any test module is imported: Note [Test device] in _device.py
 
+from _oracle import CACHE_ENV  # noqa: E402 - after the device's install
+
 # Variants of parametrized tests that the default run leaves out (marked ``slow``), each the slower
 # twin of one that stays: CI must stay under 20 minutes (`--durations` of session 10, under load).
 SLOW_VARIANTS = {
@@ -34,7 +36,6 @@ def _private_cache_dir(tmp_path_factory):
     process's (``ae.defaults``) and a program's a test starts (the environment, which
     ``_oracle.program_env`` keeps; a program that found none wrote the user's cache)."""
     path = str(tmp_path_factory.mktemp("adaptive_eager_cache"))
-    CACHE_ENV = "NEURON_EAGER_CACHE_DIR"
     saved = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = path
     try:

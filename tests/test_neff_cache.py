@@ -19,7 +19,7 @@ import time
 import diskcache
 import diskcache.core
 import pytest
-from _oracle import program_env
+from _oracle import CACHE_ENV, program_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -1199,7 +1199,7 @@ def test_cli_default_directory_is_under_home(tmp_path):
     with ArtifactStore(home_cache) as store:
         put(store, KEY_A, b"found by default")
     env = program_env()
-    env.pop("NEURON_EAGER_CACHE_DIR")  # the test session's: the default is what this test reads
+    env.pop(CACHE_ENV)  # the test session's: the default is what this test reads
     env.update(HOME=str(tmp_path), NEURON_EAGER_DEVICE="cpu")
     result = run_cli("stats", env=env)
     assert result.returncode == 0, result.stderr
