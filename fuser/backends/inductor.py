@@ -50,11 +50,24 @@ runtime and ``torch.compile`` pass them: a recurrent cell's ``tanh`` saved twice
 (once for its own backward, once for the next step's matmul) made 16 copies a step, 63 us of a
 1.7 ms step (benchmarks/RESULTS.md). An input returned as a saved output is still copied.
 
+Note [No size asserts]
+~~~~~~~~~~~~~~~~~~~~~~
+Inductor's wrapper begins with an ``assert_size_stride`` per input (~0.35 us each): 170 a step for
+an AdamW step over 34 parameters, 60 us of a 1.1 ms launch-bound training step
+(benchmarks/RESULTS.md). A static artifact is compiled without them, because everything that calls
+one has checked its inputs' shapes and strides already: a region's inputs are the window's, whose
+signature (its cache key) holds each real input's shape, stride and dtype and each pending one's
+recorded metadata, which the region producing it was checked to give (``_check_calling_convention``);
+a captured graph runs behind TorchDynamo's guards, whose ``TENSOR_MATCH`` checks the size and
+stride of every tensor the graph reads (parameters included), its backward on the tensors its
+forward saved and tangents made in their traced strides (``adaptive_eager._capture._traced_strides``).
+A symbolic artifact keeps them: its key fixes strides only up to its symbols.
+
 Note [Symbolic Inductor artifacts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A graph whose placeholders carry only concrete sizes is compiled statically
-(``dynamic_shapes="from_example_inputs"`` specializes on the example shapes; the wrapper's
-``assert_size_stride`` rejects others). A graph traced symbolically (the fuser's ``Program`` with
+(``dynamic_shapes="from_example_inputs"`` specializes on the example shapes; the callers check
+the shapes: Note [No size asserts]). A graph traced symbolically (the fuser's ``Program`` with
 dynamic dims: placeholders' ``meta["val"]`` are fake tensors with SymInt sizes, outputs carry
 ``meta["example_value"]``) is compiled with ``dynamic_shapes="from_graph"``: Inductor uses that
 graph's ``ShapeEnv``, the wrapper reads the sizes off its inputs (Note [Symbols as inputs]), and
@@ -119,6 +132,8 @@ _CONFIG = {
     "triton.cudagraphs": False,
     # Frozen parameters would become constants that the artifact would have to carry.
     "freezing": False,
+    # Note [No size asserts]: a static artifact's inputs have the shapes and strides it was compiled for.
+    "size_asserts": False,
 }
 
 
@@ -285,7 +300,8 @@ def _run_inductor(
     # AOTAutograd's cache would answer a repeated graph without calling inner_compile, leaving
     # nothing to capture; Inductor's own graph cache still makes such a compile fast.
     no_autograd_cache = torch._functorch.config.patch(enable_autograd_cache=False)
-    with (torch.no_grad(), cache_dir, no_autograd_cache, config.patch(_CONFIG), _atomic_builds(),
+    settings = {**_CONFIG, "size_asserts": symbolic}  # Note [No size asserts]
+    with (torch.no_grad(), cache_dir, no_autograd_cache, config.patch(settings), _atomic_builds(),
           _keyed_by_vec_isa(device_type)):
         try:
             standalone_compile(gm, inputs, dynamic_shapes="from_graph" if symbolic else "from_example_inputs",
