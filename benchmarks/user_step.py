@@ -3,9 +3,10 @@
     python benchmarks/user_step.py [--device cpu|cuda] [--steps N] [--only KEYS] [--no-compile]
 
 Every other script here measures adaptive eager in its steady state with tuned settings; this one
-measures what a new user sees. Each workload's training loop runs as five variants, interleaved in
-rounds of ``--round`` steps (eager, adaptive, torch.compile, the user's torch.compile inside
-adaptive eager, torch.compile reduce-overhead on cuda),
+measures what a new user sees. Each workload's training loop runs as six variants, interleaved in
+rounds of ``--round`` steps (eager, adaptive, torch.compile of the model, torch.compile of the
+model and of ``opt.step`` (PyTorch's "compiling the optimizer" recipe), the user's torch.compile
+inside adaptive eager, torch.compile reduce-overhead on cuda),
 each variant keeping its own model and optimizer across rounds, so adaptive eager's background
 compiles land while the other variants run, as they would while a user's loop goes on. Per variant:
 
@@ -138,12 +139,14 @@ _COMPILED = ("compiled_runs", "module_compiled_runs", "optimizer_compiled_runs",
 
 
 class Variant:
-    def __init__(self, name, device, build, wrap=None, context=None):
+    def __init__(self, name, device, build, wrap=None, context=None, compile_step=False):
         torch.manual_seed(0)
         model, self.loss_of = build(device)
         model.train()
         self.model = wrap(model) if wrap else model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if compile_step:  # the optimizer step compiled too, as PyTorch's "compiling the optimizer" recipe does
+            self.opt.step = torch.compile(self.opt.step)
         self.name, self.device, self.context = name, device, context
         self.times: list[float] = []
         self.compiled_at = None
@@ -222,6 +225,7 @@ def main() -> None:
                     Variant("adaptive", args.device, build, context=lambda: ae.adaptive_eager(device=args.device))]
         if not args.no_compile:
             variants.append(Variant("torch.compile", args.device, build, wrap=torch.compile))
+            variants.append(Variant("torch.compile + step", args.device, build, wrap=torch.compile, compile_step=True))
             # the user's own torch.compile inside the mode (Note [User torch.compile] in
             # adaptive_eager._compile): no slower than torch.compile alone
             variants.append(Variant("torch.compile in adaptive", args.device, build, wrap=torch.compile,
