@@ -285,7 +285,11 @@ def _run(st, module, cap: _Cap, args, kwargs):
         busy, _BUSY = _BUSY, True
         try:
             with _modes_off():
-                out = cap.fn(*args, **kwargs)
+                if recapture:  # Dynamo traces: Note [Static captures]
+                    with _unmarked(args, kwargs):
+                        out = cap.fn(*args, **kwargs)
+                else:
+                    out = cap.fn(*args, **kwargs)
         except _Decline as e:  # Note [Traces off the step]: raised before the call ran anything
             return _failed_recapture(module, cap, e, args, kwargs)
         except RuntimeError as e:
@@ -358,7 +362,7 @@ def _capture(st, module, cap: _Cap, args, kwargs):
     fn = torch.compile(_fresh(module), backend=_Backend(cap, st.options), dynamic=False, fullgraph=True)
     busy, _BUSY = _BUSY, True
     try:
-        with _disable_current_modes(), warnings.catch_warnings():
+        with _disable_current_modes(), warnings.catch_warnings(), _unmarked(args, kwargs):
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             out = fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - Dynamo and our backend fail before the call runs anything
@@ -415,6 +419,45 @@ def _decline_cause(e: BaseException) -> str:
             return e.cause
         e = e.__cause__ or e.__context__
     return "capture_failed"
+
+
+# Note [Static captures]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A capture is traced with ``dynamic=False``: its graphs are compiled for its call's shapes, and a
+# call of other shapes misses its guards (Note [Captured modules]). But TorchDynamo makes a
+# dimension symbolic whatever ``dynamic`` says where the tensor carries
+# ``_dynamo_propagated_dynamic_indices`` (torch 2.13), the unguarded mark AOTAutograd stamps on the
+# outputs of a graph it compiled with that dimension symbolic: a batch out of the program's own
+# ``torch.compile`` of its preprocessing, once that had seen two batch sizes. Our trace's graph
+# then took a SymInt input, and the forward and its backward ran op by op for good
+# (``non_tensor_input``), slower than eager: the suite's GPT block, whose input its
+# ``torch.compile`` variant had marked, made 100 launches a step instead of 5. So the mark is off
+# the call's tensors while Dynamo traces and back on after; unguarded, it changes nothing of which
+# calls the captured graph answers.
+_MARK = "_dynamo_propagated_dynamic_indices"
+
+
+class _unmarked:
+    """The call's tensors without ``_MARK`` for a trace (Note [Static captures])."""
+
+    __slots__ = ("args", "taken")
+
+    def __init__(self, args, kwargs):
+        self.args = (args, kwargs)
+
+    def __enter__(self) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        self.taken = []
+        for t in tree_leaves(self.args):
+            mark = getattr(t, _MARK, None) if isinstance(t, torch.Tensor) else None
+            if mark is not None:
+                delattr(t, _MARK)
+                self.taken.append((t, mark))
+
+    def __exit__(self, *exc) -> None:
+        for t, mark in self.taken:
+            setattr(t, _MARK, mark)
 
 
 def _fresh(module):

@@ -222,6 +222,25 @@ def test_a_new_batch_size_misses_and_gives_eagers_values(_uncompiled):
     assert m["module_captured_calls"] == len(xs) - RECORDED - 1
 
 
+def test_batches_out_of_the_programs_dynamic_compile_are_captured_with_static_shapes(_uncompiled):
+    """Note [Static captures]: the program's own torch.compile, having seen two batch sizes,
+    compiles the batch dimension symbolically and marks its outputs (AOTAutograd's unguarded
+    ``_dynamo_propagated_dynamic_indices``). Our trace made that dimension symbolic too: the graphs
+    took a SymInt input and ran op by op for good (``non_tensor_input``), the capture and its
+    recapture at a new batch size alike. The marks are the program's again after each trace."""
+    double = torch.compile(lambda t: t * 2, backend="aot_eager")
+    double(torch.randn(2, 8))
+    xs = [double(x) for x in _batches(4) + _batches(3, rows=3)]
+    assert all(getattr(x, _capture._MARK, None) == {0} for x in xs)
+    eager = _train(_mlp(), xs, False)
+    lazy = _train(_mlp(), xs, True)
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert m["module_uncompiled_graphs"] == {}, m
+    assert m["module_captures"] == 2 and m["module_capture_misses"]["shape"] == 2, m
+    assert all(getattr(x, _capture._MARK, None) == {0} for x in xs)
+
+
 @pytest.mark.parametrize("checked", [True, False], ids=["checked-first", "refused-by-dynamo"])
 def test_a_call_while_another_thread_traces_runs_recorded(_uncompiled, monkeypatch, checked):
     """Dynamo refuses a compiled call while FX traces (up to torch 2.13 in any thread: a region
