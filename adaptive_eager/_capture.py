@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fuser import joined
 from fuser.backends._common import EagerWouldRaise, launches_of, launches_op
+from neff_cache import jobs
 
 from . import _cores
 from ._flush import _modes_off, flush
@@ -125,6 +126,9 @@ class _Decline(Exception):
     def __init__(self, cause: str, detail: str = ""):
         super().__init__(f"{cause}: {detail}" if detail else cause)
         self.cause = cause
+
+
+jobs.answers_not_failures(_Decline)  # a trace job's decline is counted, not warned of
 
 
 class _Cap:

@@ -89,6 +89,19 @@ from neff_cache.store import BYTES_PER_MB, ArtifactStore
 log = logging.getLogger("neff_cache")
 
 _FN_PATH_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+# Note [Answers, not failures]
+# A job's function may refuse its input by design: a capture's trace job declines a graph it must
+# not capture (``adaptive_eager._capture._Decline``), which the program reads back and counts
+# (``capture_records``, ``explain()``). Such a refusal is remembered as any failure is, but logged
+# at INFO: as a WARNING, "compile job for key ... failed" reached the user for a module that
+# writes its input in place, about nothing they should change. The layers above name their
+# exception types here (``answers_not_failures``); this module imports none of them.
+_ANSWERS: set[str] = set()
+
+
+def answers_not_failures(exception_type: type) -> None:
+    """Jobs that raise ``exception_type`` refused their input by design (Note [Answers, not failures])."""
+    _ANSWERS.add(f"{exception_type.__module__}.{exception_type.__qualname__}")
 _ATTEMPTS = 2  # a job whose worker dies is retried once
 _SEND_AT_EXIT_S = 1.0  # Note [Compiles that outlive the program]
 # Note [Compile limits] in neff_cache._worker: the bounds a job runs under unless CompileJobs is
@@ -487,7 +500,8 @@ class CompileJobs:
             else:
                 exception_line = result.strip().splitlines()[-1]
                 error = f"{job.fn_path} raised {exception_line}\n{result}"
-                self._finish(job, error, seconds=seconds, failure=failure)
+                level = logging.INFO if exception_line.partition(":")[0] in _ANSWERS else logging.WARNING
+                self._finish(job, error, level, seconds=seconds, failure=failure)
 
     def _worker_died(self, worker: _Worker) -> None:
         job, worker.job, worker.warming = worker.job, None, False

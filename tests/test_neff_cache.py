@@ -578,6 +578,30 @@ def test_job_whose_compile_raises_is_remembered_by_the_worker(store, tmp_path):
     assert ArtifactStore(store.directory).failure(KEY_A, fingerprint="fp") == result.failure
 
 
+def test_a_refusal_by_design_is_remembered_and_logged_as_information(store, tmp_path, caplog, monkeypatch):
+    """Note [Answers, not failures]: a job that raises a type its caller named as an answer (a
+    capture's trace job declining a graph) is remembered as any failure is, without a warning;
+    another exception still warns."""
+    from neff_cache import jobs as jobs_module
+
+    monkeypatch.setattr(jobs_module, "_ANSWERS", set())
+    jobs_module.answers_not_failures(helpers.Refusal)
+    jobs = CompileJobs(store)
+    try:
+        with caplog.at_level(logging.INFO, logger="neff_cache"):
+            assert jobs.submit(KEY_A, FN + "refuse", bytes(tmp_path / "calls"), fingerprint="fp", backend="b")
+            (refused,) = finished_within(jobs, 30, with_seconds=True)
+            assert jobs.submit(KEY_B, FN + "raise_compile_error", bytes(tmp_path / "calls"), fingerprint="fp",
+                               backend="b")
+            (failed,) = finished_within(jobs, 30, with_seconds=True)
+    finally:
+        jobs.shutdown()
+    assert not refused.ok and refused.failure == "test_neff_cache_helpers.Refusal: not_for_me: a graph this job declines"
+    assert ArtifactStore(store.directory).failure(KEY_A, fingerprint="fp") == refused.failure
+    logged = {r.getMessage().split(" failed: ")[0]: r.levelno for r in caplog.records if " failed: " in r.getMessage()}
+    assert logged == {f"compile job for key {KEY_A}": logging.INFO, f"compile job for key {KEY_B}": logging.WARNING}
+
+
 # ------------------------------------------------------------------------------- orphans
 
 

@@ -54,6 +54,15 @@ def raise_compile_error(payload: bytes) -> bytes:
     raise RuntimeError("lowering failed: op aten::frobnicate has no kernel")
 
 
+class Refusal(Exception):
+    """A job function's refusal of its input by design (Note [Answers, not failures] in neff_cache.jobs)."""
+
+
+def refuse(payload: bytes) -> bytes:
+    compile_and_log_call(payload)
+    raise Refusal("not_for_me: a graph this job declines")
+
+
 def environment_of(payload: bytes) -> bytes:
     """The worker's values of the environment variables named in the payload (JSON in, JSON out)."""
     return json.dumps({name: os.environ.get(name) for name in json.loads(payload)}).encode()
