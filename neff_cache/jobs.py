@@ -89,6 +89,18 @@ from neff_cache.store import BYTES_PER_MB, ArtifactStore
 log = logging.getLogger("neff_cache")
 
 _FN_PATH_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+_ATTEMPTS = 2  # a job whose worker dies is retried once
+_SEND_AT_EXIT_S = 1.0  # Note [Compiles that outlive the program]
+# Note [Compile limits] in neff_cache._worker: the bounds a job runs under unless CompileJobs is
+# given others. Memory: a share of the machine's (or the cgroup's) memory, so that the program
+# beside the compile keeps the rest: 11.5 GiB on a 23 GiB machine, where the compile worker of the
+# test suite's GPT-2 and Llama training steps on stablehlo peaked at 0.68 and 0.60 GiB resident
+# (the runaway lowering of Note [Slice bounds] in fuser.backends._stablehlo_lowering reached
+# ~20 GB). Time: None: the claim's ttl (15 minutes by default), after which other processes
+# would take the key anyway; those compiles took 20-35 s each on 2 shared cores.
+COMPILE_MEMORY_SHARE = 0.5
+COMPILE_TIME_LIMIT_S: float | None = None
+
 # Note [Answers, not failures]
 # A job's function may refuse its input by design: a capture's trace job declines a graph it must
 # not capture (``adaptive_eager._capture._Decline``), which the program reads back and counts
@@ -102,17 +114,6 @@ _ANSWERS: set[str] = set()
 def answers_not_failures(exception_type: type) -> None:
     """Jobs that raise ``exception_type`` refused their input by design (Note [Answers, not failures])."""
     _ANSWERS.add(f"{exception_type.__module__}.{exception_type.__qualname__}")
-_ATTEMPTS = 2  # a job whose worker dies is retried once
-_SEND_AT_EXIT_S = 1.0  # Note [Compiles that outlive the program]
-# Note [Compile limits] in neff_cache._worker: the bounds a job runs under unless CompileJobs is
-# given others. Memory: a share of the machine's (or the cgroup's) memory, so that the program
-# beside the compile keeps the rest: 11.5 GiB on a 23 GiB machine, where the compile worker of the
-# test suite's GPT-2 and Llama training steps on stablehlo peaked at 0.68 and 0.60 GiB resident
-# (the runaway lowering of Note [Slice bounds] in fuser.backends._stablehlo_lowering reached
-# ~20 GB). Time: None: the claim's ttl (15 minutes by default), after which other processes
-# would take the key anyway; those compiles took 20-35 s each on 2 shared cores.
-COMPILE_MEMORY_SHARE = 0.5
-COMPILE_TIME_LIMIT_S: float | None = None
 
 
 def default_memory_limit() -> int:

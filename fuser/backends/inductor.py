@@ -132,7 +132,8 @@ _CONFIG = {
     "triton.cudagraphs": False,
     # Frozen parameters would become constants that the artifact would have to carry.
     "freezing": False,
-    # Note [No size asserts]: a static artifact's inputs have the shapes and strides it was compiled for.
+    # Note [No size asserts]: a static artifact's inputs have the shapes and strides it was compiled
+    # for (a symbolic compile turns them back on: ``_run_inductor``).
     "size_asserts": False,
 }
 
