@@ -20,6 +20,17 @@ SLOW_VARIANTS = {
     "test_threads.py::test_four_threads_train_at_once_with_compiled_regions[compile-in-background]",
     # 15 s under load (session 24); its inductor twin (14 s) checks the same once-a-process warning
     "test_kernel_warnings.py::test_a_once_a_process_warning_comes_once[replay]",
+    # Session 40 (CI at 1163 s of its 1200): each with a twin in the default run.
+    # 15 s; test_fuser.py's warm restart checks the same no-compile second process on the CPU
+    "test_neuron_emulation.py::test_warm_restart_on_the_emulated_device_compiles_nothing",
+    # 10 s; its twin (the program gone before its records land) runs the same follow-up compiles
+    "test_module_capture.py::test_a_program_gone_with_its_records_unread_leaves_their_graphs_compiled",
+    # 7 s; test_neuron_capture.py's op-by-op run of a captured call counts the same launches
+    "test_neuron_emulation.py::test_launches_of_captured_graphs_run_op_by_op_are_what_reaches_the_device",
+    # 15 s; test_threads.py's four threads train against compiled regions in the default run
+    "test_generated_training.py::test_training_loops_in_two_threads_match_eager",
+    # 6 s; the thread variant is the one whose exit aborted
+    "test_cache_faults.py::test_ctrl_c_during_a_compile_exits_cleanly[in-process]",
 }
 
 
@@ -54,6 +65,24 @@ def _fresh_metrics():
     ae.reset_metrics()
     yield
     ae.disable()
+
+
+@pytest.fixture(autouse=True)
+def _workers_of_the_test_stopped():
+    """The compile workers a test started for a cache of its own stop with the test. A process keeps
+    one worker per store that had a compile (``fuser.artifacts``), which a program with one cache
+    never notices; this one opens hundreds, and kept 32 idle workers (6 GB) by the middle of the run,
+    where the OpInfo samples ran at half their speed."""
+    from fuser import artifacts
+
+    before = set(artifacts._JOBS)
+    yield
+    session_cache = os.path.realpath(os.path.expanduser(ae.load_options().cache_dir))
+    for key in set(artifacts._JOBS) - before:
+        jobs = artifacts._JOBS[key]
+        if os.path.realpath(jobs.store.directory or "") != session_cache:
+            del artifacts._JOBS[key]
+            jobs.shutdown(wait=False)
 
 
 @pytest.fixture

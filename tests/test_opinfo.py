@@ -41,6 +41,18 @@ THIS_FILE = __file__.rsplit("/", 1)[-1]
 UNINITIALIZED_OUTPUT = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
 
 
+@pytest.fixture(autouse=True)
+def _no_stack_walk(monkeypatch):
+    """OpInfo's samples look for the unittest method that asks for them (``extract_test_fn``, an
+    ``inspect.stack()`` per sample list, whose cost grows with the modules loaded): late in the
+    whole suite a third of this module's time. Under pytest there is none to find."""
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.opinfo import core
+
+    for module in (common_utils, core):  # core imports it by name
+        monkeypatch.setattr(module, "extract_test_fn", lambda: None)
+
+
 @pytest.fixture(scope="module")
 def float32_ops():
     from torch.testing._internal.common_methods_invocations import op_db
