@@ -641,15 +641,8 @@ def expect_hot(st) -> None:
 # done). Hot templates exist only on a CPU target (``template_of``), and only Inductor's run small
 # windows eagerly: the StableHLO backends on a CPU target stand for a device whose every op is a
 # launch, where the compiled region stays one.
-# The bound on bytes is where fusing starts to pay: a flush costs about 100 us, and fusing a few
-# ops saves at most a re-read of what they wrote, 1 MiB at the 10-20 GB/s of a 2-core machine. At
-# 64 KiB, the loss window of a 3 x Linear(1024) MLP at batch 64 (``mse_loss_backward`` writes 256
-# KiB) ran as a region, and the mode stayed on through the backward and the optimizer step's
-# wrapper (Note [The mode parked between captured calls] in _state): the suite's MLP train step
-# was 4 launches and 1.13x ``torch.compile``'s time; run eagerly it is 3 and 1.07x (RESULTS.md,
-# session 40).
 _SMALL_OPS = 8
-_SMALL_BYTES = 1 << 20
+_SMALL_BYTES = 1 << 16
 NOT_RUN = object()  # ``run_small``'s answer for an op it leaves to the record path
 
 
