@@ -71,8 +71,7 @@ def _fresh_metrics():
 def _workers_of_the_test_stopped():
     """The compile workers a test started for a cache of its own stop with the test. A process keeps
     one worker per store that had a compile (``fuser.artifacts``), which a program with one cache
-    never notices; this one opens hundreds, and kept 32 idle workers (6 GB) by the middle of the run,
-    where the OpInfo samples ran at half their speed."""
+    never notices; this one opens hundreds, and kept 32 idle workers (6 GB) by the middle of the run."""
     from fuser import artifacts
 
     before = set(artifacts._JOBS)
@@ -80,7 +79,7 @@ def _workers_of_the_test_stopped():
     session_cache = os.path.realpath(os.path.expanduser(ae.load_options().cache_dir))
     for key in set(artifacts._JOBS) - before:
         jobs = artifacts._JOBS[key]
-        if os.path.realpath(jobs.store.directory or "") != session_cache:
+        if os.path.realpath(jobs.store.directory) != session_cache:
             del artifacts._JOBS[key]
             jobs.shutdown(wait=False)
 
