@@ -277,7 +277,7 @@ class Template:
         # None (Note [Small windows run eagerly])
         ran = [p for p in ops if not p.view]
         self.small = (tuple(ran) if options.backend == "inductor" and len(ran) <= _SMALL_OPS
-                      and sum(p.nbytes for p in ops) <= _SMALL_BYTES else None)
+                      and _read_again_bytes(ops) <= _SMALL_BYTES else None)
         # the last ops that came while it was armed, small, were its ops (Note [The mode parked
         # between captured calls] in _state)
         self.parkable = False
@@ -627,8 +627,14 @@ def expect_hot(st) -> None:
 # the flush of the rnn workload's loss window (``mse_loss``, the backward's ``ones_like`` seed,
 # ``mse_loss_backward``: 3 ops on 32 floats) took 87 us, its three records about 25 us, against
 # about 15 us for the three ops run eagerly through the mode (benchmarks/RESULTS.md, session 33).
-# Fusing them saves no memory traffic worth that. So a template of at most ``_SMALL_OPS`` ops that
-# are no view, whose outputs add up to at most ``_SMALL_BYTES``, arms its window to run eagerly
+# Fusing them saves no memory traffic worth that: a region writes every value read after it as
+# eager does, and saves only the traffic of the values it makes and reads again itself. The MLP
+# train step's loss window writes a 256 KiB gradient that only the captured backward reads; run
+# compiled, it kept the mode from parking between the captured calls, and its step took 1.13x
+# ``torch.compile``'s time, 1.07x run eagerly (RESULTS.md, session 40; bounding all outputs at
+# 1 MiB instead ran longer chains eagerly and lost their fusion). So a template of at most ``_SMALL_OPS`` ops that
+# are no view, whose values read again inside the window add up to at most ``_SMALL_BYTES``
+# (``_read_again_bytes``), arms its window to run eagerly
 # (``Template.small``: those ops): while the window is empty, each op that is the next of them (the
 # same op, ``TracerState.small`` counting those run) and reads no other thread's pending value
 # runs now, with eager's kernel, and is not recorded (``ops_eager``). Its views (autograd's
@@ -643,6 +649,35 @@ def expect_hot(st) -> None:
 # launch, where the compiled region stays one.
 _SMALL_OPS = 8
 _SMALL_BYTES = 1 << 16
+
+
+def _read_again_bytes(ops) -> int:
+    """The bytes of the values ``ops`` make and then read again themselves: what a compiled region
+    keeps out of memory (Note [Small windows run eagerly]). A view reads its base where its own
+    reader does."""
+    made = {}  # uid of an output (or a view of one) -> (its base's uid, bytes)
+    read = set()
+    for p in ops:
+        for _, r in p.tensors:
+            if r in made:
+                read.add(made[r])
+        for _, _, refs in p.lists:
+            for _, r in refs:
+                if r in made:
+                    read.add(made[r])
+        if p.view:
+            base = made.get(p.tensors[0][1]) if p.tensors else None
+            if base is not None:
+                for uid, _ in p.multi or ((p.uid, None),):
+                    made[uid] = base
+            continue
+        if p.multi:
+            for uid, spec in p.multi:
+                if uid:
+                    made[uid] = (uid, storage_bytes(spec))
+        elif p.spec is not None:
+            made[p.uid] = (p.uid, p.nbytes)
+    return sum(n for _, n in read)
 NOT_RUN = object()  # ``run_small``'s answer for an op it leaves to the record path
 
 

@@ -22,9 +22,14 @@ def _big(x, w):
     return y.sum()
 
 
-def _run(step, steps, lazy, edit_at=None):
+def _wide(x, w):
+    _wide.out = torch.tanh(x)  # read by later code only
+    return x.sum()
+
+
+def _run(step, steps, lazy, edit_at=None, size=16):
     torch.manual_seed(0)
-    x, w = torch.randn(16), torch.randn(16)
+    x, w = torch.randn(size), torch.randn(size)
     values, windows, small = [], [], []
     with ae.adaptive_eager(**SYNC) if lazy else _nothing():
         for i in range(steps):
@@ -91,16 +96,36 @@ def test_dropout_in_a_small_window_keeps_eagers_random_numbers(fresh_regions):
     assert ae.metrics()["small_windows"] >= 3
 
 
-def test_a_training_steps_loss_window_runs_eagerly(fresh_regions, tmp_path):
+def test_a_window_whose_wide_output_only_later_code_reads_runs_eagerly(fresh_regions):
+    """What bounds a small window is the bytes it makes and reads again itself (none here): its
+    128 KiB output is written by a compiled region as by eager, so fusing saves nothing."""
+    eager, _, _ = _run(_wide, 8, False, size=1 << 15)
+    lazy, windows, small = _run(_wide, 8, True, size=1 << 15)
+    assert lazy[-3:] == eager[-3:]
+    assert windows[-3:] == [0, 0, 0] and small[-3:] == [1, 1, 1], (windows, small)
+
+
+def test_a_short_chain_on_wide_tensors_stays_compiled(fresh_regions):
+    """The same 4 ops as the small window on 32K floats: their 128 KiB intermediates are read again
+    inside the window, so the region that keeps them in registers runs."""
+    eager, _, _ = _run(_small, 8, False, size=1 << 15)
+    lazy, windows, small = _run(_small, 8, True, size=1 << 15)
+    torch.testing.assert_close(torch.tensor(lazy), torch.tensor(eager))
+    assert windows[-3:] == [1, 1, 1] and small == [0] * 8, (windows, small)
+
+
+@pytest.mark.parametrize("width", [1, 512])
+def test_a_training_steps_loss_window_runs_eagerly(fresh_regions, tmp_path, width):
     """The window between a captured forward and its captured backward (the loss, the backward's
     seed and the loss's backward) is small: it runs eagerly, with the mode parked (Note [The mode
-    parked between captured calls] in adaptive_eager._state), and each step flushes no window."""
+    parked between captured calls] in adaptive_eager._state), and each step flushes no window. At
+    width 512 the loss's gradient is 128 KiB, which only the captured backward reads."""
 
     def run(lazy):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, width))
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        x, y = torch.randn(5, 8), torch.randn(5, 1)
+        x, y = torch.randn(64, 8), torch.randn(64, width)
         losses, windows = [], []
         with ae.adaptive_eager(async_compile=False, cache_dir=str(tmp_path)) if lazy else _nothing():
             for _ in range(8):
