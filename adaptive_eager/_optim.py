@@ -20,6 +20,7 @@ import warnings
 import weakref
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._capture import _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, at_once, traced_elsewhere
@@ -124,25 +125,80 @@ class _Capture:
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def install() -> None:
-    """Put ``_capturing`` around each captured class's step; called once, by ``_patches.install``.
+def install(own_hooks: tuple = ()) -> None:
+    """Put ``_capturing`` around each captured class's step; called once, by ``_patches.install``,
+    after it registered its global step hooks ``own_hooks``.
 
     An optimizer's first ``__init__`` wraps its class's step in ``profile_hook_step`` (the hooks),
     and an LR scheduler keeps a reference to that wrapper (``patch_track_step_called``), taken
     before adaptive eager may have been turned on; so where the wrapper exists, what it calls is
-    replaced in its closure cell, for every reference to it at once."""
+    replaced in its closure cell, for every reference to it at once. The class's own step becomes
+    ``_unprofiled`` of that wrapper (Note [The step's profiler range])."""
     for cls in _CAPTURED:
         step = cls.__dict__.get("step")
         if step is None:
             continue  # inherited (AdamW's is Adam's): wrapped where it is defined
+        _saved.append((cls, step))
         if getattr(step, "hooked", False):
             cell = step.__closure__[step.__code__.co_freevars.index("func")]
             _saved.append((cell, cell.cell_contents))
-            cell.cell_contents = _capturing(cell.cell_contents)
+            inner = cell.cell_contents = _capturing(cell.cell_contents)
+            hooked = step
         else:
-            _saved.append((cls, step))
-            cls.step = torch.optim.Optimizer.profile_hook_step(_capturing(step))
-            cls.step.hooked = True  # so that __init__ does not wrap it again
+            inner = _capturing(step)
+            hooked = torch.optim.Optimizer.profile_hook_step(inner)
+        cls.step = _unprofiled(hooked, inner, own_hooks)
+        cls.step.hooked = True  # so that __init__ does not wrap it again
+
+
+# Note [The step's profiler range]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.optim runs every step inside ``Optimizer.profile_hook_step``'s wrapper: the step's hooks
+# and a ``record_function`` range, whose enter and exit are two ops through the dispatcher. With no
+# profiler recording, the range reaches nothing, yet it cost a captured AdamW step of the recurrent
+# cell ~20 of its ~140 us (benchmarks/RESULTS.md, session 41), the part of the step that
+# ``torch.compile`` of ``opt.step`` traces away (Dynamo drops the range even while a profiler
+# records). So the class's step (``_unprofiled``) runs what the wrapper runs but the range (the
+# step hooks, which are adaptive eager's own: ``_patches``' Note [Step alignment] and Note [Scalar
+# lifting]; the captured step, ``_capturing``; ``_optimizer_step_code``) when no profiler records
+# (the Python flag torch.profiler sets, or the C++ profiler state, which covers the legacy,
+# Kineto, NVTX and ITT profilers), no other step hook is registered, globally or on the
+# optimizer, and Dynamo is not tracing it (the program's ``torch.compile`` of ``opt.step``);
+# otherwise it calls torch's wrapper, range, hooks and all. What calls torch's wrapper itself (an
+# LR scheduler made before adaptive eager was on holds it) keeps the range. What no longer sees
+# the range while nothing profiles is a RecordFunction callback a C++ extension registers for
+# itself, as under ``torch.compile``.
+_GLOBAL_HOOKS = (getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None),
+                 getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
+_profiler_on = torch._C._autograd._profiler_enabled
+
+
+def _unprofiled(hooked, inner, own_hooks):
+    """A captured class's step: what ``hooked`` (torch's wrapper of ``inner``) runs, without its
+    range where that reaches nothing (Note [The step's profiler range]). ``own_hooks``: adaptive
+    eager's global step hooks, which it runs as the wrapper would."""
+    pre, post = _GLOBAL_HOOKS
+    if pre is None or post is None:  # a torch whose hooks live elsewhere: its wrapper, always
+        return functools.wraps(hooked)(lambda *args, **kwargs: hooked(*args, **kwargs))
+    profiler = torch.autograd.profiler
+
+    def theirs(hooks) -> bool:
+        return any(h not in own_hooks for h in hooks.values())
+
+    @functools.wraps(hooked)
+    def step(self, *args, **kwargs):
+        if (_is_compiling() or profiler._is_profiler_enabled or _profiler_on() or theirs(pre) or theirs(post)
+                or getattr(self, "_optimizer_step_pre_hooks", None) or getattr(self, "_optimizer_step_post_hooks", None)):
+            return hooked(self, *args, **kwargs)
+        for hook in tuple(pre.values()):
+            hook(self, args, kwargs)  # ours return None
+        out = inner(self, *args, **kwargs)
+        self._optimizer_step_code()
+        for hook in tuple(post.values()):
+            hook(self, args, kwargs)
+        return out
+
+    return step
 
 
 def uninstall() -> None:

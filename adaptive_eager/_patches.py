@@ -496,7 +496,7 @@ def install() -> None:
 
         _saved["optimizer_hook"] = register_optimizer_step_post_hook(_optimizer_step_hook)  # Note [Step alignment]
         _saved["optimizer_pre_hook"] = register_optimizer_step_pre_hook(_optimizer_step_pre_hook)
-        _optim.install()  # Note [Optimizer capture]
+        _optim.install((_optimizer_step_pre_hook, _optimizer_step_hook))  # Note [Optimizer capture]
         _capture.install()  # Note [Captured modules]
         _compile.install()  # Note [User torch.compile]: now if Dynamo is loaded, else at torch.compile's first call
         _saved[("attr", torch, "compile")] = torch.__dict__["compile"]

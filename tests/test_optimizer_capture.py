@@ -213,6 +213,64 @@ def test_a_hook_registered_after_capture_runs():
     assert m["optimizer_misses"] == {} and m["optimizer_hot_steps"] == 7 - HOT_AFTER - 1
 
 
+def _step_ranges(monkeypatch):
+    """The ``record_function`` ranges named for an optimizer step that the program enters."""
+    import torch.autograd.profiler as profiler
+
+    names = []
+    real = profiler.record_function
+
+    class counted(real):
+        def __init__(self, name, args=None):
+            if name.startswith("Optimizer.step#"):
+                names.append(name)
+            super().__init__(name, args)
+
+    monkeypatch.setattr(profiler, "record_function", counted)
+    return names
+
+
+def test_a_hot_step_enters_no_profiler_range_while_nothing_profiles(monkeypatch):
+    """Note [The step's profiler range] in adaptive_eager._optim: the range reaches nothing then,
+    and a captured step skips it, as torch.compile's does; the values are the same."""
+    names = _step_ranges(monkeypatch)
+    m = _check(lambda p: torch.optim.AdamW(p, lr=0.01), steps=6)
+    assert m["optimizer_hot_steps"] == 6 - HOT_AFTER - 1
+    assert names == ["Optimizer.step#AdamW.step"] * 6, names  # eager's six steps only
+
+
+def test_a_hot_step_keeps_its_range_in_the_profiler():
+    params = _params()
+    opt = torch.optim.AdamW(params, lr=0.01)
+    with ae.adaptive_eager(backend="replay", async_compile=False):
+        for i in range(4):
+            opt.zero_grad()
+            _backward(params, i)
+            opt.step()
+        with torch.profiler.profile() as prof:
+            opt.zero_grad()
+            _backward(params, 4)
+            opt.step()
+        assert ae.metrics()["optimizer_hot_steps"] >= 2
+    assert "Optimizer.step#AdamW.step" in {e.name for e in prof.events()}
+
+
+def test_a_global_step_hook_runs_around_a_hot_step(monkeypatch):
+    """A hook of the program's own, registered for every optimizer, takes torch's wrapper, range
+    and all: it runs at every step, and the step stays captured."""
+    names = _step_ranges(monkeypatch)
+    seen = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(lambda o, a, k: seen.append(len(seen)))
+    try:
+        m = _check(lambda p: torch.optim.AdamW(p, lr=0.01), steps=6)
+    finally:
+        handle.remove()
+    assert len(seen) == 12 and len(names) == 12  # eager's six steps and ours
+    assert m["optimizer_hot_steps"] == 6 - HOT_AFTER - 1
+
+
 def test_load_state_dict_after_capture():
     saved = {}
 

@@ -90,9 +90,10 @@ def test_a_hot_step_crosses_the_mode_with_no_op(fresh_regions, tmp_path, crossin
     crossings[0] = 0
     lazy = _loop(tmp_path, 8, True, each=each)
     _same(lazy, eager)
-    # the loss, its backward's seed and backward, six AccumulateGrad detaches, the profiler ranges
-    # of step and zero_grad, item: every one of them crossed the mode before
-    assert per_step[0] > 10 and per_step[-4:] == [0, 0, 0, 0], per_step
+    # the loss, its backward's seed and backward, six AccumulateGrad detaches, zero_grad's profiler
+    # range, item: every one of them crossed the mode before (the step's range is not entered while
+    # nothing profiles: Note [The step's profiler range] in adaptive_eager._optim)
+    assert per_step[0] >= 10 and per_step[-4:] == [0, 0, 0, 0], per_step
     m = ae.metrics()
     assert m["parked"] >= 8 and m["module_compiled_runs"] >= 8, m
     assert _stack() == [] and _state.current_state().parked == 0  # left with the context
