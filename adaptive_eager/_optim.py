@@ -179,7 +179,7 @@ def _unprofiled(hooked, inner, own_hooks):
     eager's global step hooks, which it runs as the wrapper would."""
     pre, post = _GLOBAL_HOOKS
     if pre is None or post is None:  # a torch whose hooks live elsewhere: its wrapper, always
-        return functools.wraps(hooked)(lambda *args, **kwargs: hooked(*args, **kwargs))
+        return hooked
     profiler = torch.autograd.profiler
 
     def theirs(hooks) -> bool:
