@@ -240,6 +240,9 @@ _NO_LAUNCH = frozenset((
     # a view that autograd does not track: a reshape, which AOTAutograd's runtime wrapper makes of a
     # captured graph's output
     torch.ops.aten._unsafe_view.default,
+    # a size read as an op (a split region's plan computes an op's size argument from an input's:
+    # Note [Sizes that vary, run alone] in fuser.compile): metadata, on a real device too
+    torch.ops.aten.sym_size.int,
 ))
 
 

@@ -114,12 +114,15 @@ REASONS: dict[str, Reason] = {r.name: r for r in (
 # fuser/ and missing here fails tests/test_explain.py.
 RECOMPILES: dict[str, str] = {
     "new_shape": "shapes change between windows (a varying batch size or sequence length): pad or bucket them; "
-                 "after a few sizes the inductor backend compiles the region with symbolic sizes (the stablehlo "
-                 "and neuron backends compile one executable per shape, as neuronx-cc does)",
+                 "at the second size the inductor backend compiles the region with symbolic sizes, and the "
+                 "stablehlo and neuron backends (static shapes, as neuronx-cc) compile once what the varying size "
+                 "does not reach and run the ops it reaches alone, where those are few (a sequence growing by a "
+                 "token); otherwise one executable per size",
     "new_dtype": "a region was seen with new dtypes: keep dtypes stable across steps",
     "scalar_lifted": "a Python float that changes between steps became a runtime input of its region, which was "
                      "compiled again for it: expected once per region",
-    "dynamic": "a region was compiled with symbolic sizes: expected once per region",
+    "dynamic": "a region was compiled for varying sizes (symbolic sizes; on stablehlo and neuron, the ops a varying "
+               "size reaches run alone): expected once per region",
 }
 
 # Why a window was replayed op by op instead of compiled (``metrics()["not_compiled"]``), for
@@ -159,6 +162,8 @@ REPLAYED: dict[str, str] = {
     "loading": "its compiled artifact was being loaded from the cache (expected once per process)",
     "fork": "the window ran at a fork (or in a forked child before its first compile), op by op (expected)",
     "output_mismatch": "a region compiled with symbolic sizes did not fit these sizes: it is compiled for them",
+    "per_size": "its sizes vary, and a varying size reaches too many of its ops (or their arguments) to run them "
+                "alone: it is compiled for each size (NEURON_EAGER_LOG=info says why)",
     "run_failed": "its compiled run failed (the warning says why): it replays from then on",
     "compile_failed": "the compiler failed on it (the warning says why): it replays from then on",
     "exiting": "the interpreter was exiting, after the compile thread stopped: the last windows replayed (expected)",

@@ -26,21 +26,36 @@ def _run_checked(sym: _Entry, window: Window, live: list[Out]):
     metadata is checked against the program's placeholders before anything is written. Returns
     the launches and the callable the exact key takes (``_adopt``)."""
     inputs = _inputs(sym, window)
-    with as_recorded():
-        outs = sym.run(inputs)
-        if len(outs) != sym.n_live + len(sym.mutated):
-            raise _Mismatch(f"{len(outs)} outputs for {sym.n_live + len(sym.mutated)}")
-        real = window.real_inputs
-        restride = []
+    real = window.real_inputs
+    restride = []
+
+    def check(outs):
+        n = sym.n_live + (0 if sym.inplace else len(sym.mutated))
+        if len(outs) != n:
+            raise _Mismatch(f"{len(outs)} outputs for {n}")
         for i, (o, r) in enumerate(zip(live, outs)):
             shape, stride, dtype = tuple(o.meta[0]), tuple(o.meta[1]), o.meta[2]
             if tuple(r.shape) != shape or r.dtype != dtype:
                 raise _Mismatch(f"output {tuple(r.shape)} {r.dtype} for placeholder {shape} {dtype}")
             if tuple(r.stride()) != stride:
                 restride.append((i, shape, stride))
-        for slot, r in zip(sym.mutated, outs[sym.n_live:]):
+        for slot, r in zip(sym.mutated, outs[sym.n_live:n]):
             if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
                 raise _Mismatch(f"written input {slot}: {tuple(r.shape)} for {tuple(real[slot].shape)}")
+
+    copies = ()
+    with as_recorded():
+        checked = getattr(sym.run, "checked", None) if sym.inplace else None
+        if checked is not None:  # a split region that stores its inputs last: Note [A check before the stores]
+            outs = checked(inputs, check)
+        else:
+            copies = sym.mutated if sym.inplace else ()  # as _run_compiled's unverified first run
+            for slot in copies:
+                inputs[slot] = inputs[slot].clone()
+            outs = sym.run(inputs)
+            check(outs)
+            for slot in copies:
+                real[slot].copy_(inputs[slot])
         if restride:
             # Inductor does not always keep eager's layout for symbolic outputs (a transposed
             # result comes back contiguous): this exact key's callable copies those outputs into
@@ -50,7 +65,7 @@ def _run_checked(sym: _Entry, window: Window, live: list[Out]):
             outs = sym_run.fix(outs)
         else:
             sym_run = sym.run
-        return _write(sym, window, live, outs) + len(restride), sym_run
+        return _write(sym, window, live, outs) + len(restride) + 2 * len(copies), sym_run
 
 
 def _run_compiled(entry: _Entry, window: Window, live: list[Out], check: bool = False) -> int:

@@ -33,6 +33,7 @@ otherwise it writes back through the fuser: a check can fail part way, after a p
 from __future__ import annotations
 
 import copy
+import threading
 from collections import Counter
 
 import torch
@@ -159,7 +160,10 @@ def split(gm: torch.fx.GraphModule, examples: list[torch.Tensor], alone: dict, b
             index[node] = len(index)
     if len(examples) != sum(1 for n in outer.graph.nodes if n.op == "placeholder"):
         raise BackendCompileError(f"split graph does not take the region's {len(examples)} inputs")
-    return pack_sections({"plan": {"inputs": len(examples), "nodes": nodes, "outputs": outputs}}, parts)
+    plan = {"inputs": len(examples), "nodes": nodes, "outputs": outputs}
+    if stores:
+        plan["stores"] = len(parts) - 1  # Note [A check before the stores]
+    return pack_sections({"plan": plan}, parts)
 
 
 def _computes(node: torch.fx.Node) -> bool:
@@ -183,26 +187,63 @@ def load(artifact: bytes, backend):
     parts = [backend.load(a) for a in pieces]
     graph = torch.fx.Graph()
     launches = 0  # Note [Launches of a compiled callable]: each piece's, and each op run alone that computes
+    check = threading.local()  # Note [A check before the stores]
     try:
         plan = header["plan"]
+        stores = plan.get("stores")
+        if stores is not None and (type(stores) is not int or stores != len(parts) - 1):
+            raise IndexError(f"stores piece {stores!r} of {len(parts)}")
         values = [graph.placeholder(f"in{i}") for i in range(plan["inputs"])]
+        outputs = None
         for node in plan["nodes"]:
             if "piece" in node:
                 piece = node["piece"]
                 if type(piece) is not int or not 0 <= piece < len(parts):
                     raise IndexError(f"piece {piece!r} of {len(parts)}")
-                values.append(graph.call_function(parts[piece], (decode_arg(node["args"], values, "split"),)))
+                args = (decode_arg(node["args"], values, "split"),)
+                if piece == stores:  # the last node: every output is computed by now
+                    outputs = tuple(decode_arg(o, values, "split") for o in plan["outputs"])
+                    values.append(graph.call_function(_checked_stores(parts[piece], check), args + (outputs,)))
+                else:
+                    values.append(graph.call_function(parts[piece], args))
                 launches += launches_of(parts[piece])
             else:
                 kwargs = {k: decode_arg(v, values, "split") for k, v in node["kwargs"].items()}
                 op = resolve_op(node["op"], "split")
                 values.append(graph.call_function(op, decode_arg(node["args"], values, "split"), kwargs))
                 launches += launches_op(op)
-        graph.output(tuple(decode_arg(o, values, "split") for o in plan["outputs"]))
+        graph.output(outputs if outputs is not None else tuple(decode_arg(o, values, "split") for o in plan["outputs"]))
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, AssertionError) as e:  # FX asserts
         raise BackendCompileError(f"split: the artifact's plan is malformed: {type(e).__name__}: {e}") from e
     forward = torch.fx.GraphModule(torch.nn.Module(), graph).forward
     run = below_autograd(lambda inputs: forward(*inputs))
     run.guards = None
     run.launches = launches
+    if stores is not None:
+        def checked(inputs, before_stores):
+            check.before = before_stores
+            try:
+                return run(inputs)
+            finally:
+                check.before = None
+
+        run.checked = checked
     return run
+
+
+# Note [A check before the stores]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A split region that writes its inputs stores them in its last piece (Note [A split region's
+# stores]). The first run of a region for a new exact key checks its outputs against the window's
+# placeholders, and a mismatch replays the window (Note [Sizes that vary, run alone] in
+# fuser.compile, ``_run_checked`` in fuser.launch); a replay after the stores would apply the
+# window's updates twice. ``run.checked(inputs, before_stores)`` calls ``before_stores(outputs)``
+# after every output is computed and before the stores piece runs: it raises, nothing is stored.
+def _checked_stores(piece, check):
+    def stores(args, outputs):
+        before = getattr(check, "before", None)
+        if before is not None:
+            before(outputs)
+        return piece(args)
+
+    return stores

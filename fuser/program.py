@@ -78,7 +78,7 @@ class Program:
     in another thread or process, after the window itself is gone."""
 
     def __init__(self, ops, inputs, live, mutated, lifted=(), scalars=(), dynamic=(), dims=(), inplace=False,
-                 default_dtype=None, derived=(), shared=()):
+                 default_dtype=None, derived=(), shared=(), sizes_alone=False):
         self.ops = ops  # [(func, args, kwargs, [(kind, uid, alias) per output])]
         # what ``i * 1.5`` and factories without dtype= make: a window runs under the default dtype
         # it was recorded under (Note [Meta cache key] in adaptive_eager._meta), and so is traced
@@ -102,6 +102,9 @@ class Program:
         # live output indices that may share one buffer with each other (Note [Repeated outputs]
         # in fuser.backends.inductor): a captured forward's outputs that only its backward reads
         self.shared = tuple(shared)
+        # Note [Sizes that vary, run alone] in fuser.compile: a symbolic program for a backend that
+        # compiles static shapes only; the ops its symbols reach run alone, the rest compiles once
+        self.sizes_alone = bool(sizes_alone) and bool(self.dims)
 
     @classmethod
     def from_window(cls, window: Window, live: list[Out], mutated: tuple[int, ...], lifted=(),
@@ -164,6 +167,8 @@ class Program:
             doc["derived"] = [[v, w, list(perm)] for v, w, perm in self.derived]
         if self.shared:  # likewise
             doc["shared"] = list(self.shared)
+        if self.sizes_alone:  # likewise
+            doc["sizes_alone"] = True
         return doc
 
     def to_bytes(self) -> bytes:
@@ -183,7 +188,7 @@ class Program:
                    [tuple(d) for d in doc["dynamic"]], [tuple(d) for d in doc["dims"]], doc["inplace"],
                    getattr(torch, doc["default_dtype"]),
                    tuple((v, w, tuple(perm)) for v, w, perm in doc.get("derived", ())),
-                   tuple(doc.get("shared", ())))
+                   tuple(doc.get("shared", ())), doc.get("sizes_alone", False) is True)
 
     def digest(self, fingerprint: str) -> str:
         """The persistent region key: xxh3_128 of the program's one encoding (``to_bytes``'s, keys
@@ -201,6 +206,28 @@ class Program:
                               dtype, device]
                              for slot, (shape, stride, dtype, device) in enumerate(doc["inputs"])]
         return xxhash.xxh3_128_hexdigest(json.dumps([fingerprint, doc], sort_keys=True).encode())
+
+    def at_hints(self, inplace: bool = False) -> Program:
+        """This symbolic program with its symbols at the window's sizes (its hints): a static program
+        (``inplace``: writing its inputs itself, Note [In-place regions] in fuser.compilable)."""
+        def walk(x):
+            t = type(x)
+            if t is _Sym:
+                slot, d = self.dynamic[x.k]
+                return self.inputs[slot][0][d] * x.factor
+            if t is list:
+                return [walk(v) for v in x]
+            if t is tuple:
+                return tuple(walk(v) for v in x)
+            if t is dict:
+                return {k: walk(v) for k, v in x.items()}
+            return x
+
+        ops = [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
+               for func, args, kwargs, outs in self.ops]
+        return Program(ops, self.inputs, self.live, self.mutated, self.lifted, self.scalars,
+                       inplace=inplace and bool(self.mutated), default_dtype=self.default_dtype,
+                       derived=self.derived, shared=self.shared)
 
     def example_inputs(self) -> list[torch.Tensor]:
         return [torch.empty_strided(shape, stride, dtype=dtype, device=device)

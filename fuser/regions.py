@@ -31,7 +31,7 @@ from neff_cache import LIMIT_EXCEEDED
 
 from .artifacts import _result, _store, _submit, abandoned, compile_thread_stopped, finished_jobs, submit_job
 from .compilable import _checks, _input_aliases, _not_compilable, derived_hold
-from .compile import _Unverified, _compile_and_store, _failure_reason, _load, cache_fingerprint
+from .compile import SIZES_ALONE, _Unverified, _compile_and_store, _failure_reason, _load, cache_fingerprint
 from . import joined
 from .launch import _adopt, _Mismatch, _run_checked, _run_compiled
 from .replay import mark_needed, replay_window
@@ -317,8 +317,8 @@ def _decide(entry: _Entry, flush: _Flush, backend, options) -> _Plan:
             entry.other_process = False  # compiled below, by this process
     if flush.window.superseded and not entry.other_process and entry.seen >= options.hot_after:
         return _Plan("replay", "capture_due")  # Note [Windows a capture supersedes] in adaptive_eager._capture
-    if (entry.shape is not None and entry.shape_class.dynamic_ok and getattr(backend, "dynamic_shapes", False)
-            and not flush.derived):  # a shape class does not tell derived inputs apart (Note [Inputs over one memory])
+    if (entry.shape is not None and entry.shape_class.dynamic_ok and not flush.derived
+            and (getattr(backend, "dynamic_shapes", False) or getattr(backend, "sizes_alone", False))):  # a shape class does not tell derived inputs apart (Note [Inputs over one memory])
         return _Plan("dynamic")
     return _per_shape(entry, options)
 
@@ -460,7 +460,8 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
     if sym is None:
         if len(cls.shapes) < 2 or entry.program is None:
             return None
-        if any(is_check(op[0]) for op in entry.program.ops):
+        symbolic = getattr(backend, "dynamic_shapes", False)
+        if symbolic and any(is_check(op[0]) for op in entry.program.ops):
             # a split region compiles per shape (Note [Partitions])
             STATS.not_dynamic["run_alone"] += 1
             cls.dynamic_ok = False
@@ -475,7 +476,7 @@ def _run_dynamic(entry: _Entry, flush: _Flush, backend, options, wait: bool) -> 
             return None  # not a window to take the hints from (a size of 1): per-shape meanwhile
         sym = cls.sym = _Entry()
         sym.dynamic = True
-        sym.program = _with_symbols(entry.program, cls)
+        sym.program = _with_symbols(entry.program, cls, sizes_alone=not symbolic)
         sym.pkey = sym.program.digest(cache_fingerprint(backend))
         sym.region = sym.pkey[:8]
         sym.n_live, sym.mutated, sym.counts = entry.n_live, entry.mutated, entry.counts  # Note [Derived entries]
@@ -637,6 +638,12 @@ def _compile_failed(entry: _Entry, reason: str, what: str, attempted: bool = Tru
             entry.group.unliftable = True
             entry.group.lifted = ()
             entry.group.keep = None
+        return
+    if entry.dynamic and SIZES_ALONE in reason.partition("\n")[0]:
+        # Note [Sizes that vary, run alone] in fuser.compile: not a failure, the class compiles per size
+        log.info("adaptive_eager: region %s compiles per size: %s", entry.region, reason.partition(SIZES_ALONE)[2])
+        STATS.not_dynamic["sizes_alone"] += 1
+        entry.blacklisted = "per_size"
         return
     over_limit = reason.startswith(LIMIT_EXCEEDED)  # Note [Compile limits] in neff_cache._worker
     if attempted:

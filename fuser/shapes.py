@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 # The class is then compiled once symbolically (``Program.dims``/``_Sym`` arguments, make_fx with a
 # ShapeEnv whose symbols are exactly those dims, Inductor with the graph's ShapeEnv). The artifact is
 # used for a new shape only if (a) every non-symbolic position equals the class's value, every
-# symbolic argument is its multiple of its symbol, symbolic inputs are contiguous and every symbol is
+# symbolic argument is its multiple of its symbol (the stride of a dimension of size 1, never used,
+# may vary: ``x[:, -1:]`` of a growing ``x``), symbolic inputs are contiguous and every symbol is
 # >= 2 (ShapeEnv specializes 0 and 1), (b) the guards Inductor recorded (e.g. ``s0 <= 4096``) hold for
 # the window's inputs, and (c) at its first run for that exact key, every output's shape, stride
 # and dtype equal the placeholders the program already holds (checked before anything is written;
@@ -62,7 +63,7 @@ class _ShapeClass:
     def __init__(self, where: list, family):
         self.shapes: list[tuple] = []  # distinct shapes seen
         self.where = where  # per shape position: ("size"|"stride", slot, dim) or None for an argument
-        self.pattern: list | None = None  # per position: None (fixed), "contiguous", or (symbol, factor)
+        self.pattern: list | None = None  # per position: None (fixed), "contiguous", "free" or (symbol, factor)
         self.reps: list[tuple[int, int]] = []  # symbol k -> its (slot, dim)
         self.dims: list[tuple[int, int, int]] = []
         self.dyn_slots: set[int] = set()
@@ -191,6 +192,9 @@ def _plan(cls: _ShapeClass) -> str | None:
         w = cls.where[i]
         if w is not None:
             if w[0] == "stride" and w[1] not in dyn_slots:
+                if all(n == 1 for n in columns[cls.where.index(("size", w[1], w[2]))]):
+                    pattern[i] = "free"  # the stride of a dimension of size 1 is never used
+                    continue
                 return "varying_stride"
             continue
         col = columns[i]
@@ -226,7 +230,7 @@ def _fits(cls: _ShapeClass, shape: tuple) -> str | None:
         if p is None:
             if shape[i] != base[i]:
                 return "other_fixed_size"
-        elif p != "contiguous" and shape[i] != p[1] * values[p[0]]:
+        elif p != "contiguous" and p != "free" and shape[i] != p[1] * values[p[0]]:
             return "other_size_relation"
     for slot in cls.dyn_slots:
         sizes = [shape[i] for i, w in enumerate(where) if w is not None and w[0] == "size" and w[1] == slot]
@@ -236,8 +240,9 @@ def _fits(cls: _ShapeClass, shape: tuple) -> str | None:
     return None
 
 
-def _with_symbols(program: Program, cls: _ShapeClass) -> Program:
-    """``program`` with the class's symbolic ints as ``_Sym`` arguments and its dims symbolic."""
+def _with_symbols(program: Program, cls: _ShapeClass, sizes_alone: bool = False) -> Program:
+    """``program`` with the class's symbolic ints as ``_Sym`` arguments and its dims symbolic
+    (``sizes_alone``: for a backend of static shapes, Note [Sizes that vary, run alone] in fuser.compile)."""
     pattern = iter(cls.pattern)
 
     def walk(x):
@@ -255,8 +260,15 @@ def _with_symbols(program: Program, cls: _ShapeClass) -> Program:
 
     ops = [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
            for func, args, kwargs, outs in program.ops]
-    return Program(ops, program.inputs, program.live, program.mutated, program.lifted, program.scalars,
-                   cls.reps, cls.dims, default_dtype=program.default_dtype, derived=program.derived)
+    inputs = [list(x) for x in program.inputs]
+    for p, w in zip(cls.pattern, cls.where):
+        if p == "free":  # one stride for every window, so that the persistent key is one too
+            shape, stride = inputs[w[1]][0], list(inputs[w[1]][1])
+            stride[w[2]] = _contiguous(shape)[w[2]]
+            inputs[w[1]][1] = tuple(stride)
+    return Program(ops, [tuple(x) for x in inputs], program.live, program.mutated, program.lifted, program.scalars,
+                   cls.reps, cls.dims, default_dtype=program.default_dtype, derived=program.derived,
+                   sizes_alone=sizes_alone)
 
 
 class _GuardInputs(dict):

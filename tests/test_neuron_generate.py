@@ -36,9 +36,32 @@ def test_static_cache_generate_gives_cpu_eagers_tokens(static_gpt2):
 @needs_stablehlo
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 33: generate()'s own bookkeeping grows by one token per step (input_ids, attention_mask and "
-    "position_ids are torch.cat-ed), so the windows around the forward change shape every token and a "
-    "static-shape backend compiles them per length (2 per token); docs/trainium.md"))
+    "issue 33: the first call compiles no region per length any more (Note [Sizes that vary, run alone]), "
+    "but with hot_after=1 it compiles each of generate()'s windows seen once (its setup, the prefill, the "
+    "first length before a second shows the sizes vary, the last token's): about 10; docs/trainium.md"))
 def test_static_cache_generate_compiles_at_most_three_times(static_gpt2):
     """The target of issue 33: 16 tokens compile at most 3 regions (a count, not a time)."""
     assert static_gpt2["first_compiles"] <= 3, static_gpt2
+
+
+def _first_call(tmp, variant: str, tokens: int) -> dict:
+    tmp.mkdir()
+    out = _child("", tmp, script=str(ROOT / "benchmarks" / "neuron_generate.py"),
+                 args=("--child", f"gpt2:{variant}:hot", "--tokens", str(tokens), "--calls", "1"))
+    return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
+
+
+@needs_stablehlo
+@pytest.mark.slow  # about 80 s: four children, each an eager and a hot_after=1 generate() call
+@pytest.mark.parametrize("variant", ["dynamic", "static"])
+def test_generate_compiles_as_many_regions_for_20_tokens_as_for_12(tmp_path, variant):
+    """The tokens' windows grow by a token each (``torch.cat`` of ``input_ids``, ``attention_mask``,
+    with the default cache the keys and values): their regions are compiled once for every length
+    (Note [Sizes that vary, run alone] in fuser.compile), not once per length as before (16 tokens
+    compiled 31 regions with the default cache). With the default cache the forward's captures
+    miss at each new length until their limit (4 captures, by the 12th token), so the count stops
+    growing there. Tokens are CPU eager's."""
+    short = _first_call(tmp_path / "short", variant, 12)
+    long = _first_call(tmp_path / "long", variant, 20)
+    assert short["equal"] and long["equal"], (short, long)
+    assert long["first_compiles"] == short["first_compiles"], (short, long)

@@ -46,6 +46,9 @@ class Backend(Protocol):
     ``meta["val"]`` have SymInt sizes): its callable then takes inputs of other sizes too, and has a
     ``guards`` attribute (a code object over ``L['t0']``, ``L['t1']``, ... that must evaluate true for
     the inputs before the call; None for static graphs). See Note [Symbolic Inductor artifacts] in ``inductor``.
+    A backend of static shapes with ``sizes_alone = True`` is given a window whose sizes vary as
+    pieces no varying size reaches, the ops it reaches running alone (Note [Sizes that vary, run
+    alone] in ``fuser.compile``).
 
     A backend that cannot compile some ops defines ``unsupported(node) -> str | None``: for an FX
     ``call_function`` node of a region's graph, the reason it cannot compile it ("not_lowerable"),

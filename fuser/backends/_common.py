@@ -82,7 +82,7 @@ def launches_of(run) -> int:
 # does not track): the emulated device does not count it either (``_NO_LAUNCH`` in
 # adaptive_eager.neuron_emulation)
 _NO_COMPUTE = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                         torch.ops.aten._unsafe_view.default})
+                         torch.ops.aten._unsafe_view.default, torch.ops.aten.sym_size.int})
 
 
 def launches_op(target) -> bool:
@@ -118,8 +118,9 @@ def restrided(run, fixes: list):
 
 def op_name(target: object) -> str:
     """How errors and serialized graphs name a node's target ("aten.add.Tensor")."""
-    if target is operator.getitem:
-        return "operator.getitem"
+    for name, known in _OPERATORS.items():
+        if target is known:
+            return name
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     try:
@@ -355,10 +356,15 @@ def decode_arg(x: object, values: list, backend: str) -> object:
 _REGISTERED_BY = {"prims": "torch._inductor.inductor_prims"}
 
 
+# the Python functions a stored graph may call besides ATen ops: a tuple's item, and a size's
+# arithmetic (Note [Sizes that vary, run alone] in fuser.compile)
+_OPERATORS = {"operator.getitem": operator.getitem, "operator.add": operator.add, "operator.mul": operator.mul}
+
+
 def resolve_op(name: str, backend: str) -> object:
     """The target ``op_name`` named."""
-    if name == "operator.getitem":
-        return operator.getitem
+    if name in _OPERATORS:
+        return _OPERATORS[name]
     try:
         namespace, packet, overload = name.split(".")
     except ValueError as e:

@@ -94,6 +94,7 @@ class StablehloBackend:
     writes_inputs = True  # Note [Regions that write their inputs]
     stores_after_run = True  # ... once the executable has finished: Note [In-place regions] in fuser.compilable
     joins_runs = True  # Note [Joined runs] in fuser.joined: an executable is a device launch
+    sizes_alone = True  # static shapes only: Note [Sizes that vary, run alone] in fuser.compile
     device_types: tuple[str, ...] = _DEVICE_TYPES
     requirements: dict[str, str] = _REQUIREMENTS
     magic = _MAGIC
