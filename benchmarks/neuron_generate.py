@@ -1,6 +1,7 @@
 """Hugging Face ``generate()`` on the ``neuron`` device: launches per token and compiles, eager and adaptive.
 
     python benchmarks/neuron_generate.py [--models gpt2,llama] [--variants dynamic,static] [--tokens 16] [--calls 3]
+                                         [--per-call]
 
 The tiny stock GPT-2 and Llama of ``neuron_launches.py`` (``tiny_model``: 2 layers, width 32, same
 weights on every device) greedily generate ``--tokens`` tokens from an 8-token prompt on the
@@ -21,6 +22,10 @@ processes with an empty cache directory each:
   and by the device (``neuron_emulation.launches()``), and the host reads per token of the last
   call (flushes whose reason is a read of a value: ``bool``, ``item``...);
 - tokens: whether every call's tokens equal CPU eager's.
+
+``--per-call`` prints instead, per model, cache and ``tiers`` ('capture', the default, and 'hot':
+the forward recorded with the rest of the token), each of ``--calls`` calls' compiles and launches
+per token (the library's, the device's) with ``hot_after=1, async_compile=False``.
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def _diff(a: dict, b: dict) -> dict:
 def _child(model_name: str, variant: str, mode: str, tokens: int, calls: int) -> dict:
     """Runs in its own process: the emulated device is process-wide and compiled regions are kept
     per process (and compiles in the background outlive their call), so each measurement starts
-    from nothing. ``mode``: ``default`` (the first call with default options) or ``hot``."""
+    from nothing. ``mode``: ``default`` (the first call with default options), ``hot``, or a
+    ``tiers`` value for ``--per-call``."""
     import adaptive_eager as ae
     from adaptive_eager import neuron_emulation as ne
     from neuron_launches import tiny_model
@@ -86,6 +92,18 @@ def _child(model_name: str, variant: str, mode: str, tokens: int, calls: int) ->
             m1 = ae.metrics()
             return {"compiles": m1["compiles"] - m0["compiles"], "launches": (ne.launches() - d0) / tokens,
                     "equal": out.cpu().tolist() == reference}
+    if mode in ("capture", "hot"):  # --per-call: each call's compiles and launches, tiers=mode
+        rows = []
+        with ae.adaptive_eager(hot_after=1, async_compile=False, tiers=mode):
+            for _ in range(calls):
+                m0, d0 = ae.metrics(), ne.launches()
+                out = _generate(model, device_ids, variant, tokens)
+                ae.sync()
+                m1, d1 = ae.metrics(), ne.launches()
+                rows.append({"compiles": m1["compiles"] - m0["compiles"],
+                             "library": (m1["launches"] - m0["launches"]) / tokens, "device": (d1 - d0) / tokens,
+                             "equal": out.cpu().tolist() == reference})
+        return {"calls": rows}
     before = ne.launches()
     equal = _generate(model, device_ids, variant, tokens).cpu().tolist() == reference
     r = {"eager": (ne.launches() - before) / tokens}
@@ -125,6 +143,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per generate() call")
     parser.add_argument("--calls", type=int, default=3, help="generate() calls with hot_after=1 (the last is reported)")
+    parser.add_argument("--per-call", action="store_true",
+                        help="instead: each call's compiles and launches a token, the captured forward "
+                             "(tiers='capture', the default) against tiers='hot'")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -136,8 +157,11 @@ def main() -> None:
     if bad:
         parser.error(f"unknown model(s) or variant(s) {bad}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}")
     print(f"python benchmarks/neuron_generate.py --models {','.join(models)} --variants {','.join(variants)} "
-          f"--tokens {args.tokens} --calls {args.calls}; the emulated neuron device (stablehlo backend), "
-          f"torch {torch.__version__}")
+          f"--tokens {args.tokens} --calls {args.calls}{' --per-call' if args.per_call else ''}; the emulated "
+          f"neuron device (stablehlo backend), torch {torch.__version__}")
+    if args.per_call:
+        _per_call(models, variants, args.tokens, args.calls)
+        return
     print("| model | cache | eager launches / token | default options, 1st call: compiles, launches / token "
           "| hot_after=1: compiles 1st call, last call | launches / token, library (device) | host reads / token "
           "| tokens = CPU eager's |")
@@ -154,6 +178,25 @@ def main() -> None:
                   f"| {r['first_compiles']}, {r['last_compiles']} | {r['library']:.1f} ({r['device']:.1f}) "
                   f"| {r['host_reads']:.2f} | {'yes' if r['equal'] and d['equal'] else 'NO'} |", flush=True)
             print(f"<!-- {model_name} {variant}, last call: {r['detail']} -->", flush=True)
+
+
+def _per_call(models, variants, tokens: int, calls: int) -> None:
+    """Each ``generate()`` call's compiles and launches a token (library's, device's), with
+    ``hot_after=1, async_compile=False``, ``tiers`` 'capture' and 'hot'."""
+    print("| model | cache | tiers | " + " | ".join(f"call {c + 1}: compiles, launches / token (device)"
+                                                    for c in range(calls)) + " | tokens = CPU eager's |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in range(calls)) + " | --- |")
+    for model_name in models:
+        for variant in variants:
+            for tiers in ("capture", "hot"):
+                try:
+                    rows = _run_child(model_name, variant, tiers, tokens, calls)["calls"]
+                except RuntimeError as e:
+                    print(f"| {model_name} | {variant} | {tiers} | failed: {str(e).splitlines()[-1:]} |", flush=True)
+                    continue
+                cells = [f"{r['compiles']}, {r['library']:.1f} ({r['device']:.1f})" for r in rows]
+                equal = "yes" if all(r["equal"] for r in rows) else "NO"
+                print(f"| {model_name} | {variant} | {tiers} | " + " | ".join(cells) + f" | {equal} |", flush=True)
 
 
 if __name__ == "__main__":
