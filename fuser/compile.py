@@ -315,9 +315,11 @@ def _slices_of_cats(static_ops: list, symbolic_ops: list) -> None:
                 or any(u.op != "call_function" or not isinstance(u.target, torch._ops.OpOverload) or u.target.is_view
                        for u in b.users)):
             continue
-        parts = source.args[0]
+        parts, val = source.args[0], b.meta.get("val")
         along = source.args[1] if len(source.args) > 1 else source.kwargs.get("dim", 0)
-        rank = b.meta["val"].dim()
+        if not isinstance(val, torch.Tensor) or not isinstance(parts[-1], torch.fx.Node) or type(dim) is not int:
+            continue
+        rank = val.dim()
         last = parts[-1].meta.get("val") if isinstance(parts[-1], torch.fx.Node) else None
         if (along % rank != dim % rank or not isinstance(last, torch.Tensor)
                 or type(last.shape[dim % rank]) is not int or last.shape[dim % rank] < -start):
