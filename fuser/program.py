@@ -207,24 +207,32 @@ class Program:
                              for slot, (shape, stride, dtype, device) in enumerate(doc["inputs"])]
         return xxhash.xxh3_128_hexdigest(json.dumps([fingerprint, doc], sort_keys=True).encode())
 
-    def at_hints(self, inplace: bool = False) -> Program:
-        """This symbolic program with its symbols at the window's sizes (its hints): a static program
-        (``inplace``: writing its inputs itself, Note [In-place regions] in fuser.compilable)."""
+    def mapped_ops(self, leaf) -> list:
+        """The ops with ``leaf`` applied to every argument that is not a list, tuple or dict (an
+        output alias's too), in program order: ``at_hints``'s and fuser.shapes' ``_with_symbols``'s walk."""
         def walk(x):
             t = type(x)
-            if t is _Sym:
-                slot, d = self.dynamic[x.k]
-                return self.inputs[slot][0][d] * x.factor
             if t is list:
                 return [walk(v) for v in x]
             if t is tuple:
                 return tuple(walk(v) for v in x)
             if t is dict:
                 return {k: walk(v) for k, v in x.items()}
+            return leaf(x)
+
+        return [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
+                for func, args, kwargs, outs in self.ops]
+
+    def at_hints(self, inplace: bool = False) -> Program:
+        """This symbolic program with its symbols at the window's sizes (its hints): a static program
+        (``inplace``: writing its inputs itself, Note [In-place regions] in fuser.compilable)."""
+        def hint(x):
+            if type(x) is _Sym:
+                slot, d = self.dynamic[x.k]
+                return self.inputs[slot][0][d] * x.factor
             return x
 
-        ops = [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
-               for func, args, kwargs, outs in self.ops]
+        ops = self.mapped_ops(hint)
         return Program(ops, self.inputs, self.live, self.mutated, self.lifted, self.scalars,
                        inplace=inplace and bool(self.mutated), default_dtype=self.default_dtype,
                        derived=self.derived, shared=self.shared)

@@ -245,21 +245,13 @@ def _with_symbols(program: Program, cls: _ShapeClass, sizes_alone: bool = False)
     (``sizes_alone``: for a backend of static shapes, Note [Sizes that vary, run alone] in fuser.compile)."""
     pattern = iter(cls.pattern)
 
-    def walk(x):
-        t = type(x)
-        if t is int:
+    def symbol(x):
+        if type(x) is int:
             p = next(pattern)
             return _Sym(*p) if type(p) is tuple else x
-        if t is list:
-            return [walk(v) for v in x]
-        if t is tuple:
-            return tuple(walk(v) for v in x)
-        if t is dict:
-            return {k: walk(v) for k, v in x.items()}
         return x
 
-    ops = [(func, walk(args), walk(kwargs), [None if o is None else (o[0], o[1], walk(o[2])) for o in outs])
-           for func, args, kwargs, outs in program.ops]
+    ops = program.mapped_ops(symbol)
     inputs = [list(x) for x in program.inputs]
     for p, w in zip(cls.pattern, cls.where):
         if p == "free":  # one stride for every window, so that the persistent key is one too

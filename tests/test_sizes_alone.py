@@ -39,12 +39,17 @@ def _step(seq, w, buf):
     return seq
 
 
-def _run(steps: int, start: int = 3):
+def _run(steps: int, start: int = 3, change=None):
+    """``steps`` tokens; ``change(region)`` is called with the class's region before the fourth (the
+    first window, a first length, a second: the class's region exists then)."""
     torch.manual_seed(0)
     seq = torch.randint(0, 50, (1, start))
     w = torch.randn(1, 8)
     buf = torch.zeros(1, 8)
-    for _ in range(steps):
+    for i in range(steps):
+        if change is not None and i == 3:
+            (cls,) = [c for c in fuser.shapes._CLASSES.values() if c.sym is not None]
+            change(cls.sym)
         seq = _step(seq, w, buf)
         int(seq[0, -1])  # a host read ends each step's window, as generate()'s stopping check
     return seq, buf
@@ -88,16 +93,12 @@ def test_the_class_region_is_stored_and_loaded_by_a_new_process(tmp_path):
 
 
 def test_failing_size_guards_fall_back_to_per_size(tmp_path):
+    def fail(region):
+        region.run.guards = compile("False", "<test>", "eval")  # as if the trace assumed a length
+
     want_seq, want_buf = _run(5)
     with adaptive_eager(**_opts(tmp_path)):
-        torch.manual_seed(0)
-        seq, w, buf = torch.randint(0, 50, (1, 3)), torch.randn(1, 8), torch.zeros(1, 8)
-        for i in range(5):
-            if i == 3:  # the first window, a first length, a second: the class's region
-                (cls,) = [c for c in fuser.shapes._CLASSES.values() if c.sym is not None]
-                cls.sym.run.guards = compile("False", "<test>", "eval")  # as if the trace assumed a length
-            seq = _step(seq, w, buf)
-            int(seq[0, -1])
+        seq, buf = _run(5, change=fail)
     torch.testing.assert_close(seq, want_seq, rtol=0, atol=0)
     torch.testing.assert_close(buf, want_buf)
     assert ae.metrics()["not_dynamic"].get("guards", 0) >= 1, ae.metrics()["not_dynamic"]
@@ -108,24 +109,20 @@ def test_a_failed_check_before_the_stores_writes_nothing_twice(tmp_path):
     the stores piece writes the buffer; a mismatch replays the window, which writes it once."""
     from fuser.launch import _Mismatch
 
+    def mismatch(region):
+        checked = region.run.checked
+
+        def mismatching(inputs, before_stores):
+            def check(outs):
+                before_stores(outs)
+                raise _Mismatch("as if an output's size were not the placeholder's")
+            return checked(inputs, check)
+
+        region.run.checked = mismatching
+
     want_seq, want_buf = _run(5)
     with adaptive_eager(**_opts(tmp_path)):
-        torch.manual_seed(0)
-        seq, w, buf = torch.randint(0, 50, (1, 3)), torch.randn(1, 8), torch.zeros(1, 8)
-        for i in range(5):
-            if i == 3:  # the first window, a first length, a second: the class's region
-                (cls,) = [c for c in fuser.shapes._CLASSES.values() if c.sym is not None]
-                checked = cls.sym.run.checked
-
-                def mismatching(inputs, before_stores, checked=checked):
-                    def check(outs):
-                        before_stores(outs)
-                        raise _Mismatch("as if an output's size were not the placeholder's")
-                    return checked(inputs, check)
-
-                cls.sym.run.checked = mismatching
-            seq = _step(seq, w, buf)
-            int(seq[0, -1])
+        seq, buf = _run(5, change=mismatch)
     torch.testing.assert_close(seq, want_seq, rtol=0, atol=0)
     torch.testing.assert_close(buf, want_buf)
     # steps 3 and 4, each a new length run first through the check; each replayed, its buffer written once
