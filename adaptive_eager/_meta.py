@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from fuser.backends._common import launches_op
 from fuser.window import ARITY
 
 from . import _meta_disk, _signatures
@@ -279,8 +280,9 @@ def _eager_layouts(f, args, kwargs, specs: list):
 
     device = next((t.device.type for a in (*args, *kwargs.values()) for t in (a if type(a) in (list, tuple) else (a,))
                    if isinstance(t, _Tensor)), "cpu")
+    launches = device != "cpu" and launches_op(f.func)  # a view's or an allocation's run reaches no device
     for fill in (None, 1):
-        if device != "cpu":
+        if launches:
             launched[0] += 1
         try:
             rargs = [[stand_in(x, i in written, fill) for x in a] if type(a) in (list, tuple)

@@ -366,6 +366,8 @@ def _capture(st, opt, raw, cap, backend):
         backend = _Backend(None, st.options, "optimizer")
     if cap.cpu_steps is None:
         cap.cpu_steps = [p for p, state in opt.state.items() if _on_cpu(state.get("step"))]
+    # the trace copies these onto their parameters' device (Note [Steps put back]): launches there
+    moving = [state for p, state in opt.state.items() if p.device.type != "cpu" and _on_cpu(state.get("step"))]
     t0 = time.perf_counter()
     try:
         with _disable_current_modes(), _grad_mode(opt), warnings.catch_warnings():
@@ -373,7 +375,10 @@ def _capture(st, opt, raw, cap, backend):
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             fn = torch.compile(_fresh(opt, raw), backend=backend, fullgraph=True)
             _static_shapes(opt)
-            out = fn()
+            try:
+                out = fn()
+            finally:
+                METRICS.launches += sum(not _on_cpu(state.get("step")) for state in moving)
     except Exception as e:  # noqa: BLE001 - counted, logged, and the step runs as before
         # Dynamo and the backend fail before the step runs (fullgraph: one frame, nothing updated)
         if str(e).startswith(_NESTED_TRACE):  # another thread began to trace meanwhile: not a failure

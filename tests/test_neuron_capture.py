@@ -90,6 +90,10 @@ def test_a_hot_training_step_is_three_executables_and_the_loss(tmp_path):
     assert m["module_captures"] == 1 and m["optimizer_captures"] == 1 and not m["module_capture_misses"], m
     assert m["module_compiled_runs"] and m["optimizer_compiled_runs"] and not m["module_uncompiled_graphs"], m
     assert all(device == counted <= 3 for device, counted in _hot(r)), r
+    # the first steps too: the stand-ins' runs that compute an op's layout (a view's reaches no
+    # device) and the optimizer trace's copies of AdamW's steps onto the device (Note [Steps put
+    # back] in adaptive_eager._optim) were counted as the device does not and not counted
+    assert all(device == counted for device, counted in r["per_step"]), r
 
 
 def test_a_foreach_step_lowers_whole(tmp_path):
