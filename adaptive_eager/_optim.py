@@ -330,7 +330,8 @@ def _step(st, opt, raw):
 # the host each step (``_get_value``: ``.item()``) unless the group is capturable: on the emulated
 # device the finetune example flushed its window there every step (an ``item`` flush and a host
 # read per step). So the steps that were on cpu before the first trace are put back there, once,
-# as the user had them; while a capture runs they stay where its guards expect them.
+# as the user had them; while a capture runs they stay where its guards expect them. Each copy
+# the trace makes is a device launch, counted in ``launches`` as the device counts it.
 def _on_cpu(step) -> bool:
     return isinstance(step, torch.Tensor) and step.device.type == "cpu"
 
