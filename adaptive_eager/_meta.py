@@ -280,6 +280,8 @@ def _eager_layouts(f, args, kwargs, specs: list):
 
     device = next((t.device.type for a in (*args, *kwargs.values()) for t in (a if type(a) in (list, tuple) else (a,))
                    if isinstance(t, _Tensor)), "cpu")
+    if device == "cpu" and kwargs.get("device") is not None:  # a copy from the host onto a device
+        device = torch.device(kwargs["device"]).type
     launches = device != "cpu" and launches_op(f.func)  # a view's or an allocation's run reaches no device
     for fill in (None, 1):
         if launches:

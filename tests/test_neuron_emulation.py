@@ -171,6 +171,28 @@ def test_refuses_when_privateuse1_is_another_device(tmp_path):
     assert "refused: PrivateUse1 is already the 'foo' device" in out
 
 
+def test_a_first_step_counts_what_reaches_the_device(tmp_path):
+    """A first step runs each new op once on stand-ins to learn its layout (Note [Eager layouts] in
+    adaptive_eager._meta): a view's run (``_unsafe_view`` is one) reaches no device and was counted
+    a launch, a copy from the host onto the device reaches it and was not counted."""
+    out = _child("""
+        ne.emulate_neuron()
+        w = torch.randn(4, 4).to("neuron")
+        rows = []
+        with ae.adaptive_eager(hot_after=1, async_compile=False):
+            for _ in range(3):
+                d0, l0 = ne.launches(), ae.metrics()["launches"]
+                x = torch.randn(2, 3, 4).to("neuron")
+                scale = torch.tensor(2.0).to("neuron", torch.float32)  # a host scalar: recorded
+                y = (x @ w.t() * scale).relu()  # matmul's mm, then its result's _unsafe_view
+                y.sum().item()
+                rows.append((ne.launches() - d0, ae.metrics()["launches"] - l0))
+        assert all(device == counted for device, counted in rows), rows
+        print("ok", rows)
+        """, tmp_path)
+    assert "ok" in out
+
+
 def test_adaptive_eager_records_on_neuron_and_reads_flush(tmp_path):
     """Backward runs on autograd's device thread for a non-CPU device: the tracer found no user's
     frame there and the process aborted ("terminate called without an active exception")."""
