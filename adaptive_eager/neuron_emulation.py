@@ -235,6 +235,8 @@ _SET_STORAGE = (torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.ate
 # recorded in-place op), which read metadata, not data
 _NO_LAUNCH = frozenset((
     torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_permuted.default,
     torch.ops.aten._debug_has_internal_overlap.default, torch.ops.aten.is_same_size.default,
     torch.ops.aten.is_set_to.default, torch.ops.aten._has_compatible_shallow_copy_type.default,
     # a view that autograd does not track: a reshape, which AOTAutograd's runtime wrapper makes of a

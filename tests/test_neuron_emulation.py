@@ -174,7 +174,8 @@ def test_refuses_when_privateuse1_is_another_device(tmp_path):
 def test_a_first_step_counts_what_reaches_the_device(tmp_path):
     """A first step runs each new op once on stand-ins to learn its layout (Note [Eager layouts] in
     adaptive_eager._meta): a view's run (``_unsafe_view`` is one) reaches no device and was counted
-    a launch, a copy from the host onto the device reaches it and was not counted."""
+    a launch, a copy from the host onto the device reaches it and was not counted. And the device
+    counted ``empty_like`` (an allocation, run at once) where the library did not."""
     out = _child("""
         ne.emulate_neuron()
         w = torch.randn(4, 4).to("neuron")
@@ -185,6 +186,7 @@ def test_a_first_step_counts_what_reaches_the_device(tmp_path):
                 x = torch.randn(2, 3, 4).to("neuron")
                 scale = torch.tensor(2.0).to("neuron", torch.float32)  # a host scalar: recorded
                 y = (x @ w.t() * scale).relu()  # matmul's mm, then its result's _unsafe_view
+                y = y + torch.empty_like(y).fill_(1.0)  # an allocation launches nothing
                 y.sum().item()
                 rows.append((ne.launches() - d0, ae.metrics()["launches"] - l0))
         assert all(device == counted for device, counted in rows), rows

@@ -82,6 +82,8 @@ def launches_of(run) -> int:
 # does not track): the emulated device does not count it either (``_NO_LAUNCH`` in
 # adaptive_eager.neuron_emulation)
 _NO_COMPUTE = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                         torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+                         torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_permuted.default,
                          torch.ops.aten._unsafe_view.default, torch.ops.aten.sym_size.int})
 
 
