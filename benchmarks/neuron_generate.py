@@ -73,8 +73,8 @@ def _diff(a: dict, b: dict) -> dict:
 def _child(model_name: str, variant: str, mode: str, tokens: int, calls: int) -> dict:
     """Runs in its own process: the emulated device is process-wide and compiled regions are kept
     per process (and compiles in the background outlive their call), so each measurement starts
-    from nothing. ``mode``: ``default`` (the first call with default options), ``hot``, or a
-    ``tiers`` value for ``--per-call``."""
+    from nothing. ``mode``: ``default`` (the first call with default options), ``hot`` (eager, then
+    ``--calls`` calls with ``hot_after=1``), or ``tiers-`` and a ``tiers`` value for ``--per-call``."""
     import adaptive_eager as ae
     from adaptive_eager import neuron_emulation as ne
     from neuron_launches import tiny_model
@@ -92,9 +92,9 @@ def _child(model_name: str, variant: str, mode: str, tokens: int, calls: int) ->
             m1 = ae.metrics()
             return {"compiles": m1["compiles"] - m0["compiles"], "launches": (ne.launches() - d0) / tokens,
                     "equal": out.cpu().tolist() == reference}
-    if mode in ("capture", "hot"):  # --per-call: each call's compiles and launches, tiers=mode
+    if mode.startswith("tiers-"):  # --per-call: each call's compiles and launches, with these tiers
         rows = []
-        with ae.adaptive_eager(hot_after=1, async_compile=False, tiers=mode):
+        with ae.adaptive_eager(hot_after=1, async_compile=False, tiers=mode.removeprefix("tiers-")):
             for _ in range(calls):
                 m0, d0 = ae.metrics(), ne.launches()
                 out = _generate(model, device_ids, variant, tokens)
@@ -190,7 +190,7 @@ def _per_call(models, variants, tokens: int, calls: int) -> None:
         for variant in variants:
             for tiers in ("capture", "hot"):
                 try:
-                    rows = _run_child(model_name, variant, tiers, tokens, calls)["calls"]
+                    rows = _run_child(model_name, variant, f"tiers-{tiers}", tokens, calls)["calls"]
                 except RuntimeError as e:
                     print(f"| {model_name} | {variant} | {tiers} | failed: {str(e).splitlines()[-1:]} |", flush=True)
                     continue
