@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from fuser.backends._common import ALLOCATORS
 
 from ._args import _tensors
 from ._data_checks import CPU_KERNEL_DEVICES, data_check_for
@@ -49,7 +50,6 @@ _METADATA_MUTATORS = {
     "t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_", "resize_", "resize_as_", "set_",
     "swapaxes_", "swapdims_", "_resize_output_", "detach_", "_coalesced_", "share_memory_",
 }
-_ALLOCATORS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 
 # flush reasons named after what the user wrote, so ``metrics()['flushes']`` reads like the program
 _SYNC_REASONS = {
@@ -303,7 +303,7 @@ def classify(func: torch._ops.OpOverload, seeded: bool = True) -> OpFacts:
         f.kind, f.reason = FLUSH, _SYNC_REASONS.get(base, "data_dependent")
     elif base in _METADATA_MUTATORS:
         f.kind, f.reason = FLUSH, "metadata_mutation"
-    elif base in _ALLOCATORS:
+    elif base in ALLOCATORS:
         f.kind = ALLOC
     elif f.name == "aten.native_batch_norm.default":
         f.kind = BATCH_NORM

@@ -81,16 +81,15 @@ def launches_of(run) -> int:
 # ``_unsafe_view`` is a view by what it does though not by schema (a reshape's result that autograd
 # does not track): the emulated device does not count it either (``_NO_LAUNCH`` in
 # adaptive_eager.neuron_emulation)
-_NO_COMPUTE = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                         torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-                         torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_permuted.default,
-                         torch.ops.aten._unsafe_view.default, torch.ops.aten.sym_size.int})
+ALLOCATORS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
+_NO_COMPUTE = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.sym_size.int})
 
 
 def launches_op(target) -> bool:
     """Whether a graph's call of ``target``, run op by op, is a device launch: an ATen op that is
     neither a view nor an allocation (Note [Launches of a compiled callable])."""
-    return isinstance(target, torch._ops.OpOverload) and not target.is_view and target not in _NO_COMPUTE
+    return (isinstance(target, torch._ops.OpOverload) and not target.is_view and target not in _NO_COMPUTE
+            and target._opname not in ALLOCATORS)
 
 
 def restrided(run, fixes: list):
