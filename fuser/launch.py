@@ -27,21 +27,10 @@ def _run_checked(sym: _Entry, window: Window, live: list[Out]):
     the launches and the callable the exact key takes (``_adopt``)."""
     inputs = _inputs(sym, window)
     real = window.real_inputs
-    restride = []
+    restride: list = []
 
     def check(outs):
-        n = sym.n_live + (0 if sym.inplace else len(sym.mutated))
-        if len(outs) != n:
-            raise _Mismatch(f"{len(outs)} outputs for {n}")
-        for i, (o, r) in enumerate(zip(live, outs)):
-            shape, stride, dtype = tuple(o.meta[0]), tuple(o.meta[1]), o.meta[2]
-            if tuple(r.shape) != shape or r.dtype != dtype:
-                raise _Mismatch(f"output {tuple(r.shape)} {r.dtype} for placeholder {shape} {dtype}")
-            if tuple(r.stride()) != stride:
-                restride.append((i, shape, stride))
-        for slot, r in zip(sym.mutated, outs[sym.n_live:n]):
-            if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
-                raise _Mismatch(f"written input {slot}: {tuple(r.shape)} for {tuple(real[slot].shape)}")
+        _check_outputs(sym, window, live, outs, restride)
 
     copies = ()
     with as_recorded():
@@ -123,14 +112,20 @@ def _write(entry: _Entry, window: Window, live: list[Out], outs) -> int:
     return launches_of(entry.run) + copies
 
 
-def _check_outputs(entry: _Entry, window: Window, live: list[Out], outs) -> None:
+def _check_outputs(entry: _Entry, window: Window, live: list[Out], outs, restride: list | None = None) -> None:
+    """Raise ``_Mismatch`` unless ``outs`` are what the window's placeholders and written inputs
+    say. With ``restride``, an output in other strides is listed there, ``(index, shape, stride)``,
+    for a copy into eager's layout (``_run_checked``), not a mismatch."""
     n = entry.n_live + (0 if entry.inplace else len(entry.mutated))
     if len(outs) != n:
         raise _Mismatch(f"{len(outs)} outputs for {n}")
-    for o, r in zip(live, outs):
-        if (tuple(r.shape), tuple(r.stride()), r.dtype) != (tuple(o.meta[0]), tuple(o.meta[1]), o.meta[2]):
+    for i, (o, r) in enumerate(zip(live, outs)):
+        shape, stride, dtype = tuple(o.meta[0]), tuple(o.meta[1]), o.meta[2]
+        if tuple(r.shape) != shape or r.dtype != dtype or (restride is None and tuple(r.stride()) != stride):
             raise _Mismatch(f"output {tuple(r.shape)} {tuple(r.stride())} {r.dtype} for placeholder "
-                            f"{tuple(o.meta[0])} {tuple(o.meta[1])} {o.meta[2]}")
+                            f"{shape} {stride} {dtype}")
+        if tuple(r.stride()) != stride:
+            restride.append((i, shape, stride))
     real = window.real_inputs
     for slot, r in zip(entry.mutated, outs[entry.n_live:]):
         if r.shape != real[slot].shape or r.dtype != real[slot].dtype:
