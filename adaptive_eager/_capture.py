@@ -32,7 +32,7 @@ from fuser import joined
 from fuser.backends._common import EagerWouldRaise, launches_of, launches_op
 from neff_cache import jobs
 
-from . import _cores
+from . import _cores, _dropout
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
@@ -893,8 +893,8 @@ class _Graph:
         return {"program": json.loads(self.source.to_bytes()), "plan": [None if h is None else list(h) for h in self.plan],
                 "n_live": self.n_live, "may_write": self.may_write, "ops": self.ops,
                 "expected": [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in self.expected],
-                "draws": [[list(shape), list(stride), str(dtype).removeprefix("torch."), p]
-                          for shape, stride, dtype, p in self.draws]}
+                "draws": _STATE if self.draws == [_STATE] else [
+                    [list(shape), list(stride), str(dtype).removeprefix("torch."), p] for shape, stride, dtype, p in self.draws]}
 
     @classmethod
     def from_description(cls, doc: dict, kind: str, options, who: str):
@@ -904,8 +904,8 @@ class _Graph:
                  "plan": [None if h is None else tuple(h) for h in doc["plan"]], "n_live": doc["n_live"],
                  "may_write": doc["may_write"], "ops": doc["ops"],
                  "expected": [(tuple(shape), getattr(torch, dtype)) for shape, dtype in doc["expected"]],
-                 "draws": [(tuple(shape), tuple(stride), getattr(torch, dtype), p)
-                           for shape, stride, dtype, p in doc.get("draws", ())]}
+                 "draws": [_STATE] if doc.get("draws") == _STATE else [
+                     (tuple(shape), tuple(stride), getattr(torch, dtype), p) for shape, stride, dtype, p in doc.get("draws", ())]}
         return cls(None, None, kind, options, who, parts)
 
     def __call__(self, *args):
@@ -932,6 +932,11 @@ class _Graph:
         if self.draws:
             # Note [Masks drawn by the call]: in the graph's order, before anything of it runs
             device = next((t.device for t in args if isinstance(t, torch.Tensor)), None)
+            if self.draws == [_STATE]:  # Note [Dropout in the compiled code] in _dropout
+                state, made = _dropout.current_state(device)
+                if made:
+                    METRICS.launches += 1  # its copy onto the device
+                return self._call([*args, state])
             if device.type in HOST_DRAWN_DROPOUT:  # one copy onto the device (Note [Dropout drawn at record time])
                 masks = host_dropout_masks([(shape, p) for shape, _, _, p in self.draws], device)
             else:
@@ -1154,6 +1159,9 @@ def _masks_drawn_by_the_call(gm, options) -> list:
     for node in graph.nodes:
         if node.op == "placeholder":
             last = node
+    # on cpu ``F.dropout`` is eager's ``bernoulli_`` fill in a window, so a captured call draws as eager too
+    compiled = getattr(options, "dropout", "eager") == "compiled" and options.device != "cpu"
+    state = None
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
                 torch.Tag.nondeterministic_seeded not in node.target.tags:
@@ -1162,7 +1170,7 @@ def _masks_drawn_by_the_call(gm, options) -> list:
         if facts.dropout_arg is not None and unseeded_facts(facts, node.args, node.kwargs) is not None:
             continue  # attention at dropout_p=0 draws nothing (Note [Dropout probability] in ``_ops``)
         host = options.device in HOST_DRAWN_DROPOUT  # drawn as torch-neuronx draws, any backend
-        if node.target is not _DROPOUT or not (host or options.backend == "inductor"):
+        if node.target is not _DROPOUT or not (host or compiled or options.backend == "inductor"):
             raise _Decline("random", str(node.target))
         x, p = node.args[0], node.args[1]
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
@@ -1170,12 +1178,22 @@ def _masks_drawn_by_the_call(gm, options) -> list:
         if not isinstance(val, torch.Tensor) or train is not True or not 0 < p < 1 or val.numel() == 0:
             raise _Decline("random", f"{node.target} p={p} train={train}")
         out_val = node.meta["val"][0]
+        if compiled:  # Note [Dropout in the compiled code] in _dropout: the mask from the state input
+            if state is None:
+                with graph.inserting_after(last):
+                    state = last = graph.placeholder("dropout_state")
+                with val.fake_mode:
+                    state.meta["val"] = torch.empty((), dtype=torch.int32, device=val.device)
+            with graph.inserting_before(node):
+                mask = _dropout.keep_mask(functools.partial(_node, graph, val.fake_mode), state, tuple(val.shape),
+                                          float(p), len(draws), val.device)
         with val.fake_mode:  # eager's draw is on ``empty_like(input)``: its layout, not the input's
             layout = torch.empty(val.shape, dtype=val.dtype, device=val.device) if host else torch.empty_like(val)
             mask_val = torch.empty_like(layout, dtype=torch.bool)
-        with graph.inserting_after(last):
-            mask = last = graph.placeholder(f"dropout_mask_{len(draws)}")
-        mask.meta["val"] = mask_val
+        if not compiled:
+            with graph.inserting_after(last):
+                mask = last = graph.placeholder(f"dropout_mask_{len(draws)}")
+            mask.meta["val"] = mask_val
         with graph.inserting_before(node):
             kept = graph.call_function(torch.ops.aten.mul.Tensor, (x, mask))
             scale = host_dropout_scale(p, val.dtype) if host else 1.0 / (1.0 - p)
@@ -1189,9 +1207,27 @@ def _masks_drawn_by_the_call(gm, options) -> list:
                 raise _Decline("random", "native_dropout read whole")
         graph.erase_node(node)
         draws.append((tuple(layout.shape), tuple(layout.stride()), val.dtype, float(p)))
+    if state is not None:  # advanced by the masks drawn, in place as a BatchNorm's statistics are
+        with graph.inserting_before(graph.output_node()):
+            _node(graph, state.meta["val"].fake_mode, torch.ops.aten.copy_.default,
+                  (state, _node(graph, state.meta["val"].fake_mode, torch.ops.aten.add.Tensor, (state, len(draws)), {})),
+                  {})
+        draws = [_STATE]
     if draws:
         gm.recompile()
     return draws
+
+
+_STATE = "state"  # draws of a graph that computes its masks from the device's state (Note [Dropout in the compiled code])
+
+
+def _node(graph, fake_mode, op, args, kwargs):
+    """A node calling ``op``, inserted where ``graph`` inserts, its ``val`` from fake values."""
+    node = graph.call_function(op, tuple(args), dict(kwargs))
+    with fake_mode:
+        node.meta["val"] = op(*torch.fx.node.map_arg(tuple(args), lambda n: n.meta["val"]),
+                              **torch.fx.node.map_arg(dict(kwargs), lambda n: n.meta["val"]))
+    return node
 
 
 def _draw_mask(draw, device) -> torch.Tensor:
@@ -1358,7 +1394,7 @@ def _program(gm):
 # the wrapper's (``copy_``/``as_strided_`` after the call): declined, not recorded. The forward
 # Program's written slots must be AOTAutograd's in-graph ones (else ``written_input_plan``).
 # A record's graph runs op by op (its Program, ``_Graph._eager``) until its artifact is loaded.
-_RECORD_FORMAT = 2
+_RECORD_FORMAT = 3
 
 
 def _record_key(gm, example_inputs, options, who: str) -> str:
@@ -1424,7 +1460,7 @@ def _record_doc(gm, example_inputs, options, who: str) -> bytes:
                  if v is None or type(v) in (bool, int, float, str)}
     fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
     doc = [_RECORD_FORMAT, "capture", who, options.backend, fingerprint, list(attrs), tensors, nodes, state,
-           functorch, bool(torch._inductor.config.fallback_random)]
+           functorch, bool(torch._inductor.config.fallback_random), getattr(options, "dropout", "eager")]
     return json.dumps(doc, sort_keys=True).encode()
 
 

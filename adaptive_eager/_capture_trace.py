@@ -20,14 +20,14 @@ def trace_job(payload: bytes) -> bytes:
     (remembered by the store as the job's failure) for one this process cannot trace as the
     program would."""
     doc = json.loads(payload)
-    if type(doc) is not list or len(doc) != 11 or doc[0] != _RECORD_FORMAT or doc[1] != "capture":
+    if type(doc) is not list or len(doc) != 12 or doc[0] != _RECORD_FORMAT or doc[1] != "capture":
         raise _Decline("format", "not a capture's record document")
-    _, _, who, backend, _, names, tensors, nodes, state, functorch, fallback_random = doc
+    _, _, who, backend, _, names, tensors, nodes, state, functorch, fallback_random, dropout = doc
     if any(t[5] != "cpu" for t in tensors):
         raise _Decline("device", "a trace job takes cpu graphs")
     gm = _graph_module(names, tensors[:len(names)], nodes)
     inputs = [_tensor(t) for t in tensors[len(names):]]
-    options = types.SimpleNamespace(backend=backend, device="cpu")
+    options = types.SimpleNamespace(backend=backend, device="cpu", dropout=dropout)
     current = torch._functorch.config.get_config_copy()
     with torch.set_grad_enabled(bool(state.get("grad_mode"))), \
             torch._functorch.config.patch({k: v for k, v in functorch.items() if current.get(k) != v}), \

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fuser.window import Window
 
-from . import _gc, _heap, _patches, _state
+from . import _dropout, _gc, _heap, _patches, _state
 from ._eager import _eager, _reason_for_unrecordable, _touches_target, run_untouched
 from ._flush import _poison, _release, apply_frees, flush
 from ._metrics import METRICS
@@ -96,6 +96,7 @@ def _random_fill(st: TracerState, f, args, kwargs):
 _native_dropout = torch.ops.aten.native_dropout.default
 _lift_fresh = torch.ops.aten.lift_fresh.default
 _bernoulli_ = torch.ops.aten.bernoulli_.float
+_add = torch.ops.aten.add.Tensor
 _mul = torch.ops.aten.mul.Tensor
 _mul_scalar_ = torch.ops.aten.mul_.Scalar
 
@@ -109,7 +110,8 @@ def _dropout_now(st: TracerState, args, kwargs):
     if train is False or not _on_target(st, x) or x.numel() == 0:
         return None
     host = x.device.type in _HOST_DRAWN_DROPOUT
-    if host:
+    compiled = st.options.dropout == "compiled" and (host or x.is_contiguous())
+    if host or compiled:
         if not 0.0 < p < 1.0 or not x.is_floating_point():
             return None
     elif x.device.type not in _CPU_KERNEL_DEVICES or not _dense(x):
@@ -117,6 +119,8 @@ def _dropout_now(st: TracerState, args, kwargs):
     o = getattr(x, "_ae", None)
     if o is not None and o.win is not st.window.token:
         _check_elsewhere(x, o)  # before the draw: the op is dispatched again after that window ran
+    if compiled:
+        return _dropout_compiled(st, x, p, host)
     METRICS.ops_eager += 1
     METRICS.launches += 1  # the draw on the device, or the host-drawn mask's copy onto it
     if host:
@@ -128,6 +132,22 @@ def _dropout_now(st: TracerState, args, kwargs):
     _bernoulli_(mask, p1m)
     out = _record_made(st, facts_for(_mul), (x, mask))
     return _record_made(st, facts_for(_mul_scalar_), (out, 0.0 if p1m == 0 else 1.0 / p1m)), mask
+
+
+def _dropout_compiled(st: TracerState, x, p: float, host: bool):
+    """``native_dropout`` with its mask computed by recorded ops (Note [Dropout in the compiled
+    code] in _dropout), the device's state advanced by one."""
+    state, made = _dropout.current_state(x.device)
+    if made:
+        METRICS.ops_eager += 1
+        METRICS.launches += 1  # the state's copy onto the device
+    mask = _dropout.keep_mask(lambda op, a, kw: _record_made(st, facts_for(op), a, kw or None), state, x.shape, p, 0,
+                              x.device)
+    _dropout.advance(x.device, _record_made(st, facts_for(_add), (state, 1)))
+    out = _record_made(st, facts_for(_mul), (x, mask))
+    if host:
+        return _record_made(st, facts_for(_mul), (out, _host_dropout_scale(p, x.dtype))), mask
+    return _record_made(st, facts_for(_mul_scalar_), (out, 1.0 / (1.0 - p))), mask
 
 
 def _record_made(st: TracerState, f, args, kwargs=None):

@@ -38,6 +38,7 @@ CACHE_SHARING = SHARING
 # in fuser.regions): each value turns on its tier and every one below it. Replay, the tier below
 # them all, is ``backend='replay'``: one spelling for running every window op by op.
 TIERS = ("regions", "hot", "capture")
+DROPOUT = ("eager", "compiled")  # adaptive_eager._dropout.MODES
 
 
 class ConfigError(AdaptiveEagerError, ValueError):
@@ -62,6 +63,7 @@ class Options:
     workers: bool = False  # child processes record too: Note [Worker processes]
     emulate: bool = False  # a neuron device backed by CPU memory: adaptive_eager.neuron_emulation
     tiers: str = "capture"  # the highest of TIERS a window or call may reach
+    dropout: str = "eager"  # DROPOUT: eager's masks, or masks computed in the compiled code (Note [Dropout in the compiled code] in _dropout)
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
@@ -157,7 +159,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
               "`regions` (a window seen `hot_after` times runs compiled), `hot` (+ a window whose structure runs "
               "compiled is recorded against it, not in full), `capture` (default; + a hot outermost `nn.Module` "
               "call and a hot `optimizer.step()` run as one call guarded by TorchDynamo, compiled in background "
-              "workers and kept in the cache); `backend='replay'` runs every window op by op"),
+              "workers and kept in the cache)"),
+    "dropout": (_parse_choice(DROPOUT), "`eager` (default): eager's masks; `compiled`: masks made in the compiled "
+                "code, eager's distribution, not its numbers (docs/trainium.md)"),
     "compile_after_exit_s": (_parse_seconds, "seconds a background compile may go on after the program exits, "
                              "to land in the cache (default 300; 0: stop it at exit)"),
     "log": (_parse_choice(LOG_LEVELS), "level of the `adaptive_eager` logger: `warning` (default), `info` (every "
@@ -405,6 +409,9 @@ def _check_types(values: dict[str, Any]) -> None:
             raise ConfigError(f"option {name}={values[name]!r}: expected True or False")
     if "tiers" in values and values["tiers"] not in TIERS:
         raise ConfigError(f"option tiers={values['tiers']!r}: expected one of {', '.join(TIERS)}")
+    if "dropout" in values and values["dropout"] not in DROPOUT:
+        raise ConfigError(f"option dropout={values['dropout']!r}: expected one of {', '.join(DROPOUT)}"
+                          + _closest(str(values["dropout"]), DROPOUT))
 
 
 def entry_options(base: Options | None, install_emulation, **overrides: Any) -> Options:

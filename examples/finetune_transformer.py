@@ -140,7 +140,11 @@ def main() -> None:
           f"{m['compiles']} regions compiled in {m['compile_seconds']} s, {m['cache_hits_disk']} loaded from the cache")
     # Compiled regions round differently from eager's kernels; over a few hundred steps the two
     # runs stay within a loose tolerance (a larger gap would mean wrong values, not rounding).
-    if not math.isclose(eager_loss, lazy_loss, rel_tol=1e-2, abs_tol=1e-3):
+    # With dropout='compiled' the masks are other random numbers: the runs are not comparable so.
+    if ae.config.setting("dropout") == "compiled" and args.device != "cpu":
+        print("dropout='compiled' (NEURON_EAGER_DROPOUT): dropout's masks are not eager's numbers, so the two "
+              "final losses are not compared")
+    elif not math.isclose(eager_loss, lazy_loss, rel_tol=1e-2, abs_tol=1e-3):
         raise SystemExit("adaptive eager's final loss differs from eager's beyond rounding")
     print()
     print(ae.report())

@@ -89,7 +89,7 @@ LAYERS = (
     ("facts and settings", {"errors", "reasons", "config", "_source", "_log", "_args", "_signatures",
                             "_kernel_warnings", "_period", "_gc", "_heap", "_metrics", "_overlap", "_meta_disk",
                             "_meta"}),
-    ("ops and hot templates", {"_data_checks", "_ops", "_emit", "_hot"}),
+    ("ops and hot templates", {"_data_checks", "_ops", "_dropout", "_emit", "_hot"}),
     ("per-thread state", {"_state", "_cores"}),
     ("flushing", {"_flush"}),
     ("other threads' values", {"_threads"}),

@@ -247,6 +247,17 @@ def test_the_readme_is_short_and_every_link_of_the_docs_exists():
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
 
 
+def test_dropout_is_eagers_by_default_and_a_wrong_value_names_the_closest():
+    """``dropout='compiled'`` is opt-in (Note [Dropout in the compiled code] in adaptive_eager._dropout)."""
+    assert load_options({}).dropout == "eager"
+    assert load_options({"NEURON_EAGER_DROPOUT": "Compiled"}).dropout == "compiled"
+    with pytest.raises(ConfigError, match=r"option dropout='compile': expected one of eager, compiled; "
+                                          r"did you mean 'compiled'\?"):
+        load_options({}, dropout="compile")
+    with pytest.raises(ConfigError, match=r"option dropout=True: expected one of eager, compiled"):
+        load_options({}, dropout=True)
+
+
 def test_tiers_is_one_ladder_and_the_booleans_it_replaced_name_its_value(monkeypatch):
     """``tiers`` turns each tier on with the ones below it; ``hot_windows``, ``module_capture`` and
     ``optimizer_capture`` are refused whatever their value, keyword and environment alike, with

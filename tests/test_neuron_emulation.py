@@ -324,6 +324,65 @@ def test_a_forward_with_dropout_is_captured_on_the_device_with_eagers_masks(tmp_
 
 
 @needs_stablehlo
+def test_dropout_compiled_makes_its_masks_in_the_executables(tmp_path):
+    """Note [Dropout in the compiled code] in adaptive_eager._dropout: with ``dropout='compiled'`` a
+    steady training step with dropout is the forward, the backward and the optimizer step, as the
+    device counts them: no mask drawn on the host or copied (4 launches with eager's masks, above).
+    The captured call, the hot window (``tiers='hot'``) and the op-by-op run (``backend='replay'``)
+    make the same masks from the same seed, train to the same parameters, restart at
+    ``torch.manual_seed`` and leave the program's generator untouched; the masks keep ``1 - p`` of
+    the elements, independently from one draw to the next."""
+    out = _child("""
+        import json
+        ne.emulate_neuron()
+
+        def run(**options):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.GELU(),
+                                        torch.nn.Linear(16, 4), torch.nn.Dropout(0.3)).to("neuron")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).to("neuron") for i in range(6)]
+            torch.manual_seed(5)
+            outs, rows = [], []
+            with ae.adaptive_eager(hot_after=1, async_compile=False, dropout="compiled", **options):
+                for x in xs:
+                    m0, d0, x0 = ae.metrics()["launches"], ne.launches(), ne.executables_run()
+                    opt.zero_grad()
+                    y = model(x)
+                    (y ** 2).mean().backward()
+                    opt.step()
+                    ae.sync()
+                    rows.append((ae.metrics()["launches"] - m0, ne.launches() - d0, ne.executables_run() - x0))
+                    outs.append(y.detach().cpu())
+            return outs, torch.rand(3), rows, [p.detach().cpu() for p in model.parameters()]
+
+        captured, again, hot, replay = run(), run(), run(tiers="hot"), run(backend="replay")
+        torch.manual_seed(5)
+        fresh = torch.rand(3)
+        with ae.adaptive_eager(dropout="compiled"):
+            kept = [(torch.nn.functional.dropout(torch.ones(1000, 1000, device="neuron"), 0.25) != 0).cpu()
+                    for _ in range(3)]
+        report = {
+            "masks": [all(torch.equal(a == 0, b == 0) for a, b in zip(captured[0], r[0])) for r in (again, hot, replay)],
+            "zeros": sum(int((y == 0).sum()) for y in captured[0]),
+            "close": [all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(captured[0] + captured[3], r[0] + r[3]))
+                      for r in (again, hot, replay)],
+            "generator": all(torch.equal(r[1], fresh) for r in (captured, hot, replay)),
+            "rows": captured[2][3:], "hot_rows": hot[2][3:],
+            "kept": [k.float().mean().item() for k in kept],
+            "agree": [(a == b).float().mean().item() for a, b in zip(kept, kept[1:])]}
+        print(json.dumps(report))
+        """, tmp_path)
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert r["masks"] == [True, True, True] and r["close"] == [True, True, True] and r["generator"], r
+    assert 15 < r["zeros"] < 60, r  # 6 outputs of 20 elements, each dropped with probability 0.3: 36 +- 5
+    assert all(row == [3, 3, 3] for row in r["rows"]), r
+    assert all(row == [1, 1, 1] for row in r["hot_rows"]), r  # the whole step one window
+    assert all(abs(k - 0.75) < 0.005 for k in r["kept"]), r  # 0.75 +- 4.3e-4 per draw of 1e6
+    assert all(abs(a - 0.625) < 0.005 for a in r["agree"]), r  # 0.75**2 + 0.25**2 if independent
+
+
+@needs_stablehlo
 def test_unsafe_split_aliases_its_input_in_eager_and_compiled_as_on_cpu(tmp_path):
     """Note [Emulated aliases]: unsafe_split / unsafe_chunk results share the input's storage on
     cpu and in a compiled region; the emulated device's plain eager gave them storages of their own."""
