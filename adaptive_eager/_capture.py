@@ -1178,6 +1178,8 @@ def _masks_drawn_by_the_call(gm, options) -> list:
         if not isinstance(val, torch.Tensor) or train is not True or not 0 < p < 1 or val.numel() == 0:
             raise _Decline("random", f"{node.target} p={p} train={train}")
         out_val = node.meta["val"][0]
+        if compiled and val.numel() >= _dropout.MAX_NUMEL:
+            raise _Decline("random", f"{node.target}: a mask of {val.numel()} elements, computed in int32")
         if compiled:  # Note [Dropout in the compiled code] in _dropout: the mask from the state input
             if state is None:
                 with graph.inserting_after(last):

@@ -35,11 +35,13 @@ import torch
 # mask k from ``state + k`` and writes ``state + n`` back in place; so the hot window, the
 # captured call and the op-by-op run make the same masks from the same seed.
 # Only ``native_dropout`` is drawn so, the op a device with a fused dropout kernel (``neuron``,
-# ``cuda``) dispatches (a strided input on ``cuda`` keeps eager's kernel); on cpu ``F.dropout`` is
+# ``cuda``) dispatches (a strided input on ``cuda``, and an input of 2**31 elements or more, whose
+# index would not fit in int32, keep eager's masks); on cpu ``F.dropout`` is
 # a ``bernoulli_`` fill, drawn as eager draws it, and a captured call on cpu draws as eager too.
 # Measured (benchmarks/neuron_launches.py, RESULTS.md): the stock GPT-2 and BERT with dropout 0.1
 # make 3 launches a step on the emulated device, against 4 with eager's masks.
 MODES = ("eager", "compiled")
+MAX_NUMEL = 1 << 31  # an int32 index per element: a larger input's mask is eager's
 _MASK_BITS = 24
 _GOLDEN = -1640531527  # 0x9E3779B9 as an int32
 _M1 = 0x7FEB352D

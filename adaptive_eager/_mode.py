@@ -110,7 +110,7 @@ def _dropout_now(st: TracerState, args, kwargs):
     if train is False or not _on_target(st, x) or x.numel() == 0:
         return None
     host = x.device.type in _HOST_DRAWN_DROPOUT
-    compiled = st.options.dropout == "compiled" and (host or x.is_contiguous())
+    compiled = st.options.dropout == "compiled" and (host or x.is_contiguous()) and x.numel() < _dropout.MAX_NUMEL
     if host or compiled:
         if not 0.0 < p < 1.0 or not x.is_floating_point():
             return None

@@ -331,7 +331,8 @@ def test_dropout_compiled_makes_its_masks_in_the_executables(tmp_path):
     The captured call, the hot window (``tiers='hot'``) and the op-by-op run (``backend='replay'``)
     make the same masks from the same seed, train to the same parameters, restart at
     ``torch.manual_seed`` and leave the program's generator untouched; the masks keep ``1 - p`` of
-    the elements, independently from one draw to the next."""
+    the elements, independently from one draw to the next; an input too large for int32 indices
+    keeps eager's mask."""
     out = _child("""
         import json
         ne.emulate_neuron()
@@ -362,7 +363,15 @@ def test_dropout_compiled_makes_its_masks_in_the_executables(tmp_path):
         with ae.adaptive_eager(dropout="compiled"):
             kept = [(torch.nn.functional.dropout(torch.ones(1000, 1000, device="neuron"), 0.25) != 0).cpu()
                     for _ in range(3)]
+        from adaptive_eager import _dropout
+        _dropout.MAX_NUMEL = 100  # a larger input's mask is eager's: here 2500 elements
+        big = []
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(7)
+            with ae.adaptive_eager(dropout=mode):
+                big.append(torch.nn.functional.dropout(torch.ones(50, 50, device="neuron"), 0.5).cpu())
         report = {
+            "big": torch.equal(big[0], big[1]),
             "masks": [all(torch.equal(a == 0, b == 0) for a, b in zip(captured[0], r[0])) for r in (again, hot, replay)],
             "zeros": sum(int((y == 0).sum()) for y in captured[0]),
             "close": [all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(captured[0] + captured[3], r[0] + r[3]))
@@ -374,7 +383,7 @@ def test_dropout_compiled_makes_its_masks_in_the_executables(tmp_path):
         print(json.dumps(report))
         """, tmp_path)
     r = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
-    assert r["masks"] == [True, True, True] and r["close"] == [True, True, True] and r["generator"], r
+    assert r["masks"] == [True, True, True] and r["close"] == [True, True, True] and r["generator"] and r["big"], r
     assert 15 < r["zeros"] < 60, r  # 6 outputs of 20 elements, each dropped with probability 0.3: 36 +- 5
     assert all(row == [3, 3, 3] for row in r["rows"]), r
     assert all(row == [1, 1, 1] for row in r["hot_rows"]), r  # the whole step one window
