@@ -1160,7 +1160,7 @@ def _masks_drawn_by_the_call(gm, options) -> list:
         if node.op == "placeholder":
             last = node
     # on cpu ``F.dropout`` is eager's ``bernoulli_`` fill in a window, so a captured call draws as eager too
-    compiled = getattr(options, "dropout", "eager") == "compiled" and options.device != "cpu"
+    compiled = options.dropout == "compiled" and options.device != "cpu"
     state = None
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
@@ -1189,10 +1189,10 @@ def _masks_drawn_by_the_call(gm, options) -> list:
             with graph.inserting_before(node):
                 mask = _dropout.keep_mask(functools.partial(_node, graph, val.fake_mode), state, tuple(val.shape),
                                           float(p), len(draws), val.device)
-        with val.fake_mode:  # eager's draw is on ``empty_like(input)``: its layout, not the input's
-            layout = torch.empty(val.shape, dtype=val.dtype, device=val.device) if host else torch.empty_like(val)
-            mask_val = torch.empty_like(layout, dtype=torch.bool)
-        if not compiled:
+        else:
+            with val.fake_mode:  # eager's draw is on ``empty_like(input)``: its layout, not the input's
+                layout = torch.empty(val.shape, dtype=val.dtype, device=val.device) if host else torch.empty_like(val)
+                mask_val = torch.empty_like(layout, dtype=torch.bool)
             with graph.inserting_after(last):
                 mask = last = graph.placeholder(f"dropout_mask_{len(draws)}")
             mask.meta["val"] = mask_val
@@ -1208,7 +1208,7 @@ def _masks_drawn_by_the_call(gm, options) -> list:
             else:
                 raise _Decline("random", "native_dropout read whole")
         graph.erase_node(node)
-        draws.append((tuple(layout.shape), tuple(layout.stride()), val.dtype, float(p)))
+        draws.append(None if compiled else (tuple(layout.shape), tuple(layout.stride()), val.dtype, float(p)))
     if state is not None:  # advanced by the masks drawn, in place as a BatchNorm's statistics are
         with graph.inserting_before(graph.output_node()):
             _node(graph, state.meta["val"].fake_mode, torch.ops.aten.copy_.default,
@@ -1462,7 +1462,7 @@ def _record_doc(gm, example_inputs, options, who: str) -> bytes:
                  if v is None or type(v) in (bool, int, float, str)}
     fingerprint = cache_fingerprint(get_backend(options.backend, options.device))
     doc = [_RECORD_FORMAT, "capture", who, options.backend, fingerprint, list(attrs), tensors, nodes, state,
-           functorch, bool(torch._inductor.config.fallback_random), getattr(options, "dropout", "eager")]
+           functorch, bool(torch._inductor.config.fallback_random), options.dropout]
     return json.dumps(doc, sort_keys=True).encode()
 
 
