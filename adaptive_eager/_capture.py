@@ -274,18 +274,44 @@ def _fail_on_recompile():
     return DynamoStance("fail_on_recompile", False, None)
 
 
+# what ``eval_frame._set_stance`` reads and sets in the torch versions we know: one check, one global
+_SET_STANCE_NAMES = frozenset({"torch._C._dynamo.eval_frame", "get_eval_frame_callback", "RuntimeError", "_stance"})
+
+
+@functools.cache
+def _stance_parts():
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    from torch._dynamo import eval_frame
+
+    known = hasattr(eval_frame, "_stance") and set(eval_frame._set_stance.__code__.co_names) <= _SET_STANCE_NAMES
+    return eval_frame, get_eval_frame_callback, known
+
+
+def swap_stance(stance):
+    """``eval_frame._set_stance(stance)`` (returns the prior stance) without its import at each call:
+    ~2 us of each of the four calls a captured step makes (benchmarks/RESULTS.md, session 45). The
+    same check first: no stance is set inside a torch.compile region. A torch whose function does
+    more than that gets its function."""
+    eval_frame, callback, known = _stance_parts()
+    if not known:
+        return eval_frame._set_stance(stance)
+    current = callback()
+    if current is not False and current is not None:
+        raise RuntimeError("attempted to set_stance in a torch.compile region")
+    prior, eval_frame._stance = eval_frame._stance, stance
+    return prior
+
+
 def _run(st, module, cap: _Cap, args, kwargs):
     global _BUSY
     if st.window.nodes:
         flush(st, "module_capture")  # its inputs may be pending
-    from torch._dynamo.eval_frame import _set_stance
-
     if traced_elsewhere():
         _miss("traced_elsewhere", module, 3)
         return _recorded(module, args, kwargs)
     recapture = False
     while True:
-        prior = None if recapture else _set_stance(_fail_on_recompile())
+        prior = None if recapture else swap_stance(_fail_on_recompile())
         busy, _BUSY = _BUSY, True
         try:
             with _modes_off():
@@ -316,7 +342,7 @@ def _run(st, module, cap: _Cap, args, kwargs):
         finally:
             _BUSY = busy
             if prior is not None:
-                _set_stance(prior)
+                swap_stance(prior)
             if recapture:
                 trace_done()
         # Note [Captured modules]: a miss runs recorded; the same cause missing again recaptures
@@ -573,8 +599,44 @@ def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
             stack.enter_context(torch._guards.tracing(context))
         stack.enter_context(torch._functorch.config.patch(force_non_lazy_backward_lowering=whole))
         compiled = aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=forward,
-                                decompositions=decompositions, keep_inference_input_mutations=True)(gm, example_inputs)
+                                decompositions=decompositions, keep_inference_input_mutations=True,
+                                partition_fn=_partition_fn(options))(gm, example_inputs)
     return compiled, graphs, context.fw_metadata
+
+
+# Note [The forward and backward partition]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With ``inductor``, a captured forward and backward are split as ``torch.compile`` splits them
+# for Inductor: AOTAutograd's min-cut partitioner, which saves fewer tensors for the backward and
+# recomputes what is cheap to recompute inside the backward's fused kernels. AOTAutograd's default
+# (``default_partition``, which ``aot_autograd`` falls back to) saved every intermediate the
+# backward reads, a transposed weight, and one tensor twice: the recurrent cell of
+# ``benchmarks/user_step.py`` saved 66 tensors where ``torch.compile`` saves 36, each one packed by
+# the forward and unpacked by the backward at every step (``save_for_backward``,
+# ``saved_tensors``), 30-45 us of its 1.6 ms step (benchmarks/RESULTS.md, session 45).
+# Not for a graph with a convolution: Inductor runs convolutions channels-last, and
+# ``torch.compile``, which compiles the backward after the forward, gives the backward the saved
+# tensors in the layout the forward made them. Our forward and backward are compiled apart, and
+# exchange the saved tensors in eager's layout, so the forward converts each one it saves;
+# min-cut saved the convolution's output before the batch norm instead of after it, and the small
+# CNN's forward took 1.9 ms where it took 1.3 (``torch.compile``'s: 0.95). So such a graph keeps the
+# default partition. The StableHLO and Neuron lowerings keep it too: XLA and neuronx-cc decide
+# their own rematerialization, and a graph's inputs there are device buffers.
+_CONVOLUTIONS = frozenset({torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default})
+
+
+def _partition_fn(options):
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    if options.backend != "inductor":
+        return default_partition
+
+    def partition(joint, joint_inputs, **kwargs):
+        if any(n.op == "call_function" and n.target in _CONVOLUTIONS for n in joint.graph.nodes):
+            return default_partition(joint, joint_inputs, **kwargs)
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+
+    return partition
 
 
 # Note [Traces off the step]
@@ -1396,7 +1458,7 @@ def _program(gm):
 # the wrapper's (``copy_``/``as_strided_`` after the call): declined, not recorded. The forward
 # Program's written slots must be AOTAutograd's in-graph ones (else ``written_input_plan``).
 # A record's graph runs op by op (its Program, ``_Graph._eager``) until its artifact is loaded.
-_RECORD_FORMAT = 3
+_RECORD_FORMAT = 4
 
 
 def _record_key(gm, example_inputs, options, who: str) -> str:

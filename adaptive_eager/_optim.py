@@ -23,7 +23,9 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._capture import _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, at_once, traced_elsewhere
+from ._capture import (
+    _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, at_once, capturable_backend, swap_stance, traced_elsewhere,
+)
 from ._flush import _modes_off, flush
 from ._log import log
 from ._metrics import METRICS
@@ -231,8 +233,6 @@ def _step(st, opt, raw):
     cap = _captures.get(opt)
     if cap is None:
         cap = _captures[opt] = _Capture()
-    from ._capture import capturable_backend
-
     backend = _DYNAMO_BACKENDS.get(st.options.backend)
     # a Dynamo backend of a test's own (not ours) compiles for cpu and cuda
     if backend is None or not (capturable_backend(st.options) if backend == _OURS
@@ -273,9 +273,7 @@ def _step(st, opt, raw):
         return raw(opt)
     if st.window.nodes:
         flush(st, "optimizer_step")
-    from torch._dynamo.eval_frame import _set_stance
-
-    prior = _set_stance(_fail_on_recompile())
+    prior = swap_stance(_fail_on_recompile())
     try:
         with _modes_off(), _grad_mode(opt):  # the flush's: torch's costs ~5-40 us a call
             out = cap.fn()
@@ -298,7 +296,7 @@ def _step(st, opt, raw):
         park(st)  # Note [The mode parked between captured calls] in _state
         return out
     finally:
-        _set_stance(prior)
+        swap_stance(prior)
     METRICS.optimizer_misses[miss] += 1
     cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
     if miss == "param_group":

@@ -6,6 +6,7 @@ tests of guards run the captured graphs op by op (``_uncompiled``): what they ch
 guards and the fallback, not Inductor.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -117,6 +118,114 @@ def test_training_matches_eager_with_forward_and_backward_compiled(tmp_path):
     assert m["module_compiled_runs"] == 2 * (steps - RECORDED), m
     assert m["module_uncompiled_runs"] == 0
     assert m["module_capture_misses"] == {}
+
+
+class _Recurrence(nn.Module):
+    """A recurrent cell unrolled in its forward (benchmarks/user_step.py's), over ``steps`` rows."""
+
+    def __init__(self, steps=6):
+        super().__init__()
+        self.steps = steps
+        self.inp, self.hid, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, xs):
+        h = torch.zeros(3, 8)
+        for t in range(self.steps):
+            h = torch.tanh(self.inp(xs[t]) + self.hid(h))
+        return self.out(h)
+
+
+def _saved(partition_fn, module, x):
+    """How many tensors AOTAutograd's forward saves for the backward of ``module(x).sum()`` split by
+    ``partition_fn``."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    saved = []
+
+    def forward(gm, _):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        saved.append(len(outputs) - 1)  # one user output
+        return gm
+
+    def backward(gm, _):
+        return gm
+
+    class _Tupled(nn.Module):  # aot_module_simplified takes a graph with tuple outputs
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x):
+            return (self.inner(x),)
+
+    gm = torch.fx.symbolic_trace(_Tupled())
+    aot_module_simplified(gm, [x], fw_compiler=forward, bw_compiler=backward, partition_fn=partition_fn)
+    return saved[0]
+
+
+def test_captured_graphs_are_split_as_torch_compile_splits_them_but_around_convolutions():
+    """Note [The forward and backward partition] in adaptive_eager._capture: with Inductor, the
+    min-cut partition (fewer saved tensors: a recurrence saves neither a weight's transpose nor a
+    tensor twice); the default one where the graph has a convolution, and on the other backends."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    from adaptive_eager.config import Options
+
+    torch.manual_seed(0)
+    cell, xs = _Recurrence(), torch.randn(6, 3, 4)
+    ours = _capture._partition_fn(Options(device="cpu", backend="inductor"))
+    assert _saved(ours, cell, xs) < _saved(default_partition, cell, xs)
+    assert _capture._partition_fn(Options(backend="stablehlo", device="neuron")) is default_partition
+    # a graph where min-cut would save one tensor fewer: here the default's count
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    image = torch.randn(2, 3, 8, 8)
+    min_cut = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    assert _saved(ours, conv, image) == _saved(default_partition, conv, image) > _saved(min_cut, conv, image)
+
+
+def test_the_stance_is_set_as_dynamos_set_stance_sets_it(monkeypatch):
+    """``_capture.swap_stance``: Dynamo's stance for a captured call, as ``eval_frame._set_stance``
+    sets it; a torch whose function does more gets its function."""
+    from torch._dynamo import eval_frame
+
+    stance = _capture._fail_on_recompile()
+    prior = _capture.swap_stance(stance)
+    try:
+        assert eval_frame._stance is stance
+    finally:
+        assert _capture.swap_stance(prior) is stance
+    assert eval_frame._stance is prior
+    calls = []
+
+    def other_set_stance(new):
+        calls.append(new)  # a name the known function does not use
+        return prior
+
+    monkeypatch.setattr(eval_frame, "_set_stance", other_set_stance)
+    _capture._stance_parts.cache_clear()
+    try:
+        assert _capture.swap_stance(stance) is prior and calls == [stance]
+    finally:
+        monkeypatch.undo()
+        _capture._stance_parts.cache_clear()
+
+
+def test_a_recurrent_cell_trains_as_eager_with_its_graphs_compiled(tmp_path):
+    """The min-cut partition recomputes in the backward what the forward no longer saves: eager's
+    values within compiled tolerances, every call compiled."""
+    steps = 6
+    torch.manual_seed(2)
+    xs = [torch.randn(5, 3, 4) for _ in range(steps)]
+
+    def cell():
+        torch.manual_seed(0)
+        return _Recurrence(5)
+
+    eager = _train(cell(), xs, False)
+    lazy = _train(cell(), xs, True, async_compile=False, cache_dir=str(tmp_path))
+    _assert_same(eager, lazy)
+    m = ae.metrics()
+    assert m["module_compiled_runs"] == 2 * (steps - RECORDED) and m["module_uncompiled_runs"] == 0, m
 
 
 def test_inductors_loss_window_and_backward_run_apart(tmp_path):

@@ -135,6 +135,14 @@ _CONFIG = {
     # Note [No size asserts]: a static artifact's inputs have the shapes and strides it was compiled
     # for (a symbolic compile turns them back on: ``_run_inductor``).
     "size_asserts": False,
+    # Our graphs reach Inductor as inference graphs (detached inputs), for which it moves each
+    # node's producers next to it (``reorder_for_locality``, a post-grad pass it runs for inference
+    # graphs only). On a graph that returns many values (a captured forward's saved activations, a
+    # window's live results) it hoisted all 16 input projections of the recurrent cell of
+    # ``benchmarks/user_step.py`` ahead of the recurrence, an order ``torch.compile``'s training
+    # forward does not have; that forward ran 30-40 us (7%) slower inside the training step
+    # (benchmarks/RESULTS.md, session 45). So the graph keeps its program order, as a training graph does.
+    "reorder_for_locality": False,
 }
 
 
