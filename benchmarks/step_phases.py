@@ -76,9 +76,12 @@ def measure(name: str, rounds: int, steps: int) -> None:
     for v in variants:
         v.run(30)
     start = time.time()
-    while (adaptive.compiled_at is None or compiling()) and time.time() - start < 300:
+    quiet = 0  # checks in a row with the step compiled and no compile running: a compile the step
+    # submits only once another landed (a backward's for its forward's layouts) starts in between
+    while quiet < 2 and time.time() - start < 300:
         adaptive.run(10)
         time.sleep(0.2)
+        quiet = quiet + 1 if adaptive.compiled_at is not None and not compiling() else 0
     if adaptive.compiled_at is None:
         print(f"{name}: adaptive eager not compiled after {time.time() - start:.0f} s; skipped")
         return
