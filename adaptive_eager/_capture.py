@@ -1071,7 +1071,8 @@ class _Graph:
         program = copy.copy(self.source)
         # a view of an input in another layout may need a copy: the same values, and the same graph
         # where it does not (``reshape`` traces as ``view`` there)
-        program.ops = [(_RESHAPE if func in _VIEWS else func, args, kwargs, outs) for func, args, kwargs, outs in program.ops]
+        program.ops = [(_RESHAPE if func in _VIEWS else func, args, kwargs, outs)
+                       for func, args, kwargs, outs in program.ops]
         program.inputs = [(shape, layouts[j], dtype, device) if j in layouts else (shape, stride, dtype, device)
                           for j, (shape, stride, dtype, device) in enumerate(program.inputs)]
         variant = _Graph(None, None, self.kind, self.options, self.who, {
@@ -1083,7 +1084,7 @@ class _Graph:
         return variant
 
     def _as_traced(self, args, strides: dict):
-        """``args`` with those ``strides`` names in those strides (a copy each, where not already)."""
+        """``args`` with the inputs ``strides`` names in those strides (a copy each, where not already)."""
         out = None
         for j, stride in strides.items():
             a = args[j]
