@@ -11,7 +11,6 @@ region's, are in ``neff_cache``, and compiled from then on.
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
 import json
@@ -615,37 +614,15 @@ def _aot_trace(gm, example_inputs, options, who: str, whole: bool):
 # ``benchmarks/user_step.py`` saved 66 tensors where ``torch.compile`` saves 36, each one packed by
 # the forward and unpacked by the backward at every step (``save_for_backward``,
 # ``saved_tensors``), 30-45 us of its 1.6 ms step (benchmarks/RESULTS.md, session 45).
-# Graphs with convolutions too, since their saved tensors keep Inductor's layout (Note [Saved
-# tensors in Inductor's layout]): before, min-cut saved a convolution's output before its batch norm,
-# which the forward then converted to eager's layout, and the small CNN's forward took 1.9 ms where
-# it took 1.3. The StableHLO and Neuron lowerings keep the default partition: XLA and neuronx-cc
-# decide their own rematerialization, and a graph's inputs there are device buffers.
-
-
-# Note [Saved tensors in Inductor's layout]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Inductor runs a graph with convolutions channels-last (``layout_optimization``). Its outputs
-# come back in eager's layout, converted, unless they are not "user visible": ``torch.compile``
-# lets a training forward return the tensors it saves in the layout it made them, and compiles
-# the backward after the forward, for those layouts (AOTAutograd's ``fwd_output_strides``).
-# Our forward and backward compile apart, in a worker, each under a key of its own, so they
-# exchanged them in eager's layout: the small CNN's captured forward spent ~30% more than
-# ``torch.compile``'s, and twice as much in ``torch.compile``'s own forward made to return eager's
-# layouts (benchmarks/RESULTS.md, session 46). Now:
-# - A captured forward's outputs that only its backward reads (``Program.shared``) are left to
-#   Inductor (``fuser.backends.inductor``: not user visible, compiled as a training forward,
-#   which is also another key in Inductor's own graph cache); the artifact lists the strides it
-#   returns them in where not eager's (``layouts``, from the compiled graph's ``output_strides``).
-# - The backward's inputs from its forward's compiled run are in those strides
-#   (``saved_layouts``): they go to a variant of the backward, the same program with those
-#   inputs so laid out (and ``reshape`` for ``view``, which another layout may not allow),
-#   compiled and kept under its own key. Until it is compiled, the backward compiled for eager's
-#   layout runs on the inputs copied into it (a warm process's first steps, whose forward loads
-#   at once); op by op, every graph runs on the inputs in the strides they were traced with.
-# - Inputs in any other layout (a forward run op by op) are put back in the traced strides.
-# A worker that compiles a record's graphs after the program exited (Note [Follow-up compiles
-# after exit] in neff_cache._worker) compiles the backward for eager's layout only: its variant
-# compiles in the next process, which meanwhile runs the other compiled.
+# Not for a graph with a convolution: Inductor runs convolutions channels-last, and
+# ``torch.compile``, which compiles the backward after the forward, gives the backward the saved
+# tensors in the layout the forward made them. Our forward and backward are compiled apart, and
+# exchange the saved tensors in eager's layout, so the forward converts each one it saves;
+# min-cut saved the convolution's output before the batch norm instead of after it, and the small
+# CNN's forward took 1.9 ms where it took 1.3 (``torch.compile``'s: 0.95). So such a graph keeps the
+# default partition. The StableHLO and Neuron lowerings keep it too: XLA and neuronx-cc decide
+# their own rematerialization, and a graph's inputs there are device buffers.
+_CONVOLUTIONS = frozenset({torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default})
 
 
 def _partition_fn(options):
@@ -654,7 +631,12 @@ def _partition_fn(options):
     if options.backend != "inductor":
         return default_partition
 
-    return functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    def partition(joint, joint_inputs, **kwargs):
+        if any(n.op == "call_function" and n.target in _CONVOLUTIONS for n in joint.graph.nodes):
+            return default_partition(joint, joint_inputs, **kwargs)
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+
+    return partition
 
 
 # Note [Traces off the step]
@@ -907,10 +889,6 @@ class _InterimBackward(torch.autograd.Function):
         return tuple(result)
 
 
-_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
-_RESHAPE = torch.ops.aten.reshape.default
-
-
 def _job_cause(failure: str) -> str:
     """The cause of a worker's declined trace, from its failure's text (``_Decline: cause: detail``)."""
     _, found, rest = failure.partition("_Decline: ")
@@ -964,16 +942,9 @@ class _Graph:
         self.checked = False
         self.next_poll = 0.0
         self.joins = weakref.WeakKeyDictionary()  # window region -> joined regions (Note [Joined runs] in fuser.joined)
-        # Note [Saved tensors in Inductor's layout]: a backward's forward, a forward's user outputs,
-        # the layouts its compiled run saves in (backward input -> strides), a backward's graph
-        # for them, and a graph's inputs to put back in their traced strides before an op-by-op run
-        self.forward, self.n_out, self.saved_layouts, self.variant, self.traced = None, 0, None, None, None
-        self.layouts = None  # a variant's: the forward's saved layouts it was made for
 
     def _eager(self, args):
         """The graph op by op: ``gm`` itself, or for a record's graph its Program."""
-        if self.traced:  # Note [Saved tensors in Inductor's layout]
-            args = self._as_traced(args, self.traced)
         if self.gm is not None:
             return self.gm.forward(*args)
         values = self.source.evaluate(list(args))
@@ -1019,10 +990,6 @@ class _Graph:
                 if req.outs is not None:
                     return self._joined(args, req.outs)
             with _modes_off():
-                forward = self.forward
-                if forward is not None and forward.saved_layouts:  # Note [Saved tensors in Inductor's layout]
-                    graph, args = self._laid_out(args, forward.saved_layouts)
-                    return graph._call(args)
                 return self._call(args)
         if self.draws:
             # Note [Masks drawn by the call]: in the graph's order, before anything of it runs
@@ -1040,61 +1007,6 @@ class _Graph:
             if self.who == "module":
                 METRICS.launches += 1 if device.type in HOST_DRAWN_DROPOUT else len(self.draws)
         return self._call(args)
-
-    def _laid_out(self, args, layouts: dict):
-        """The graph to run on a backward's inputs, and the inputs: those its forward's compiled run
-        saved in Inductor's layouts go to a graph compiled for them (Note [Saved tensors in
-        Inductor's layout]); any other layout is put back in the traced strides."""
-        if all(args[j].stride() == stride for j, stride in layouts.items()):
-            variant = self.variant
-            if variant is None or variant.layouts is not layouts:
-                variant = self.variant = self._restrided(layouts)
-            if variant.program is not None:  # else its compile failed: this graph, the inputs converted
-                run = variant.run
-                if run is None and time.perf_counter() >= variant.next_poll:
-                    run = variant._obtain()  # its load or compile starts
-                # while it compiles, this graph if it runs compiled (a warm process's first steps)
-                if run is not None or self.program is None or self._obtained() is None:
-                    return variant, args
-        return self, self._as_traced(args, {j: self.source.inputs[j][1] for j in layouts})
-
-    def _obtained(self):
-        """The compiled callable if loaded (``_obtain`` when due), else None."""
-        run = self.run
-        if run is None and self.program is not None and time.perf_counter() >= self.next_poll:
-            run = self._obtain()
-        return run
-
-    def _restrided(self, layouts: dict):
-        """This graph with the inputs ``layouts`` names in those strides (Note [Saved tensors in
-        Inductor's layout]): compiled for them, and op by op this graph on them put back."""
-        program = copy.copy(self.source)
-        # a view of an input in another layout may need a copy: the same values, and the same graph
-        # where it does not (``reshape`` traces as ``view`` there)
-        program.ops = [(_RESHAPE if func in _VIEWS else func, args, kwargs, outs)
-                       for func, args, kwargs, outs in program.ops]
-        program.inputs = [(shape, layouts[j], dtype, device) if j in layouts else (shape, stride, dtype, device)
-                          for j, (shape, stride, dtype, device) in enumerate(program.inputs)]
-        variant = _Graph(None, None, self.kind, self.options, self.who, {
-            "program": program, "plan": self.plan, "n_live": self.n_live, "expected": self.expected,
-            "may_write": self.may_write, "ops": self.ops, "draws": []})
-        variant.source = self.source
-        variant.traced = {j: self.source.inputs[j][1] for j in layouts}
-        variant.layouts = layouts
-        return variant
-
-    def _as_traced(self, args, strides: dict):
-        """``args`` with the inputs ``strides`` names in those strides (a copy each, where not already)."""
-        out = None
-        for j, stride in strides.items():
-            a = args[j]
-            if a.stride() != stride:
-                if out is None:
-                    out = list(args)
-                out[j] = torch.empty_strided(a.shape, stride, dtype=a.dtype, device=a.device).copy_(a)
-                if self.who == "module":
-                    METRICS.launches += 1
-        return args if out is None else out
 
     def _joined(self, args, outs):
         """The call's outputs from a joined run's (Note [Joined runs] in fuser.joined)."""
@@ -1187,7 +1099,7 @@ class _Graph:
     def _fail(self, e: Exception) -> None:
         from fuser.compile import _Unverified
 
-        entry, self.run, self.program, self.saved_layouts = self.entry, None, None, None
+        entry, self.run, self.program = self.entry, None, None
         self.uncompiled_graphs["run_failed"] += 1
         if entry is not None and type(entry.run) is _Unverified:
             entry.run.store.discard(entry.pkey, f"its first run failed: {type(e).__name__}: {e}")
@@ -1232,10 +1144,6 @@ class _Graph:
             self.inplace = entry.inplace  # the compile's answer, also for an artifact from disk
             self.checked = type(run) is not _Unverified
             self.run = run.run if type(run) is _Unverified else run
-            layouts = getattr(self.run, "layouts", None)
-            if layouts and self.n_out:  # Note [Saved tensors in Inductor's layout]
-                self.saved_layouts = {i - self.n_out: layouts[how[1]] for i, how in enumerate(self.plan)
-                                      if i >= self.n_out and how is not None and how[0] == "out" and how[1] in layouts}
             return self.run
 
 
@@ -1550,7 +1458,7 @@ def _program(gm):
 # the wrapper's (``copy_``/``as_strided_`` after the call): declined, not recorded. The forward
 # Program's written slots must be AOTAutograd's in-graph ones (else ``written_input_plan``).
 # A record's graph runs op by op (its Program, ``_Graph._eager``) until its artifact is loaded.
-_RECORD_FORMAT = 5
+_RECORD_FORMAT = 4
 
 
 def _record_key(gm, example_inputs, options, who: str) -> str:
@@ -1763,7 +1671,6 @@ def _share_saved(forward: _Graph, backward: _Graph, n_out: int) -> None:
     """Let the forward's outputs that only the backward reads share a buffer where the compiled code
     returns one for several (Note [Repeated outputs] in fuser.backends.inductor): before the
     forward's first compile, and so in its record."""
-    backward.forward, forward.n_out = forward, n_out  # Note [Saved tensors in Inductor's layout]
     program = forward.source
     if backward.source.mutated or forward.entry is not None:
         return  # a backward that writes a saved tensor; or a compile already keyed without it
@@ -1790,8 +1697,6 @@ def _from_record(key: str, gm, options, who: str):
         backward = None
         if "backward" in record:
             backward = _Graph.from_description(record["backward"], "backward", options, who)
-            # Note [Saved tensors in Inductor's layout]
-            backward.forward, forward.n_out = forward, int(record["outputs"])
     except Exception as e:  # noqa: BLE001 - a record that does not decode is traced again, and replaced
         METRICS.capture_records[f"{who}_unreadable"] += 1
         log.info("adaptive_eager: a capture's record does not decode (%s); it is traced again", e)

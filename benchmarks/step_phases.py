@@ -76,8 +76,8 @@ def measure(name: str, rounds: int, steps: int) -> None:
     for v in variants:
         v.run(30)
     start = time.time()
-    quiet = 0  # checks in a row with the step compiled and no compile running: a compile the step
-    # submits only once another landed (a backward's for its forward's layouts) starts in between
+    quiet = 0  # checks in a row with the step compiled and no compile running: a compile that a step
+    # submits only once another landed can start between one check and the timing
     while quiet < 2 and time.time() - start < 300:
         adaptive.run(10)
         time.sleep(0.2)

@@ -163,10 +163,10 @@ def _saved(partition_fn, module, x):
     return saved[0]
 
 
-def test_captured_graphs_are_split_as_torch_compile_splits_them():
+def test_captured_graphs_are_split_as_torch_compile_splits_them_but_around_convolutions():
     """Note [The forward and backward partition] in adaptive_eager._capture: with Inductor, the
     min-cut partition (fewer saved tensors: a recurrence saves neither a weight's transpose nor a
-    tensor twice), also around convolutions; the default one on the other backends."""
+    tensor twice); the default one where the graph has a convolution, and on the other backends."""
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     from adaptive_eager.config import Options
@@ -176,10 +176,11 @@ def test_captured_graphs_are_split_as_torch_compile_splits_them():
     ours = _capture._partition_fn(Options(device="cpu", backend="inductor"))
     assert _saved(ours, cell, xs) < _saved(default_partition, cell, xs)
     assert _capture._partition_fn(Options(backend="stablehlo", device="neuron")) is default_partition
+    # a graph where min-cut would save one tensor fewer: here the default's count
     conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3))
     image = torch.randn(2, 3, 8, 8)
     min_cut = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-    assert _saved(ours, conv, image) == _saved(min_cut, conv, image) < _saved(default_partition, conv, image)
+    assert _saved(ours, conv, image) == _saved(default_partition, conv, image) > _saved(min_cut, conv, image)
 
 
 def test_the_stance_is_set_as_dynamos_set_stance_sets_it(monkeypatch):
@@ -818,41 +819,6 @@ print(json.dumps({{"metrics": ae.metrics(), "traces": len(traces), "losses": los
     _assert_same_cnn(eager, (torch.tensor(warm["losses"]), model, torch.tensor(warm["outs"])))
     versions = warm["versions"]  # after each training call, all captured, and after the last
     assert all(b > a for a, b in zip(versions, versions[1:])), warm["versions"]
-
-
-def test_saved_tensors_go_to_the_backward_in_inductors_layout(tmp_path, monkeypatch):
-    """Note [Saved tensors in Inductor's layout] in adaptive_eager._capture: a CNN's captured
-    forward returns the tensors it saves channels-last, as Inductor made them; the backward runs a
-    variant compiled for those strides (the one compiled for eager's is never made: the forward
-    compiled first), and the values are eager's. Inputs in another layout are put back in the
-    traced strides."""
-    made = []
-    restrided = _capture._Graph._restrided
-
-    def recorded(self, layouts):
-        made.append((self, restrided(self, layouts)))
-        return made[-1][1]
-
-    monkeypatch.setattr(_capture._Graph, "_restrided", recorded)
-    steps = 4
-    eager = _cnn_run(False, steps)
-    lazy = _cnn_run(True, steps, async_compile=False, cache_dir=str(tmp_path))
-    _assert_same_cnn(eager, lazy)
-    m = ae.metrics()
-    assert m["module_uncompiled_graphs"] == {}, m
-    assert made, "no backward got its forward's layouts"
-    backward, variant = made[0]
-    layouts = backward.forward.saved_layouts
-    assert variant.layouts is layouts and any(len(s) == 4 and s[1] == 1 for s in layouts.values()), layouts
-    assert variant.run is not None and backward.run is None
-    # inputs in another layout are put back in the traced strides, for the graph itself
-    traced = [torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype, _ in backward.source.inputs]
-    other = [t.transpose(-1, -2).contiguous().transpose(-1, -2) if j in layouts else t for j, t in enumerate(traced)]
-    graph, args = backward._laid_out(other, layouts)
-    assert graph is backward and [a.stride() for a in args] == [t.stride() for t in traced]
-    graph, args = backward._laid_out([torch.empty_strided(t.shape, layouts.get(j, t.stride())) for j, t in
-                                      enumerate(traced)], layouts)
-    assert graph is variant
 
 
 def test_a_max_pool_is_captured_in_a_process_that_never_compiled_with_inductor(tmp_path):

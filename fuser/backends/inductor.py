@@ -189,7 +189,7 @@ class InductorBackend:
         # A compile patches Inductor's process-wide config and cache-dir environment variables for
         # its duration: one at a time in a process (Note [One trace at a time] in ._common).
         with trace_lock():
-            source, cpp_kernels, triton_files, inputs_to_check, relayout, layouts, sym_inputs = _run_inductor(
+            source, cpp_kernels, triton_files, inputs_to_check, relayout, sym_inputs = _run_inductor(
                 gm, example_inputs, expected, self.device_type, symbolic, storages,
                 frozenset(gm.meta.get("shared_outputs", ())),
             )
@@ -216,8 +216,6 @@ class InductorBackend:
             "relayout": relayout,
             "sym_inputs": sym_inputs,
         }
-        if layouts:  # Note [Saved tensors in Inductor's layout] in adaptive_eager._capture
-            manifest["layouts"] = {str(i): list(stride) for i, stride in layouts.items()}
         artifact = _pack(manifest, members)
         log.debug(
             "inductor: compiled %d nodes in %.2f s into %d bytes (%d C++ kernels, %d Triton files)",
@@ -250,8 +248,6 @@ class InductorBackend:
             if manifest.get("relayout"):
                 run = restrided(run, manifest["relayout"])
             run = below_autograd(run)
-            # output index -> its strides, where not eager's (Note [Saved tensors in Inductor's layout] in adaptive_eager._capture)
-            run.layouts = {int(i): tuple(stride) for i, stride in manifest.get("layouts", {}).items()}
             guards = manifest.get("guards")
             run.guards = None if guards is None else compile(guards, "<inductor guards>", "eval")
             return run
@@ -283,12 +279,6 @@ def _run_inductor(
     captured = []
 
     def capture(inner_gm: torch.fx.GraphModule, inner_inputs: list, **kwargs: object) -> object:
-        if shared:  # eager's layout for the other outputs only (Note [Saved tensors in Inductor's layout] in adaptive_eager._capture)
-            out = next(n for n in reversed(inner_gm.graph.nodes) if n.op == "output")
-            visible = out.meta.get("user_visible_output_idxs")
-            if visible is not None:
-                out.meta["user_visible_output_idxs"] = [i for i in visible if i not in shared]
-            kwargs["is_inference"] = False  # a training forward, as torch.compile's (and another cache key)
         compiled = compile_fx_inner(inner_gm, inner_inputs, **kwargs)
         captured.append((inner_gm, compiled))
         return compiled
@@ -336,8 +326,7 @@ def _run_inductor(
         source = getattr(compiled, "source_code", None)
         if not isinstance(source, str):
             raise BackendCompileError(f"inductor: compiled a {type(compiled).__name__}, which has no Python wrapper")
-        relayout, layouts = _check_calling_convention(inner_gm, compiled, expected, len(inputs), written_inputs(gm),
-                                                      shared)
+        relayout = _check_calling_convention(inner_gm, compiled, expected, len(inputs), written_inputs(gm), shared)
 
         cpp_kernels: dict[str, bytes] = {}
 
@@ -357,7 +346,7 @@ def _run_inductor(
         except Exception as e:
             raise BackendCompileError(f"inductor: the generated wrapper does not load: {type(e).__name__}: {e}") from e
         triton_files = _collect_triton(_device_index(example_inputs)) if device_type == "cuda" else {}
-    return source, cpp_kernels, triton_files, list(compiled.inputs_to_check), relayout, layouts, sym_inputs
+    return source, cpp_kernels, triton_files, list(compiled.inputs_to_check), relayout, sym_inputs
 
 
 # Note [Vector ISA in the graph cache key]
@@ -522,25 +511,16 @@ def _check_calling_convention(
             f"inductor: compiled code returns {len(outputs)} outputs for the graph's {len(expected)}"
         )
     relayout = []
-    layouts = {}
     first: dict = {}  # node -> the first output it is
     for i, (out, want) in enumerate(zip(outputs, expected)):
         j = first.setdefault(out, i)
         repeated = j != i or out.op == "placeholder"
         got = _at_hints(tensor_meta("inductor", getattr(out, "meta", {}).get("val")))
-        concrete = not any(isinstance(d, torch.SymInt) for part in want[:2] for d in part)
-        if concrete and got == want and out.op != "placeholder":
-            stride = _compiled_stride(compiled, i)
-            if stride is not None and any(n > 1 and a != b for n, a, b in zip(want[0], stride, want[1])):
-                if i not in shared:  # never seen: eager's layout is what a program binds
-                    relayout.append((i, tuple(want[0]), tuple(want[1])))
-                    continue
-                # returned as it is (Note [Saved tensors in Inductor's layout] in adaptive_eager._capture)
-                layouts[i] = stride
         if got == want:
             if repeated and not (out.op != "placeholder" and i in shared and j in shared):
                 relayout.append((i, None, None))  # a buffer of its own: Note [Repeated outputs]
             continue
+        concrete = not any(isinstance(d, torch.SymInt) for part in want[:2] for d in part)
         if concrete and got[0] == want[0] and got[3] == want[3]:
             # the same values in another layout: Inductor returned a view into a buffer of its own
             # (the clone of a slice whose base is otherwise dead); copied into eager's at run time
@@ -562,19 +542,7 @@ def _check_calling_convention(
         )
         error.inplace = True
         raise error
-    return relayout, layouts
-
-
-def _compiled_stride(compiled: object, i: int) -> tuple[int, ...] | None:
-    """The strides Inductor gives output ``i`` (its graph's metadata has eager's), if it reports
-    them as numbers (only those of dims of more than one element tell a layout)."""
-    strides = getattr(compiled, "output_strides", None)
-    if not strides or i >= len(strides) or strides[i] is None:
-        return None
-    try:
-        return tuple(int(s) for s in strides[i])
-    except (TypeError, ValueError):  # a symbolic stride
-        return None
+    return relayout
 
 
 def _at_hints(meta: tuple) -> tuple:
