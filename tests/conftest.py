@@ -31,6 +31,21 @@ SLOW_VARIANTS = {
     "test_generated_training.py::test_training_loops_in_two_threads_match_eager",
     # 6 s; the thread variant is the one whose exit aborted
     "test_cache_faults.py::test_ctrl_c_during_a_compile_exits_cleanly[in-process]",
+    # Session 47 (quiet CI 951 s, a loaded one 1645 s; `--durations`, under load): each with a twin.
+    # 22 s; test_neff_cache.py's claims tests check that a key is compiled by one process only
+    "test_fuser.py::test_four_processes_on_a_cold_cache_compile_each_region_once",
+    # 18 s; the warm-process test of Note [Training captured at once] checks the same worker
+    # compile and the new process's loads
+    "test_module_capture.py::test_the_compile_is_off_the_step_and_a_new_process_loads_it",
+    # 15 s; test_trainium_example_runs_emulated and the default-backend training test cover it
+    "test_neuron_emulation.py::test_train_example_on_the_emulated_device_matches_eager",
+    # 19 s; tiers='hot' only: test_neuron_capture.py's scheduled-lr test checks the default path
+    "test_neuron_emulation.py::test_a_recorded_foreach_adamw_step_with_a_schedule_compiles_once",
+    # 14 s and 7 s; test_generated_programs.py runs the same differential test on the CPU
+    "test_neuron_emulation.py::test_generated_programs_on_the_emulated_device_match_eager_there[stablehlo]",
+    "test_neuron_emulation.py::test_generated_programs_on_the_emulated_device_match_eager_there[replay]",
+    # 15 s; test_neuron_capture.py's foreach step lowered whole checks the foreach path compiled
+    "test_neuron_emulation.py::test_adamw_takes_the_foreach_path_on_the_device_with_cpus_values",
 }
 
 
