@@ -331,6 +331,8 @@ def _run(st, module, cap: _Cap, args, kwargs):
                     raise
                 return _failed_recapture(module, cap, e, args, kwargs)
             cause = _cause(str(e))
+            log.info("adaptive_eager: a captured call of %s missed its guards (%s): %s", type(module).__name__, cause,
+                     first_failed_guard(str(e)))
         except Exception as e:  # noqa: BLE001 - Dynamo and our backend fail before the call runs anything
             if not recapture:
                 raise
@@ -501,10 +503,18 @@ def _fresh(module):
     return types.FunctionType(run.__code__.replace(), run.__globals__, "captured", None, run.__closure__)
 
 
+def first_failed_guard(message: str) -> str:
+    """The first failed guard of a Dynamo recompile message, as ``len(kwargs) == 7``."""
+    first = message.partition("guard failure(s):")[2].strip().lstrip("- ").partition("\n")[0]
+    guard = first.partition("  #")[0].strip()  # what follows is the source line that read the value
+    return guard.partition(": ")[2] if guard[:1].isdigit() else guard  # "2/0: <guard>": the entry's number
+
+
 def _cause(message: str) -> str:
     """What the first failed guard of a Dynamo recompile message is about."""
-    first = message.partition("guard failure(s):")[2].strip().lstrip("- ").partition("\n")[0]
-    guard = first.partition("  #")[0]
+    guard = first_failed_guard(message)
+    if guard in ("not args", "not kwargs") or guard.startswith(("len(args)", "len(kwargs)")):
+        return "arguments"  # a call with more or fewer (keyword) arguments than the capture's
     for words, cause in ((("size mismatch", "stride mismatch", "dimensionality"), "shape"),
                          (("grad_mode", "GRAD_MODE", "grad mode"), "grad_mode"),
                          (("requires_grad",), "requires_grad"), (("training",), "train_eval"),

@@ -24,7 +24,8 @@ from torch.optim import optimizer as _torch_optimizer
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._capture import (
-    _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, at_once, capturable_backend, swap_stance, traced_elsewhere,
+    _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, at_once, capturable_backend, first_failed_guard, swap_stance,
+    traced_elsewhere,
 )
 from ._flush import _modes_off, flush
 from ._log import log
@@ -290,6 +291,8 @@ def _step(st, opt, raw):
             raise
         message = str(e)
         miss = _cause(message)
+        log.info("adaptive_eager: a captured %s.step() missed its guards (%s): %s", type(opt).__name__, miss,
+                 first_failed_guard(message))
     else:
         METRICS.optimizer_hot_steps += 1
         _count_launches(cap)
@@ -300,7 +303,7 @@ def _step(st, opt, raw):
     METRICS.optimizer_misses[miss] += 1
     cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
     if miss == "param_group":
-        _specialized_again(opt, cap, _first_guard(message).partition(" == ")[0])
+        _specialized_again(opt, cap, first_failed_guard(message).partition(" == ")[0])
     return raw(opt)
 
 
@@ -449,16 +452,9 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else ""
 
 
-def _first_guard(message: str) -> str:
-    """The first failed guard of a Dynamo recompile message, as ``ref().param_groups[0]['lr'] == 0.1``."""
-    first = message.partition("guard failure(s):")[2].strip().lstrip("- ").partition("\n")[0]
-    guard = first.partition("  #")[0].strip()  # what follows is the source line that read the value
-    return guard.partition(": ")[2] if guard[:1].isdigit() else guard  # "2/0: <guard>": the entry's number
-
-
 def _cause(message: str) -> str:
     """What the first failed guard of a Dynamo recompile message is about."""
-    guard = _first_guard(message)
+    guard = first_failed_guard(message)
     for word, cause in (("grad", "grad"), ("state", "state"), ("param_groups", "param_group"),
                         ("hooks", "hooks")):
         if word in guard:

@@ -194,8 +194,11 @@ CAPTURE_MISSES: dict[str, str] = {
     "dtype": "an input's dtype changed since the capture: captured again",
     "device": "an input's device changed since the capture: captured again",
     "hooks_added": "a hook was added after the capture: it stays recorded",
-    "other_guard": "another value its forward reads changed since the capture (NEURON_EAGER_LOG=info names it): "
-                   "captured again",
+    "arguments": "called with other arguments than at its capture (a keyword argument added or left out, another "
+                 "number of positional ones; Hugging Face's generate() calls a model so for its first token and "
+                 "then for the others): captured again for them",
+    "other_guard": "another value its forward reads changed since the capture (NEURON_EAGER_LOG=info logs the "
+                   "guard that failed): captured again",
     "saved_tensor_hooks": "called under a saved-tensor hook (activation checkpointing: torch.utils.checkpoint): "
                           "what the call saves is the hook's, so it stays recorded",
     "threads": "another thread had adaptive eager on, and a trace would have changed what its code computes "

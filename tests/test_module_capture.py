@@ -8,6 +8,7 @@ guards and the fallback, not Inductor.
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -317,6 +318,44 @@ def test_a_guard_miss_falls_back_and_recaptures(_uncompiled, edit, cause):
     else:
         assert m["module_capture_misses"].get(cause, 0) >= 1, m["module_capture_misses"]
         assert m["module_captures"] >= 2
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, mask=None):
+        y = self.lin(x)
+        return y if mask is None else y * mask
+
+
+def test_a_call_with_other_arguments_misses_as_arguments_and_the_log_names_the_guard(_uncompiled, caplog):
+    """explain() sends a user to NEURON_EAGER_LOG=info for a guard it cannot classify; nothing logged
+    the guard, so that advice led nowhere. A miss now logs its first failed guard at info, and a
+    call whose keyword arguments differ from the capture's (Hugging Face's generate(): its first
+    token's call passes other keywords than the next tokens') has a cause of its own."""
+    xs = _batches(6)
+    mask = torch.rand(5, 4)
+
+    def run(lazy):
+        model = _Masked()
+        outs = []
+        with ae.adaptive_eager() if lazy else _nothing():
+            for i, x in enumerate(xs):
+                outs.append(model(x) if i < 3 else model(x, mask=mask))  # the fourth call adds a keyword
+            out = torch.stack(outs)
+        return out.detach()
+
+    eager = run(False)
+    with caplog.at_level(logging.INFO, logger="adaptive_eager"):
+        lazy = run(True)
+    torch.testing.assert_close(lazy, eager, rtol=1e-4, atol=1e-5)
+    m = ae.metrics()
+    assert m["module_capture_misses"].get("arguments", 0) >= 1, m["module_capture_misses"]
+    logged = [r.getMessage() for r in caplog.records if "missed its guards" in r.getMessage()]
+    assert logged and "_Masked missed its guards (arguments): not kwargs" in logged[0], logged
 
 
 def test_a_new_batch_size_misses_and_gives_eagers_values(_uncompiled):
