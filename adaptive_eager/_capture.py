@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import logging
 import math
 import operator
 import sys
@@ -158,6 +159,45 @@ def install() -> None:
 def uninstall() -> None:
     while _saved:
         torch.nn.Module.__call__ = _saved.pop()
+    while _funcname_saved:
+        module, lookup = _funcname_saved.pop()
+        module.get_funcname = lookup
+
+
+# Note [Dynamo's line headers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# For its ``trace_call`` debug log, TorchDynamo (torch 2.13) names the function at each line of
+# user code that puts a call in a graph (``OutputGraph.create_proxy``), whether or not that log is
+# on, and finds the name by tokenizing the line's whole source file once (``funcname_cache``): a
+# capture of a stock GPT-2 and of its AdamW step tokenized 14 files of transformers and torch, 0.8 s
+# of the capturing step (benchmarks/RESULTS.md, session 47; a small MLP's 4 files, 0.08 s). The name
+# appears in the lines of Dynamo's ``trace_call`` and ``trace_source`` logs only, so before a
+# capture's first trace the lookup becomes one that answers None while neither log is on and
+# Dynamo's own otherwise (``TORCH_LOGS=trace_call``); ``uninstall`` puts Dynamo's back.
+_funcname_saved: list = []
+
+
+def _quiet_line_headers() -> None:
+    """Note [Dynamo's line headers]; once, before a capture's first trace (Dynamo is imported by then)."""
+    if _funcname_saved:
+        return
+    try:
+        from torch._dynamo import output_graph, symbolic_convert
+    except ImportError:
+        return
+    lookup = getattr(symbolic_convert, "get_funcname", None)
+    logs = [log_ for module in (output_graph, symbolic_convert) for name in ("trace_call_log", "trace_source_log")
+            if isinstance(log_ := getattr(module, name, None), logging.Logger)]
+    if lookup is None or not logs:
+        return
+
+    def get_funcname(filename: str, lineno: int):
+        if any(log_.isEnabledFor(logging.DEBUG) for log_ in logs):
+            return lookup(filename, lineno)
+        return None
+
+    _funcname_saved.append((symbolic_convert, lookup))
+    symbolic_convert.get_funcname = get_funcname
 
 
 def _call(self, *args, **kwargs):
@@ -391,6 +431,7 @@ def _capture(st, module, cap: _Cap, args, kwargs):
         _miss("threads", module, 3)
         return _recorded(module, args, kwargs)
     t0 = time.perf_counter()
+    _quiet_line_headers()
     fn = torch.compile(_fresh(module), backend=_Backend(cap, st.options), dynamic=False, fullgraph=True)
     busy, _BUSY = _BUSY, True
     try:

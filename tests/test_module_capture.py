@@ -358,6 +358,33 @@ def test_a_call_with_other_arguments_misses_as_arguments_and_the_log_names_the_g
     assert logged and "_Masked missed its guards (arguments): not kwargs" in logged[0], logged
 
 
+def test_a_capture_tokenizes_no_source_file_unless_dynamos_line_logs_are_on(_uncompiled):
+    """Note [Dynamo's line headers] in adaptive_eager._capture: Dynamo tokenized every source file
+    a capture traced, for a debug log that was off. While the mode is on, the lookup answers None
+    with the logs off and Dynamo's name with ``trace_call`` on; leaving the mode puts Dynamo's back."""
+    from torch._dynamo import funcname_cache, symbolic_convert
+
+    dynamos = symbolic_convert.get_funcname
+    funcname_cache.clearcache()
+    eager = _train(_mlp(), _batches(3), False)
+    lazy = _train(_mlp(), _batches(3), True)
+    _assert_same(eager, lazy)
+    assert ae.metrics()["module_captures"] == 1
+    assert not [f for f in funcname_cache.cache if f.endswith(("test_module_capture.py", "linear.py"))], \
+        list(funcname_cache.cache)
+    line = _Masked.forward.__code__.co_firstlineno + 2  # inside ``forward``
+    with ae.adaptive_eager():
+        _train(_mlp(), _batches(1), False)  # a capture inside the mode
+        assert symbolic_convert.get_funcname is not dynamos
+        assert symbolic_convert.get_funcname(__file__, line) is None
+        torch._logging.set_logs(trace_call=True)
+        try:
+            assert symbolic_convert.get_funcname(__file__, line) == "_Masked.forward"
+        finally:
+            torch._logging.set_logs()
+    assert symbolic_convert.get_funcname is dynamos
+
+
 def test_a_new_batch_size_misses_and_gives_eagers_values(_uncompiled):
     xs = _batches(5) + _batches(3, rows=3) + _batches(3)
     eager = _train(_mlp(), xs, False)
