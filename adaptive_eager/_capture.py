@@ -159,45 +159,64 @@ def install() -> None:
 def uninstall() -> None:
     while _saved:
         torch.nn.Module.__call__ = _saved.pop()
-    while _funcname_saved:
-        module, lookup = _funcname_saved.pop()
-        module.get_funcname = lookup
+    while _dynamo_saved:
+        module, name, original = _dynamo_saved.pop()
+        setattr(module, name, original)
 
 
-# Note [Dynamo's line headers]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# For its ``trace_call`` debug log, TorchDynamo (torch 2.13) names the function at each line of
-# user code that puts a call in a graph (``OutputGraph.create_proxy``), whether or not that log is
-# on, and finds the name by tokenizing the line's whole source file once (``funcname_cache``): a
-# capture of a stock GPT-2 and of its AdamW step tokenized 14 files of transformers and torch, 0.8 s
-# of the capturing step (benchmarks/RESULTS.md, session 47; a small MLP's 4 files, 0.08 s). The name
-# appears in the lines of Dynamo's ``trace_call`` and ``trace_source`` logs only, so before a
-# capture's first trace the lookup becomes one that answers None while neither log is on and
-# Dynamo's own otherwise (``TORCH_LOGS=trace_call``); ``uninstall`` puts Dynamo's back.
-_funcname_saved: list = []
+# Note [Dynamo's work for nothing]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two things TorchDynamo (torch 2.13) does in a capture's trace are of no use to it, and both sit in
+# the capturing step:
+# - For its ``trace_call`` debug log it names the function at each line of user code that puts a
+#   call in a graph (``OutputGraph.create_proxy``), whether or not that log is on, finding the name
+#   by tokenizing the line's whole source file (``funcname_cache``): a capture of stock GPT-2 and of
+#   its AdamW step tokenized 14 files of transformers and torch, 0.8 s (a small MLP's 4 files,
+#   0.08 s). The name appears in the lines of Dynamo's ``trace_call`` and ``trace_source`` logs only,
+#   so the lookup answers None while neither is on, and is Dynamo's otherwise (``TORCH_LOGS=trace_call``).
+# - For an optimizer, whether each gradient has a static address for CUDA graphs
+#   (``_is_static_for_cudagraphs``), which imports Inductor's CUDA graph trees, and with them
+#   Inductor's compiler (``compile_fx``, its lowerings and templates: 1.0 s on 2 cores), before it
+#   finds that a tensor not on cuda is static. Where the capture's backend is not Inductor (the
+#   ``neuron`` device's), nothing else in the program imports that compiler, so the question is
+#   answered True for such a tensor without the import (on cuda it is Dynamo's): the first capture
+#   of stock GPT-2 and AdamW on the emulated device took ~8 s. With Inductor the program imports it
+#   anyway, to load the artifacts, so it stays in the capturing step, which the cold-run bound
+#   excepts: answered without it, an 8-block MLP's cold runs loaded their first artifact about a
+#   second later, importing it on the compile thread beside the steps, and their slowest later step
+#   took 89 and 136 ms against 83 and 60 ms (eager's step: 2 ms).
+# Each is swapped in before the trace that first needs it and put back by ``uninstall``
+# (benchmarks/RESULTS.md, session 47).
+_dynamo_saved: list = []  # (module, name, Dynamo's function)
 
 
-def _quiet_line_headers() -> None:
-    """Note [Dynamo's line headers]; once, before a capture's first trace (Dynamo is imported by then)."""
-    if _funcname_saved:
-        return
+def _spare_dynamo(options) -> None:
+    """Note [Dynamo's work for nothing]; before a capture's trace, each part once."""
     try:
         from torch._dynamo import output_graph, symbolic_convert
+        from torch._dynamo.variables import optimizer as optimizer_variable
     except ImportError:
         return
+    swapped = {(module, name) for module, name, _ in _dynamo_saved}
     lookup = getattr(symbolic_convert, "get_funcname", None)
     logs = [log_ for module in (output_graph, symbolic_convert) for name in ("trace_call_log", "trace_source_log")
             if isinstance(log_ := getattr(module, name, None), logging.Logger)]
-    if lookup is None or not logs:
-        return
+    if lookup is not None and logs and (symbolic_convert, "get_funcname") not in swapped:
+        def get_funcname(filename: str, lineno: int):
+            if any(log_.isEnabledFor(logging.DEBUG) for log_ in logs):
+                return lookup(filename, lineno)
+            return None
 
-    def get_funcname(filename: str, lineno: int):
-        if any(log_.isEnabledFor(logging.DEBUG) for log_ in logs):
-            return lookup(filename, lineno)
-        return None
+        _dynamo_saved.append((symbolic_convert, "get_funcname", lookup))
+        symbolic_convert.get_funcname = get_funcname
+    static = getattr(optimizer_variable, "_is_static_for_cudagraphs", None)
+    if (static is not None and options.backend != "inductor"
+            and (optimizer_variable, "_is_static_for_cudagraphs") not in swapped):
+        def is_static_for_cudagraphs(x: torch.Tensor) -> bool:
+            return static(x) if x.is_cuda else True
 
-    _funcname_saved.append((symbolic_convert, lookup))
-    symbolic_convert.get_funcname = get_funcname
+        _dynamo_saved.append((optimizer_variable, "_is_static_for_cudagraphs", static))
+        optimizer_variable._is_static_for_cudagraphs = is_static_for_cudagraphs
 
 
 def _call(self, *args, **kwargs):
@@ -431,7 +450,7 @@ def _capture(st, module, cap: _Cap, args, kwargs):
         _miss("threads", module, 3)
         return _recorded(module, args, kwargs)
     t0 = time.perf_counter()
-    _quiet_line_headers()
+    _spare_dynamo(st.options)
     fn = torch.compile(_fresh(module), backend=_Backend(cap, st.options), dynamic=False, fullgraph=True)
     busy, _BUSY = _BUSY, True
     try:

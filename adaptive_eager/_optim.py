@@ -24,7 +24,7 @@ from torch.optim import optimizer as _torch_optimizer
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ._capture import (
-    _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, _quiet_line_headers, at_once, capturable_backend,
+    _NESTED_TRACE, _RECOMPILE, _Decline, _fail_on_recompile, _spare_dynamo, at_once, capturable_backend,
     first_failed_guard, swap_stance, traced_elsewhere,
 )
 from ._flush import _modes_off, flush
@@ -375,7 +375,7 @@ def _capture(st, opt, raw, cap, backend):
         with _disable_current_modes(), _grad_mode(opt), warnings.catch_warnings():
             # what Dynamo's tracing imports deprecates is not the program's (``-W error``)
             warnings.filterwarnings("ignore", category=DeprecationWarning)
-            _quiet_line_headers()  # Note [Dynamo's line headers] in _capture
+            _spare_dynamo(st.options)  # Note [Dynamo's work for nothing] in _capture
             fn = torch.compile(_fresh(opt, raw), backend=backend, fullgraph=True)
             _static_shapes(opt)
             try:

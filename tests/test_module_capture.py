@@ -359,7 +359,7 @@ def test_a_call_with_other_arguments_misses_as_arguments_and_the_log_names_the_g
 
 
 def test_a_capture_tokenizes_no_source_file_unless_dynamos_line_logs_are_on(_uncompiled):
-    """Note [Dynamo's line headers] in adaptive_eager._capture: Dynamo tokenized every source file
+    """Note [Dynamo's work for nothing] in adaptive_eager._capture: Dynamo tokenized every source file
     a capture traced, for a debug log that was off. While the mode is on, the lookup answers None
     with the logs off and Dynamo's name with ``trace_call`` on; leaving the mode puts Dynamo's back."""
     from torch._dynamo import funcname_cache, symbolic_convert

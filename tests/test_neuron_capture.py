@@ -21,7 +21,7 @@ from test_neuron_emulation import _child, needs_stablehlo
 pytestmark = needs_stablehlo
 
 STEP = """
-    import copy, json
+    import copy, json, sys
     import torch.nn as nn
     import torch.nn.functional as F
     ne.emulate_neuron()
@@ -60,6 +60,9 @@ STEP = """
             "per_step": per_step,
             "metrics": {k: v for k, v in m.items() if k.startswith(("module_", "optimizer_")) or k == "run_alone"},
             "joined_runs": m["joined_runs"], "not_joined": m["not_joined"],
+            # Note [Dynamo's work for nothing] in adaptive_eager._capture
+            "inductor_compiler": sorted(name for name in sys.modules if name in (
+                "torch._inductor.compile_fx", "torch._inductor.cudagraph_trees", "torch._inductor.select_algorithm")),
         }))
 """
 
@@ -94,6 +97,8 @@ def test_a_hot_training_step_is_three_executables_and_the_loss(tmp_path):
     # device) and the optimizer trace's copies of AdamW's steps onto the device (Note [Steps put
     # back] in adaptive_eager._optim) were counted as the device does not and not counted
     assert all(device == counted for device, counted in r["per_step"]), r
+    # Dynamo's trace of the optimizer step imported Inductor's compiler, which nothing on this device runs
+    assert r["inductor_compiler"] == [], r["inductor_compiler"]
 
 
 def test_a_foreach_step_lowers_whole(tmp_path):
