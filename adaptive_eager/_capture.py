@@ -195,7 +195,7 @@ def _spare_dynamo(options) -> None:
     try:
         from torch._dynamo import output_graph, symbolic_convert
         from torch._dynamo.variables import optimizer as optimizer_variable
-    except ImportError:
+    except ImportError:  # another torch's layout: Dynamo does the work, as before
         return
     swapped = {(module, name) for module, name, _ in _dynamo_saved}
     lookup = getattr(symbolic_convert, "get_funcname", None)
@@ -389,9 +389,10 @@ def _run(st, module, cap: _Cap, args, kwargs):
                 if not recapture:
                     raise
                 return _failed_recapture(module, cap, e, args, kwargs)
-            cause = _cause(str(e))
+            guard = first_failed_guard(str(e))
+            cause = _cause(guard)
             log.info("adaptive_eager: a captured call of %s missed its guards (%s): %s", type(module).__name__, cause,
-                     first_failed_guard(str(e)))
+                     guard)
         except Exception as e:  # noqa: BLE001 - Dynamo and our backend fail before the call runs anything
             if not recapture:
                 raise
@@ -570,9 +571,8 @@ def first_failed_guard(message: str) -> str:
     return guard.partition(": ")[2] if guard[:1].isdigit() else guard  # "2/0: <guard>": the entry's number
 
 
-def _cause(message: str) -> str:
-    """What the first failed guard of a Dynamo recompile message is about."""
-    guard = first_failed_guard(message)
+def _cause(guard: str) -> str:
+    """What a failed guard (``first_failed_guard``) is about."""
     if guard in ("not args", "not kwargs") or guard.startswith(("len(args)", "len(kwargs)")):
         return "arguments"  # a call with more or fewer (keyword) arguments than the capture's
     for words, cause in ((("size mismatch", "stride mismatch", "dimensionality"), "shape"),

@@ -289,10 +289,9 @@ def _step(st, opt, raw):
             return raw(opt)
         if not str(e).startswith(_RECOMPILE):
             raise
-        message = str(e)
-        miss = _cause(message)
-        log.info("adaptive_eager: a captured %s.step() missed its guards (%s): %s", type(opt).__name__, miss,
-                 first_failed_guard(message))
+        guard = first_failed_guard(str(e))
+        miss = _cause(guard)
+        log.info("adaptive_eager: a captured %s.step() missed its guards (%s): %s", type(opt).__name__, miss, guard)
     else:
         METRICS.optimizer_hot_steps += 1
         _count_launches(cap)
@@ -303,7 +302,7 @@ def _step(st, opt, raw):
     METRICS.optimizer_misses[miss] += 1
     cap.fn, cap.steps = None, st.options.hot_after  # recaptured at the next step
     if miss == "param_group":
-        _specialized_again(opt, cap, first_failed_guard(message).partition(" == ")[0])
+        _specialized_again(opt, cap, guard.partition(" == ")[0])
     return raw(opt)
 
 
@@ -453,9 +452,8 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else ""
 
 
-def _cause(message: str) -> str:
-    """What the first failed guard of a Dynamo recompile message is about."""
-    guard = first_failed_guard(message)
+def _cause(guard: str) -> str:
+    """What a failed guard (``first_failed_guard``) is about."""
     for word, cause in (("grad", "grad"), ("state", "state"), ("param_groups", "param_group"),
                         ("hooks", "hooks")):
         if word in guard:
